@@ -1,0 +1,269 @@
+//! Model hyper-parameters read from GGUF metadata, validated into a `ModelConfig`.
+
+use engram_gguf::Metadata;
+
+use crate::error::{ModelError, Result};
+
+/// Architectures whose forward pass this crate implements.
+pub const SUPPORTED_ARCHITECTURES: &str = "llama, mistral, qwen2, qwen3";
+
+/// The Llama-family variants, which differ only in a few switches.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Architecture {
+    /// Llama 1-3, SmolLM, TinyLlama and friends.
+    Llama,
+    /// Mistral 7B / Nemo: the llama graph (GGUF writes most Mistral models as `llama`).
+    Mistral,
+    /// Qwen2 / Qwen2.5: biases on Q, K and V; NeoX RoPE.
+    Qwen2,
+    /// Qwen3: RMS norms on Q and K per head, no biases; NeoX RoPE.
+    Qwen3,
+}
+
+impl Architecture {
+    /// Parses `general.architecture`.
+    pub fn from_name(name: &str) -> Result<Architecture> {
+        Ok(match name {
+            "llama" => Architecture::Llama,
+            "mistral" => Architecture::Mistral,
+            "qwen2" => Architecture::Qwen2,
+            "qwen3" => Architecture::Qwen3,
+            other => {
+                return Err(ModelError::UnsupportedArchitecture {
+                    arch: other.into(),
+                    supported: SUPPORTED_ARCHITECTURES,
+                })
+            }
+        })
+    }
+
+    /// The name used as metadata key prefix.
+    pub fn name(self) -> &'static str {
+        match self {
+            Architecture::Llama => "llama",
+            Architecture::Mistral => "mistral",
+            Architecture::Qwen2 => "qwen2",
+            Architecture::Qwen3 => "qwen3",
+        }
+    }
+
+    /// Which rotary variant the converted GGUF weights expect. llama.cpp's converter permutes
+    /// Llama's Q/K weights so adjacent pairs rotate together; Qwen keeps the half-split layout.
+    pub fn rope_style(self) -> RopeStyle {
+        match self {
+            Architecture::Llama | Architecture::Mistral => RopeStyle::Interleaved,
+            Architecture::Qwen2 | Architecture::Qwen3 => RopeStyle::NeoX,
+        }
+    }
+}
+
+/// How dimensions are paired for rotation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RopeStyle {
+    /// Pairs `(2i, 2i+1)` (ggml "normal" mode).
+    Interleaved,
+    /// Pairs `(i, i + n_rot/2)` (ggml "NeoX" mode).
+    NeoX,
+}
+
+/// Context-extension scaling of rotary positions.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum RopeScaling {
+    None,
+    /// Positions divided by `factor` (position interpolation).
+    Linear { factor: f32 },
+    /// YaRN: interpolation blended with extrapolation per frequency, plus attention scaling.
+    Yarn {
+        factor: f32,
+        original_context: u32,
+        ext_factor: f32,
+        attn_factor: f32,
+        beta_fast: f32,
+        beta_slow: f32,
+    },
+}
+
+/// Everything the forward pass needs to know about the model's shape.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModelConfig {
+    pub arch: Architecture,
+    pub n_layer: usize,
+    pub n_embd: usize,
+    pub n_ff: usize,
+    pub n_head: usize,
+    pub n_head_kv: usize,
+    /// Per-head width of queries and keys.
+    pub head_dim: usize,
+    /// Per-head width of values.
+    pub head_dim_v: usize,
+    pub vocab_size: usize,
+    pub context_length: usize,
+    pub rms_eps: f32,
+    pub rope_base: f32,
+    /// How many leading dimensions of each head are rotated.
+    pub rope_dims: usize,
+    pub rope_style: RopeStyle,
+    pub rope_scaling: RopeScaling,
+}
+
+impl ModelConfig {
+    /// Reads and validates the configuration from GGUF metadata.
+    pub fn from_metadata(meta: &Metadata) -> Result<ModelConfig> {
+        let arch = Architecture::from_name(meta.get_str("general.architecture")?)?;
+        let p = arch.name();
+        let key = |k: &str| format!("{p}.{k}");
+        let usize_key = |k: &str| -> Result<usize> { Ok(meta.get_u64(&key(k))? as usize) };
+        let opt_u64 = |k: &str| meta.opt(&key(k), Metadata::get_u64);
+        let opt_f64 = |k: &str| meta.opt(&key(k), Metadata::get_f64);
+
+        let n_layer = usize_key("block_count")?;
+        let n_embd = usize_key("embedding_length")?;
+        let n_ff = per_layer_uniform(meta, &key("feed_forward_length"))?;
+        let n_head = per_layer_uniform(meta, &key("attention.head_count"))?;
+        let n_head_kv = match meta.get(&key("attention.head_count_kv")) {
+            Some(_) => per_layer_uniform(meta, &key("attention.head_count_kv"))?,
+            None => n_head,
+        };
+        let default_head = if n_head > 0 { n_embd / n_head } else { 0 };
+        let head_dim = opt_u64("attention.key_length")?.map_or(default_head, |v| v as usize);
+        let head_dim_v = opt_u64("attention.value_length")?.map_or(head_dim, |v| v as usize);
+        let vocab_size = match opt_u64("vocab_size")? {
+            Some(v) => v as usize,
+            None => meta.get_array("tokenizer.ggml.tokens")?.len(),
+        };
+        let context_length = opt_u64("context_length")?.map_or(4096, |v| v as usize);
+        let rms_eps = opt_f64("attention.layer_norm_rms_epsilon")?.unwrap_or(1e-5) as f32;
+        let rope_base = opt_f64("rope.freq_base")?.unwrap_or(10_000.0) as f32;
+        let rope_dims = opt_u64("rope.dimension_count")?.map_or(head_dim, |v| v as usize);
+
+        let factor = opt_f64("rope.scaling.factor")?
+            .or(opt_f64("rope.scale_linear")?)
+            .unwrap_or(1.0) as f32;
+        let scaling_type = meta
+            .opt(&key("rope.scaling.type"), |m, k| m.get_str(k).map(str::to_owned))?
+            .unwrap_or_else(|| if factor != 1.0 { "linear".into() } else { "none".into() });
+        let rope_scaling = match scaling_type.as_str() {
+            "none" => RopeScaling::None,
+            _ if factor == 1.0 => RopeScaling::None,
+            "linear" => RopeScaling::Linear { factor },
+            "yarn" => RopeScaling::Yarn {
+                factor,
+                original_context: opt_u64("rope.scaling.original_context_length")?
+                    .map_or(context_length as u32, |v| v as u32),
+                ext_factor: opt_f64("rope.scaling.yarn_ext_factor")?
+                    .map_or(1.0, |v| if v < 0.0 { 1.0 } else { v as f32 }),
+                attn_factor: opt_f64("rope.scaling.yarn_attn_factor")?.map_or(1.0, |v| v as f32),
+                beta_fast: opt_f64("rope.scaling.yarn_beta_fast")?.map_or(32.0, |v| v as f32),
+                beta_slow: opt_f64("rope.scaling.yarn_beta_slow")?.map_or(1.0, |v| v as f32),
+            },
+            other => {
+                return Err(ModelError::InvalidConfig {
+                    field: "rope.scaling.type",
+                    value: other.into(),
+                    reason: "supported: none, linear, yarn".into(),
+                })
+            }
+        };
+
+        let cfg = ModelConfig {
+            arch,
+            n_layer,
+            n_embd,
+            n_ff,
+            n_head,
+            n_head_kv,
+            head_dim,
+            head_dim_v,
+            vocab_size,
+            context_length,
+            rms_eps,
+            rope_base,
+            rope_dims,
+            rope_style: arch.rope_style(),
+            rope_scaling,
+        };
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    fn validate(&self) -> Result<()> {
+        let bad = |field: &'static str, value: usize, reason: &str| {
+            Err(ModelError::InvalidConfig {
+                field,
+                value: value.to_string(),
+                reason: reason.into(),
+            })
+        };
+        for (field, v) in [
+            ("block_count", self.n_layer),
+            ("embedding_length", self.n_embd),
+            ("feed_forward_length", self.n_ff),
+            ("attention.head_count", self.n_head),
+            ("attention.head_count_kv", self.n_head_kv),
+            ("attention.key_length", self.head_dim),
+            ("vocab_size", self.vocab_size),
+        ] {
+            if v == 0 {
+                return bad(field, v, "must be positive");
+            }
+        }
+        if self.n_head % self.n_head_kv != 0 {
+            return bad(
+                "attention.head_count_kv",
+                self.n_head_kv,
+                &format!("must divide head_count {}", self.n_head),
+            );
+        }
+        if self.rope_dims > self.head_dim || self.rope_dims % 2 != 0 {
+            return bad(
+                "rope.dimension_count",
+                self.rope_dims,
+                &format!("must be even and at most the head size {}", self.head_dim),
+            );
+        }
+        if self.head_dim_v != self.head_dim {
+            return bad(
+                "attention.value_length",
+                self.head_dim_v,
+                "value heads narrower or wider than key heads are not supported yet",
+            );
+        }
+        if !(self.rms_eps > 0.0 && self.rope_base > 0.0) {
+            return bad("rope.freq_base / rms_epsilon", 0, "must be positive");
+        }
+        Ok(())
+    }
+
+    /// Query heads per KV head (grouped-query attention).
+    pub fn gqa_group(&self) -> usize {
+        self.n_head / self.n_head_kv
+    }
+
+    /// Width of one token's keys (or values) across all KV heads.
+    pub fn kv_width(&self) -> usize {
+        self.n_head_kv * self.head_dim
+    }
+
+    /// Width of one token's queries across all heads.
+    pub fn q_width(&self) -> usize {
+        self.n_head * self.head_dim
+    }
+}
+
+/// Reads a count that GGUF may store either as one integer or as one integer per layer; Engram
+/// needs it uniform across layers.
+fn per_layer_uniform(meta: &Metadata, key: &str) -> Result<usize> {
+    if let Some(items) = meta.get(key).and_then(|v| v.as_array()) {
+        let vals: Vec<u64> = items.iter().filter_map(|v| v.as_u64()).collect();
+        let first = vals.first().copied().unwrap_or(0);
+        if vals.len() != items.len() || vals.iter().any(|&v| v != first) {
+            return Err(ModelError::InvalidConfig {
+                field: "per-layer hyper-parameter",
+                value: key.into(),
+                reason: "layers of different sizes are not supported".into(),
+            });
+        }
+        return Ok(first as usize);
+    }
+    Ok(meta.get_u64(key)? as usize)
+}

@@ -1,0 +1,146 @@
+//! The KV cache: keys (after RoPE) and values of every layer, stored as f16, passed into
+//! `forward` rather than owned by the model.
+
+use half::f16;
+
+use crate::config::ModelConfig;
+use crate::error::{ModelError, Result};
+
+/// Keys and values of one sequence, for every layer.
+///
+/// Layout per layer: `[n_head_kv][capacity][head_dim]`, so one head's keys over all cached tokens
+/// are contiguous for attention. Each slot also records the absolute position its key was
+/// rotated to; attention masks by position (a query at position `p` sees the slots at positions
+/// `<= p`), which is what lets fusion place stored chunks at arbitrary positions and recompute
+/// interior tokens under an exact causal mask.
+#[derive(Clone)]
+pub struct KvCache {
+    n_layer: usize,
+    n_head_kv: usize,
+    head_dim: usize,
+    capacity: usize,
+    len: usize,
+    positions: Vec<i32>,
+    k: Vec<Vec<f16>>,
+    v: Vec<Vec<f16>>,
+}
+
+impl KvCache {
+    /// An empty cache with room for `capacity` tokens of the model described by `cfg`.
+    pub fn new(cfg: &ModelConfig, capacity: usize) -> KvCache {
+        let per_layer = cfg.n_head_kv * capacity * cfg.head_dim;
+        KvCache {
+            n_layer: cfg.n_layer,
+            n_head_kv: cfg.n_head_kv,
+            head_dim: cfg.head_dim,
+            capacity,
+            len: 0,
+            positions: Vec::with_capacity(capacity),
+            k: (0..cfg.n_layer).map(|_| vec![f16::ZERO; per_layer]).collect(),
+            v: (0..cfg.n_layer).map(|_| vec![f16::ZERO; per_layer]).collect(),
+        }
+    }
+
+    /// Number of filled slots.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether no slot is filled.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Total number of slots.
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    /// Positions of the filled slots.
+    pub fn positions(&self) -> &[i32] {
+        &self.positions
+    }
+
+    /// The highest position cached, if any.
+    pub fn max_position(&self) -> Option<i32> {
+        self.positions.iter().copied().max()
+    }
+
+    /// Forgets every slot from `len` on (e.g. to roll back a speculative step).
+    pub fn truncate(&mut self, len: usize) {
+        if len < self.len {
+            self.len = len;
+            self.positions.truncate(len);
+        }
+    }
+
+    /// Forgets everything.
+    pub fn clear(&mut self) {
+        self.truncate(0);
+    }
+
+    /// Checks that the cache was made for a model of this shape.
+    pub fn check_layout(&self, cfg: &ModelConfig) -> Result<()> {
+        if (self.n_layer, self.n_head_kv, self.head_dim)
+            != (cfg.n_layer, cfg.n_head_kv, cfg.head_dim)
+        {
+            return Err(ModelError::CacheLayout {
+                found: self.layout_string(),
+                expected: format!(
+                    "{} layers x {} KV heads x {} dims",
+                    cfg.n_layer, cfg.n_head_kv, cfg.head_dim
+                ),
+            });
+        }
+        Ok(())
+    }
+
+    fn layout_string(&self) -> String {
+        format!(
+            "{} layers x {} KV heads x {} dims",
+            self.n_layer, self.n_head_kv, self.head_dim
+        )
+    }
+
+    /// Reserves `n` new slots at the given positions and returns the index of the first.
+    pub(crate) fn append_slots(&mut self, positions: &[i32]) -> Result<usize> {
+        if self.len + positions.len() > self.capacity {
+            return Err(ModelError::CacheFull {
+                used: self.len,
+                capacity: self.capacity,
+                requested: positions.len(),
+            });
+        }
+        let first = self.len;
+        self.positions.extend_from_slice(positions);
+        self.len += positions.len();
+        Ok(first)
+    }
+
+    /// Stores one token's keys and values (all KV heads, `n_head_kv * head_dim` values each) in
+    /// `slot` of `layer`.
+    pub fn write(&mut self, layer: usize, slot: usize, k: &[f32], v: &[f32]) {
+        let hd = self.head_dim;
+        for h in 0..self.n_head_kv {
+            let at = (h * self.capacity + slot) * hd;
+            for (dst, &src) in self.k[layer][at..at + hd].iter_mut().zip(&k[h * hd..]) {
+                *dst = f16::from_f32(src);
+            }
+            for (dst, &src) in self.v[layer][at..at + hd].iter_mut().zip(&v[h * hd..]) {
+                *dst = f16::from_f32(src);
+            }
+        }
+    }
+
+    /// Keys of one KV head in one layer, for the first `len` slots: `len * head_dim` values.
+    pub fn keys(&self, layer: usize, head: usize, len: usize) -> &[f16] {
+        let at = head * self.capacity * self.head_dim;
+        &self.k[layer][at..at + len * self.head_dim]
+    }
+
+    /// Values of one KV head in one layer, for the first `len` slots.
+    pub fn values(&self, layer: usize, head: usize, len: usize) -> &[f16] {
+        let at = head * self.capacity * self.head_dim;
+        &self.v[layer][at..at + len * self.head_dim]
+    }
+}

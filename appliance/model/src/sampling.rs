@@ -1,0 +1,251 @@
+//! Choosing the next token from logits: greedy, temperature, top-k, top-p, repetition penalty.
+
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use serde::{Deserialize, Serialize};
+
+use crate::error::{ModelError, Result};
+
+/// How to pick tokens. The defaults are greedy decoding.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct SamplingParams {
+    /// 0 means greedy (argmax, ties to the lowest id, as llama.cpp).
+    pub temperature: f32,
+    /// Keep only the `top_k` most likely tokens; 0 disables.
+    pub top_k: usize,
+    /// Keep the smallest set of tokens whose probability reaches `top_p`; 1 disables.
+    pub top_p: f32,
+    /// Divides positive (multiplies negative) logits of recently seen tokens; 1 disables.
+    pub repetition_penalty: f32,
+    /// How many recent tokens the repetition penalty looks at.
+    pub repeat_last_n: usize,
+    /// Seed of the random generator, so sampled runs are reproducible.
+    pub seed: u64,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        SamplingParams {
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            repetition_penalty: 1.0,
+            repeat_last_n: 64,
+            seed: 0,
+        }
+    }
+}
+
+impl SamplingParams {
+    /// Checks the ranges of every parameter.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |name, value: f32, reason| {
+            Err(ModelError::Sampling {
+                name,
+                value: value.to_string(),
+                reason,
+            })
+        };
+        if !(self.temperature >= 0.0 && self.temperature.is_finite()) {
+            return bad("temperature", self.temperature, "must be finite and >= 0");
+        }
+        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+            return bad("top_p", self.top_p, "must be in (0, 1]");
+        }
+        if !(self.repetition_penalty > 0.0 && self.repetition_penalty.is_finite()) {
+            return bad(
+                "repetition_penalty",
+                self.repetition_penalty,
+                "must be finite and > 0",
+            );
+        }
+        Ok(())
+    }
+
+    /// Whether these parameters always pick the argmax.
+    pub fn is_greedy(&self) -> bool {
+        self.temperature == 0.0 || self.top_k == 1
+    }
+}
+
+/// Picks tokens according to [`SamplingParams`], with its own seeded random generator.
+pub struct Sampler {
+    params: SamplingParams,
+    rng: StdRng,
+    candidates: Vec<(u32, f32)>,
+}
+
+impl Sampler {
+    /// A sampler; fails on out-of-range parameters.
+    pub fn new(params: SamplingParams) -> Result<Sampler> {
+        params.validate()?;
+        Ok(Sampler {
+            rng: StdRng::seed_from_u64(params.seed),
+            params,
+            candidates: Vec::new(),
+        })
+    }
+
+    /// Picks the next token from `logits`, given the tokens produced so far (`history`, for the
+    /// repetition penalty).
+    pub fn sample(&mut self, logits: &[f32], history: &[u32]) -> u32 {
+        let p = &self.params;
+        let penalised;
+        let logits = if p.repetition_penalty != 1.0 && !history.is_empty() {
+            let mut l = logits.to_vec();
+            let start = history.len().saturating_sub(p.repeat_last_n);
+            let mut seen: Vec<u32> = history[start..].to_vec();
+            seen.sort_unstable();
+            seen.dedup();
+            for id in seen {
+                if let Some(v) = l.get_mut(id as usize) {
+                    *v = if *v > 0.0 {
+                        *v / p.repetition_penalty
+                    } else {
+                        *v * p.repetition_penalty
+                    };
+                }
+            }
+            penalised = l;
+            &penalised[..]
+        } else {
+            logits
+        };
+        if p.is_greedy() {
+            return argmax(logits);
+        }
+
+        let c = &mut self.candidates;
+        c.clear();
+        c.extend(logits.iter().enumerate().map(|(i, &l)| (i as u32, l)));
+        // Highest logit first; ties to the lower id so results are stable.
+        let by_logit = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
+        if p.top_k > 0 && p.top_k < c.len() {
+            c.select_nth_unstable_by(p.top_k - 1, by_logit);
+            c.truncate(p.top_k);
+        }
+        c.sort_unstable_by(by_logit);
+        let max = c[0].1;
+        let mut total = 0.0f64;
+        for (_, l) in c.iter_mut() {
+            *l = ((*l - max) / p.temperature).exp();
+            total += f64::from(*l);
+        }
+        if p.top_p < 1.0 {
+            let mut acc = 0.0f64;
+            let keep = c
+                .iter()
+                .position(|&(_, w)| {
+                    acc += f64::from(w) / total;
+                    acc >= f64::from(p.top_p)
+                })
+                .map_or(c.len(), |i| i + 1);
+            c.truncate(keep);
+            total = c.iter().map(|&(_, w)| f64::from(w)).sum();
+        }
+        let mut r = self.rng.gen::<f64>() * total;
+        for &(id, w) in c.iter() {
+            r -= f64::from(w);
+            if r <= 0.0 {
+                return id;
+            }
+        }
+        c.last().expect("at least one candidate").0
+    }
+}
+
+/// Index of the largest logit; ties go to the lowest id (llama.cpp's greedy rule).
+pub fn argmax(logits: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &l) in logits.iter().enumerate() {
+        if l > logits[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+/// The `k` largest logits as `(id, logit)`, highest first (ties to the lower id).
+pub fn top_k(logits: &[f32], k: usize) -> Vec<(u32, f32)> {
+    let mut all: Vec<(u32, f32)> = logits.iter().enumerate().map(|(i, &l)| (i as u32, l)).collect();
+    all.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+    all.truncate(k);
+    all
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sampler(p: SamplingParams) -> Sampler {
+        Sampler::new(p).unwrap()
+    }
+
+    #[test]
+    fn greedy_is_argmax_with_low_id_ties() {
+        let mut s = sampler(SamplingParams::default());
+        assert_eq!(s.sample(&[0.0, 3.0, 3.0, 1.0], &[]), 1);
+        assert_eq!(argmax(&[5.0, 5.0]), 0);
+    }
+
+    #[test]
+    fn repetition_penalty_changes_the_choice() {
+        let p = SamplingParams {
+            repetition_penalty: 2.0,
+            ..Default::default()
+        };
+        let mut s = sampler(p);
+        // Token 0 (logit 4) was just produced: 4 / 2 = 2 < 3.
+        assert_eq!(s.sample(&[4.0, 3.0, -1.0], &[0]), 1);
+    }
+
+    #[test]
+    fn top_k_one_and_tiny_top_p_are_greedy() {
+        let logits = [0.1, 2.0, 1.9, -3.0];
+        for p in [
+            SamplingParams { temperature: 1.0, top_k: 1, ..Default::default() },
+            SamplingParams { temperature: 1.0, top_p: 1e-6, ..Default::default() },
+        ] {
+            let mut s = sampler(p);
+            for _ in 0..20 {
+                assert_eq!(s.sample(&logits, &[]), 1);
+            }
+        }
+    }
+
+    #[test]
+    fn sampling_is_seeded_and_follows_the_distribution() {
+        let logits = [0.0f32, (3.0f32).ln()]; // probabilities 1/4 and 3/4
+        let p = SamplingParams { temperature: 1.0, seed: 7, ..Default::default() };
+        let draw = |p: SamplingParams| {
+            let mut s = sampler(p);
+            (0..4000).map(|_| s.sample(&logits, &[])).collect::<Vec<_>>()
+        };
+        let a = draw(p.clone());
+        assert_eq!(a, draw(p.clone()), "same seed, same tokens");
+        let ones = a.iter().filter(|&&t| t == 1).count() as f64 / a.len() as f64;
+        assert!((ones - 0.75).abs() < 0.03, "{ones}");
+        assert_ne!(a, draw(SamplingParams { seed: 8, ..p }));
+    }
+
+    #[test]
+    fn top_k_limits_the_support() {
+        let logits = [1.0, 1.0, 1.0, 5.0, 4.0];
+        let mut s = sampler(SamplingParams { temperature: 5.0, top_k: 2, ..Default::default() });
+        for _ in 0..200 {
+            assert!(matches!(s.sample(&logits, &[]), 3 | 4));
+        }
+    }
+
+    #[test]
+    fn bad_parameters_are_refused() {
+        for p in [
+            SamplingParams { temperature: -1.0, ..Default::default() },
+            SamplingParams { top_p: 0.0, ..Default::default() },
+            SamplingParams { repetition_penalty: 0.0, ..Default::default() },
+        ] {
+            assert!(Sampler::new(p).is_err());
+        }
+    }
+}

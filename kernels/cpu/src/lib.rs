@@ -1,0 +1,52 @@
+//! CPU kernels for Engram: GGML block formats, dequantisation, quantised dot products and
+//! matrix multiplication.
+//!
+//! # Why
+//!
+//! Engram runs GGUF models on the CPU and its answers must match llama.cpp's. That depends on
+//! more than the weight layout: llama.cpp quantises each activation row on the fly to the
+//! weight type's *vec-dot type* (Q8_0, Q8_1 or Q8_K, or f16/bf16/f32 for float weights) and then
+//! takes integer dot products. This crate does the same, with the same rounding, so the model
+//! crate gets llama.cpp's numerics from one entry point, [`matmul`].
+//!
+//! Every kernel has a scalar reference that is always compiled. Faster per-ISA kernels sit
+//! behind a dispatcher that detects CPU features once and caches the choice; property tests
+//! check them against the reference. Kernels never panic on bad lengths: they return
+//! [`KernelError`].
+//!
+//! # Example
+//!
+//! ```
+//! use engram_kernels::{matmul, quantize_row, GgmlType, QMatrix};
+//!
+//! // A 2 x 64 weight matrix stored as Q8_0 (quantize_row can write Q8_0 weights too).
+//! let (rows, cols) = (2, 64);
+//! let weights: Vec<f32> = (0..rows * cols).map(|i| if i < cols { 1.0 } else { -0.5 }).collect();
+//! let mut bytes = Vec::new();
+//! quantize_row(GgmlType::Q8_0, &weights, &mut bytes)?;
+//! let w = QMatrix::new(GgmlType::Q8_0, rows, cols, &bytes)?;
+//!
+//! let x = vec![0.25f32; cols]; // one token
+//! let mut out = vec![0.0f32; rows];
+//! matmul(&w, &x, 1, &mut out, 1)?;
+//! assert!((out[0] - 16.0).abs() < 1e-2 && (out[1] + 8.0).abs() < 1e-2);
+//! # Ok::<(), engram_kernels::KernelError>(())
+//! ```
+
+#![warn(missing_docs)]
+
+mod blocks;
+mod dequant;
+mod dot;
+mod dtype;
+mod error;
+mod matmul;
+mod quantize;
+
+pub use dequant::dequantize_row;
+pub use dot::{vec_dot, vec_dot_f32};
+pub use dtype::{GgmlType, QK_K};
+pub use error::{KernelError, Result};
+pub use half::{bf16, f16};
+pub use matmul::{embedding_row, matmul, QMatrix};
+pub use quantize::{quantize_activations, quantize_row};

@@ -1,0 +1,51 @@
+//! Helpers shared by the integration tests: where the models, golden files and binaries are.
+
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+
+/// The workspace root (this crate lives in `<root>/tests`).
+pub fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("tests/ has a parent")
+        .to_path_buf()
+}
+
+/// The models folder filled by `scripts/fetch-models.sh`.
+pub fn models_dir() -> PathBuf {
+    std::env::var_os("ENGRAM_MODELS_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| workspace_root().join("models"))
+}
+
+/// The default LLM, or a panic that says how to fetch it.
+pub fn default_llm() -> PathBuf {
+    let p = models_dir().join("SmolLM2-135M-Instruct.Q4_1.gguf");
+    assert!(
+        p.is_file(),
+        "{} is missing: run scripts/fetch-models.sh first",
+        p.display()
+    );
+    p
+}
+
+/// The read-only shared folder (golden outputs, evaluation data).
+pub fn shared_dir() -> PathBuf {
+    std::env::var_os("ENGRAM_SHARED_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| workspace_root().join("../shared"))
+}
+
+/// Parses one golden JSON file from `shared/golden`.
+pub fn golden(name: &str) -> serde_json::Value {
+    let p = shared_dir().join("golden").join(name);
+    let text = std::fs::read_to_string(&p)
+        .unwrap_or_else(|e| panic!("cannot read golden file {}: {e}", p.display()));
+    serde_json::from_str(&text).unwrap_or_else(|e| panic!("{} is not JSON: {e}", p.display()))
+}
+
+/// llama.cpp's reference outputs for the default LLM.
+pub fn smollm2_golden() -> serde_json::Value {
+    golden("smollm2-135m-q4_1.llamacpp.json")
+}

@@ -1,0 +1,1 @@
+//! Engram's end-to-end tests live in `main.rs`; this library target is intentionally empty.

@@ -1,0 +1,11 @@
+//! Engram's one integration test binary (ripgrep's layout): each module tests one area end to
+//! end against the real default models and the reference outputs in `../shared/golden`.
+//!
+//! Models come from `$ENGRAM_MODELS_DIR` or `./models` (run `scripts/fetch-models.sh`); the
+//! reference files from `$ENGRAM_SHARED_DIR` or `../shared`. A missing model or reference file
+//! fails the test with the command that fixes it: these tests never skip silently.
+
+// Shared helpers: locating models, golden files and the `engram` binary.
+mod common;
+// Tokenizer and chat template against llama.cpp's golden tokenization and rendering.
+mod tokenizer_golden;
