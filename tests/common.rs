@@ -4,12 +4,12 @@
 
 use std::path::{Path, PathBuf};
 
-/// The workspace root (this crate lives in `<root>/tests`).
+/// The workspace root (these tests are compiled by `<root>/appliance/cli`).
 pub fn workspace_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .expect("tests/ has a parent")
-        .to_path_buf()
+        .join("../..")
+        .canonicalize()
+        .expect("the workspace root exists")
 }
 
 /// The models folder filled by `scripts/fetch-models.sh`.
@@ -48,4 +48,20 @@ pub fn golden(name: &str) -> serde_json::Value {
 /// llama.cpp's reference outputs for the default LLM.
 pub fn smollm2_golden() -> serde_json::Value {
     golden("smollm2-135m-q4_1.llamacpp.json")
+}
+
+/// The `engram` binary Cargo built for these tests, or `$ENGRAM_BIN`.
+pub fn engram_bin() -> PathBuf {
+    std::env::var_os("ENGRAM_BIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_engram")))
+}
+
+/// A fresh, empty folder under the target directory for one test's files.
+pub fn temp_dir(name: &str) -> PathBuf {
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("creating a test folder");
+    dir
 }

@@ -9,3 +9,5 @@
 mod common;
 // Tokenizer and chat template against llama.cpp's golden tokenization and rendering.
 mod tokenizer_golden;
+// The engine through `engram generate`/`tokenize`: logits and greedy tokens against llama.cpp.
+mod engine_golden;

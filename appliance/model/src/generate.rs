@@ -84,6 +84,8 @@ pub struct Generation {
     pub finish_reason: FinishReason,
     /// The five most likely next tokens at the last prompt position, `(id, logit)`.
     pub top5_last_prompt: Vec<(u32, f32)>,
+    /// All logits at the last prompt position (for scoring and reference checks).
+    pub last_prompt_logits: Vec<f32>,
     pub stats: GenerationStats,
 }
 
@@ -122,6 +124,7 @@ pub fn generate(
     }
     let prefill = start.elapsed();
     let top5_last_prompt = top_k(&logits, 5);
+    let last_prompt_logits = logits.clone();
 
     let mut out = Vec::new();
     let mut detok = Detokenizer::new(tokenizer, true);
@@ -175,6 +178,7 @@ pub fn generate(
         token_ids: out,
         finish_reason: finish,
         top5_last_prompt,
+        last_prompt_logits,
     })
 }
 

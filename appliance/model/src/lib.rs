@@ -36,3 +36,6 @@ pub use kv::KvCache;
 pub use model::{Logits, Model};
 pub use ops::Rope;
 pub use sampling::{argmax, top_k, Sampler, SamplingParams};
+
+#[cfg(test)]
+mod tests;
