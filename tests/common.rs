@@ -59,8 +59,7 @@ pub fn engram_bin() -> PathBuf {
 
 /// A fresh, empty folder under the target directory for one test's files.
 pub fn temp_dir(name: &str) -> PathBuf {
-    let dir = Path::new(env!("CARGO_TARGET_TMPDIR"))
-        .join(format!("{name}-{}", std::process::id()));
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).expect("creating a test folder");
     dir

@@ -91,7 +91,10 @@ fn check_prompt(p: &Value, out: &Value) -> Vec<String> {
     // Greedy tokens up to the first step where llama.cpp itself was nearly undecided.
     let gold_gen = ids(&p["generated_token_ids"]);
     let our_gen = ids(&out["generated_token_ids"]);
-    let must_match = margins.iter().position(|&m| m < MARGIN).unwrap_or(margins.len());
+    let must_match = margins
+        .iter()
+        .position(|&m| m < MARGIN)
+        .unwrap_or(margins.len());
     if let Some(step) = (0..must_match).find(|&i| our_gen.get(i) != gold_gen.get(i)) {
         failures.push(format!(
             "{id}: greedy token {step} is {:?}, llama.cpp's {} (margin {:.3}); must match up to step {must_match}\n  ours: {:?}\n  gold: {:?}",
@@ -131,7 +134,11 @@ fn greedy_generation_and_logits_match_llama_cpp() {
             "--top-logits",
             "50",
         ]);
-        assert_eq!(ids(&out["generated_token_ids"]).len(), 32, "{id}: 32 tokens");
+        assert_eq!(
+            ids(&out["generated_token_ids"]).len(),
+            32,
+            "{id}: 32 tokens"
+        );
         failures.extend(check_prompt(p, &out));
     }
     assert!(
@@ -182,7 +189,12 @@ fn tokenize_command_matches_llama_cpp() {
     let golden = common::smollm2_golden();
     let model = common::default_llm();
     let dir = common::temp_dir("engine-tokenize");
-    for (i, case) in golden["tokenizer_edge_cases"].as_array().unwrap().iter().enumerate() {
+    for (i, case) in golden["tokenizer_edge_cases"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .enumerate()
+    {
         let f = dir.join(format!("case{i}.txt"));
         std::fs::write(&f, case["text"].as_str().unwrap()).unwrap();
         let out = engram_json(&[

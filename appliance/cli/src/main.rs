@@ -14,7 +14,11 @@ use engram_tokenizer::{ChatTemplate, Message, Tokenizer};
 const DEFAULT_LLM: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
 
 #[derive(Parser)]
-#[command(name = "engram", version, about = "Engram: private question answering over your documents")]
+#[command(
+    name = "engram",
+    version,
+    about = "Engram: private question answering over your documents"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -228,7 +232,9 @@ impl Loaded {
     fn render(&self, messages: &[Message]) -> Result<String> {
         match &self.template {
             Some(t) => Ok(t.render(messages, true)?),
-            None => bail!("this model has no chat template; pass already templated text with --prompt-file"),
+            None => bail!(
+                "this model has no chat template; pass already templated text with --prompt-file"
+            ),
         }
     }
 }
@@ -294,14 +300,24 @@ fn generate_cmd(a: GenerateArgs) -> Result<()> {
     let mut cached = Vec::new();
     let json = a.json;
     let stdout = std::io::stdout();
-    let g = generate(&loaded.model, &loaded.tokenizer, &mut kv, &mut cached, &req, |t| {
-        if !json {
-            let mut out = stdout.lock();
-            // A closed stdout (e.g. `| head`) cancels the generation.
-            return out.write_all(t.as_bytes()).and_then(|()| out.flush()).is_ok();
-        }
-        true
-    })?;
+    let g = generate(
+        &loaded.model,
+        &loaded.tokenizer,
+        &mut kv,
+        &mut cached,
+        &req,
+        |t| {
+            if !json {
+                let mut out = stdout.lock();
+                // A closed stdout (e.g. `| head`) cancels the generation.
+                return out
+                    .write_all(t.as_bytes())
+                    .and_then(|()| out.flush())
+                    .is_ok();
+            }
+            true
+        },
+    )?;
     if json {
         let out = serde_json::json!({
             "prompt_token_ids": req.prompt,
@@ -409,10 +425,19 @@ fn chat(a: ChatArgs) -> Result<()> {
             ignore_eos: a.sampling.ignore_eos,
         };
         let stdout = std::io::stdout();
-        let g = generate(&loaded.model, &loaded.tokenizer, &mut kv, &mut cached, &req, |t| {
-            let mut out = stdout.lock();
-            out.write_all(t.as_bytes()).and_then(|()| out.flush()).is_ok()
-        })?;
+        let g = generate(
+            &loaded.model,
+            &loaded.tokenizer,
+            &mut kv,
+            &mut cached,
+            &req,
+            |t| {
+                let mut out = stdout.lock();
+                out.write_all(t.as_bytes())
+                    .and_then(|()| out.flush())
+                    .is_ok()
+            },
+        )?;
         println!();
         eprintln!("{}", stats_line(&g));
         messages.push(Message::new("assistant", g.text.trim()));
@@ -431,15 +456,43 @@ fn info(a: ModelArgs) -> Result<()> {
         e.0 += 1;
         e.1 += t.size;
     }
-    println!("file         {} (GGUF v{}, {:.1} MiB)", path.display(), file.version(), file.file_size() as f64 / 1048576.0);
-    println!("name         {}", file.metadata().get_str("general.name").unwrap_or("?"));
+    println!(
+        "file         {} (GGUF v{}, {:.1} MiB)",
+        path.display(),
+        file.version(),
+        file.file_size() as f64 / 1048576.0
+    );
+    println!(
+        "name         {}",
+        file.metadata().get_str("general.name").unwrap_or("?")
+    );
     println!("architecture {}", cfg.arch.name());
-    println!("layers       {}  embedding {}  feed-forward {}", cfg.n_layer, cfg.n_embd, cfg.n_ff);
-    println!("heads        {} query / {} KV, head size {}", cfg.n_head, cfg.n_head_kv, cfg.head_dim);
-    println!("context      {}  rope base {}  rope dims {}  scaling {:?}", cfg.context_length, cfg.rope_base, cfg.rope_dims, cfg.rope_scaling);
-    println!("vocabulary   {} ({}, pre-tokenizer {}), EOG ids {:?}", tokenizer.vocab_size(), file.metadata().get_str("tokenizer.ggml.model").unwrap_or("?"), tokenizer.pre_tokenizer(), tokenizer.eog_ids());
+    println!(
+        "layers       {}  embedding {}  feed-forward {}",
+        cfg.n_layer, cfg.n_embd, cfg.n_ff
+    );
+    println!(
+        "heads        {} query / {} KV, head size {}",
+        cfg.n_head, cfg.n_head_kv, cfg.head_dim
+    );
+    println!(
+        "context      {}  rope base {}  rope dims {}  scaling {:?}",
+        cfg.context_length, cfg.rope_base, cfg.rope_dims, cfg.rope_scaling
+    );
+    println!(
+        "vocabulary   {} ({}, pre-tokenizer {}), EOG ids {:?}",
+        tokenizer.vocab_size(),
+        file.metadata()
+            .get_str("tokenizer.ggml.model")
+            .unwrap_or("?"),
+        tokenizer.pre_tokenizer(),
+        tokenizer.eog_ids()
+    );
     for (ty, (n, bytes)) in types {
-        println!("tensors      {n:>4} x {ty:<6} {:>8.1} MiB", bytes as f64 / 1048576.0);
+        println!(
+            "tensors      {n:>4} x {ty:<6} {:>8.1} MiB",
+            bytes as f64 / 1048576.0
+        );
     }
     Ok(())
 }

@@ -186,7 +186,10 @@ pub(crate) fn parse(buf: &[u8]) -> Result<Header> {
         let name = c.string(&format!("tensor #{i} name"))?;
         let n_dims = c.u32(&name)?;
         if n_dims == 0 || n_dims > MAX_DIMS {
-            return Err(corrupted(at, format!("tensor `{name}` has {n_dims} dimensions")));
+            return Err(corrupted(
+                at,
+                format!("tensor `{name}` has {n_dims} dimensions"),
+            ));
         }
         let mut dims = Vec::with_capacity(n_dims as usize);
         for _ in 0..n_dims {
@@ -195,7 +198,10 @@ pub(crate) fn parse(buf: &[u8]) -> Result<Header> {
         let type_id = c.u32(&name)?;
         let offset = c.u64(&name)?;
         let ty = GgmlType::from_u32(type_id).ok_or_else(|| {
-            corrupted(at, format!("tensor `{name}` has unknown ggml type {type_id}"))
+            corrupted(
+                at,
+                format!("tensor `{name}` has unknown ggml type {type_id}"),
+            )
         })?;
         let n_elements = dims
             .iter()
@@ -245,7 +251,10 @@ pub(crate) fn parse(buf: &[u8]) -> Result<Header> {
         }
     }
     if let Some(dup) = first_duplicate(&tensors) {
-        return Err(corrupted(data_offset, format!("tensor `{dup}` appears twice")));
+        return Err(corrupted(
+            data_offset,
+            format!("tensor `{dup}` appears twice"),
+        ));
     }
 
     Ok(Header {

@@ -21,7 +21,10 @@ fn sample() -> GgufWriter {
             "nested",
             Value::Array(
                 ValueType::Array,
-                vec![Value::Array(ValueType::I32, vec![Value::I32(1), Value::I32(2)])],
+                vec![Value::Array(
+                    ValueType::I32,
+                    vec![Value::I32(1), Value::I32(2)],
+                )],
             ),
         )
         .metadata("empty", Value::Array(ValueType::U8, vec![]));
@@ -76,7 +79,10 @@ fn typed_getters_name_the_key() {
     assert!(err.contains("`nope`") && err.contains("missing"), "{err}");
     assert_eq!(f.metadata().opt("nope", Metadata::get_u64).unwrap(), None);
     assert!(f.metadata().opt("bool", Metadata::get_u64).is_err());
-    assert!(matches!(f.tensor("zz"), Err(GgufError::MissingTensor { .. })));
+    assert!(matches!(
+        f.tensor("zz"),
+        Err(GgufError::MissingTensor { .. })
+    ));
 }
 
 #[test]
@@ -118,7 +124,10 @@ fn corrupting_any_header_byte_never_panics() {
 fn bad_magic_and_version() {
     let mut bytes = sample().to_bytes();
     bytes[0] = b'X';
-    assert!(matches!(GgufFile::from_bytes(bytes), Err(GgufError::BadMagic { .. })));
+    assert!(matches!(
+        GgufFile::from_bytes(bytes),
+        Err(GgufError::BadMagic { .. })
+    ));
     let mut bytes = sample().to_bytes();
     bytes[4..8].copy_from_slice(&1u32.to_le_bytes());
     assert!(matches!(
@@ -141,7 +150,10 @@ fn lying_counts_are_refused() {
 
     let mut bytes = sample().to_bytes();
     bytes[8..16].copy_from_slice(&u64::MAX.to_le_bytes());
-    assert!(matches!(GgufFile::from_bytes(bytes), Err(GgufError::Corrupted { .. })));
+    assert!(matches!(
+        GgufFile::from_bytes(bytes),
+        Err(GgufError::Corrupted { .. })
+    ));
 }
 
 #[test]

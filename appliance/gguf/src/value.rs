@@ -208,11 +208,16 @@ impl Metadata {
     /// The value of `key`, if present. When a (malformed) file repeats a key, the last one wins,
     /// as in llama.cpp.
     pub fn get(&self, key: &str) -> Option<&Value> {
-        self.entries.iter().rev().find(|(k, _)| k == key).map(|(_, v)| v)
+        self.entries
+            .iter()
+            .rev()
+            .find(|(k, _)| k == key)
+            .map(|(_, v)| v)
     }
 
     fn require(&self, key: &str) -> Result<&Value> {
-        self.get(key).ok_or_else(|| GgufError::MissingKey { key: key.into() })
+        self.get(key)
+            .ok_or_else(|| GgufError::MissingKey { key: key.into() })
     }
 
     fn wrong(key: &str, v: &Value, expected: &'static str) -> GgufError {
@@ -232,7 +237,8 @@ impl Metadata {
     /// A required non-negative integer of any width.
     pub fn get_u64(&self, key: &str) -> Result<u64> {
         let v = self.require(key)?;
-        v.as_u64().ok_or_else(|| Self::wrong(key, v, "unsigned integer"))
+        v.as_u64()
+            .ok_or_else(|| Self::wrong(key, v, "unsigned integer"))
     }
 
     /// A required number (integer or float).
@@ -258,7 +264,10 @@ impl Metadata {
         let items = self.get_array(key)?;
         items
             .iter()
-            .map(|v| v.as_str().ok_or_else(|| Self::wrong(key, v, "array of string")))
+            .map(|v| {
+                v.as_str()
+                    .ok_or_else(|| Self::wrong(key, v, "array of string"))
+            })
             .collect()
     }
 

@@ -132,6 +132,9 @@ fn put_value(out: &mut Vec<u8>, v: &Value) {
 pub fn str_array<S: AsRef<str>>(items: &[S]) -> Value {
     Value::Array(
         ValueType::String,
-        items.iter().map(|s| Value::String(s.as_ref().to_owned())).collect(),
+        items
+            .iter()
+            .map(|s| Value::String(s.as_ref().to_owned()))
+            .collect(),
     )
 }

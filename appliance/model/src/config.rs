@@ -71,7 +71,9 @@ pub enum RopeStyle {
 pub enum RopeScaling {
     None,
     /// Positions divided by `factor` (position interpolation).
-    Linear { factor: f32 },
+    Linear {
+        factor: f32,
+    },
     /// YaRN: interpolation blended with extrapolation per frequency, plus attention scaling.
     Yarn {
         factor: f32,
@@ -124,7 +126,7 @@ impl ModelConfig {
             Some(_) => per_layer_uniform(meta, &key("attention.head_count_kv"))?,
             None => n_head,
         };
-        let default_head = if n_head > 0 { n_embd / n_head } else { 0 };
+        let default_head = n_embd.checked_div(n_head).unwrap_or(0);
         let head_dim = opt_u64("attention.key_length")?.map_or(default_head, |v| v as usize);
         let head_dim_v = opt_u64("attention.value_length")?.map_or(head_dim, |v| v as usize);
         let vocab_size = match opt_u64("vocab_size")? {
@@ -140,8 +142,16 @@ impl ModelConfig {
             .or(opt_f64("rope.scale_linear")?)
             .unwrap_or(1.0) as f32;
         let scaling_type = meta
-            .opt(&key("rope.scaling.type"), |m, k| m.get_str(k).map(str::to_owned))?
-            .unwrap_or_else(|| if factor != 1.0 { "linear".into() } else { "none".into() });
+            .opt(&key("rope.scaling.type"), |m, k| {
+                m.get_str(k).map(str::to_owned)
+            })?
+            .unwrap_or_else(|| {
+                if factor != 1.0 {
+                    "linear".into()
+                } else {
+                    "none".into()
+                }
+            });
         let rope_scaling = match scaling_type.as_str() {
             "none" => RopeScaling::None,
             _ if factor == 1.0 => RopeScaling::None,
@@ -150,8 +160,13 @@ impl ModelConfig {
                 factor,
                 original_context: opt_u64("rope.scaling.original_context_length")?
                     .map_or(context_length as u32, |v| v as u32),
-                ext_factor: opt_f64("rope.scaling.yarn_ext_factor")?
-                    .map_or(1.0, |v| if v < 0.0 { 1.0 } else { v as f32 }),
+                ext_factor: opt_f64("rope.scaling.yarn_ext_factor")?.map_or(1.0, |v| {
+                    if v < 0.0 {
+                        1.0
+                    } else {
+                        v as f32
+                    }
+                }),
                 attn_factor: opt_f64("rope.scaling.yarn_attn_factor")?.map_or(1.0, |v| v as f32),
                 beta_fast: opt_f64("rope.scaling.yarn_beta_fast")?.map_or(32.0, |v| v as f32),
                 beta_slow: opt_f64("rope.scaling.yarn_beta_slow")?.map_or(1.0, |v| v as f32),
@@ -207,14 +222,14 @@ impl ModelConfig {
                 return bad(field, v, "must be positive");
             }
         }
-        if self.n_head % self.n_head_kv != 0 {
+        if !self.n_head.is_multiple_of(self.n_head_kv) {
             return bad(
                 "attention.head_count_kv",
                 self.n_head_kv,
                 &format!("must divide head_count {}", self.n_head),
             );
         }
-        if self.rope_dims > self.head_dim || self.rope_dims % 2 != 0 {
+        if self.rope_dims > self.head_dim || !self.rope_dims.is_multiple_of(2) {
             return bad(
                 "rope.dimension_count",
                 self.rope_dims,

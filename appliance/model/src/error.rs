@@ -10,7 +10,10 @@ pub enum ModelError {
     #[error(transparent)]
     Tokenizer(#[from] engram_tokenizer::TokenizerError),
     #[error("unsupported architecture `{arch}` (supported: {supported})")]
-    UnsupportedArchitecture { arch: String, supported: &'static str },
+    UnsupportedArchitecture {
+        arch: String,
+        supported: &'static str,
+    },
     #[error("invalid model: {field} = {value}: {reason}")]
     InvalidConfig {
         field: &'static str,

@@ -36,8 +36,12 @@ impl KvCache {
             capacity,
             len: 0,
             positions: Vec::with_capacity(capacity),
-            k: (0..cfg.n_layer).map(|_| vec![f16::ZERO; per_layer]).collect(),
-            v: (0..cfg.n_layer).map(|_| vec![f16::ZERO; per_layer]).collect(),
+            k: (0..cfg.n_layer)
+                .map(|_| vec![f16::ZERO; per_layer])
+                .collect(),
+            v: (0..cfg.n_layer)
+                .map(|_| vec![f16::ZERO; per_layer])
+                .collect(),
         }
     }
 

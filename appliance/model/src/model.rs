@@ -116,9 +116,7 @@ impl Model {
             });
         }
         if let Some(&p) = positions.iter().find(|&&p| p < 0) {
-            return Err(ModelError::BadPosition {
-                position: p.into(),
-            });
+            return Err(ModelError::BadPosition { position: p.into() });
         }
         kv.check_layout(cfg)?;
         let n = tokens.len();
@@ -154,8 +152,11 @@ impl Model {
             self.matmul(&layer.wq, &s.h, n, &mut s.q)?;
             self.matmul(&layer.wk, &s.h, n, &mut s.k)?;
             self.matmul(&layer.wv, &s.h, n, &mut s.v)?;
-            for (buf, bias) in [(&mut s.q, &layer.bq), (&mut s.k, &layer.bk), (&mut s.v, &layer.bv)]
-            {
+            for (buf, bias) in [
+                (&mut s.q, &layer.bq),
+                (&mut s.k, &layer.bk),
+                (&mut s.v, &layer.bv),
+            ] {
                 if let Some(b) = bias {
                     for row in buf.chunks_exact_mut(b.len()) {
                         row.iter_mut().zip(b).for_each(|(x, b)| *x += b);
@@ -247,7 +248,8 @@ impl Model {
                                 let mut visible = 0;
                                 for (j, &pk) in cache_pos.iter().enumerate() {
                                     if pk <= pq {
-                                        scores[visible] = dot(qv, &k32[j * hd..(j + 1) * hd]) * scale;
+                                        scores[visible] =
+                                            dot(qv, &k32[j * hd..(j + 1) * hd]) * scale;
                                         visible += 1;
                                     }
                                 }
@@ -258,7 +260,8 @@ impl Model {
                                 for (j, &pk) in cache_pos.iter().enumerate() {
                                     if pk <= pq {
                                         let p = *w.next().expect("one weight per visible slot");
-                                        for (o, &v) in o.iter_mut().zip(&v32[j * hd..(j + 1) * hd]) {
+                                        for (o, &v) in o.iter_mut().zip(&v32[j * hd..(j + 1) * hd])
+                                        {
                                             *o += p * v;
                                         }
                                     }
@@ -291,7 +294,12 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
     // Eight partial sums let the compiler vectorise without reassociation flags.
     let mut acc = [0.0f32; 8];
     let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
-    let tail: f32 = ca.remainder().iter().zip(cb.remainder()).map(|(x, y)| x * y).sum();
+    let tail: f32 = ca
+        .remainder()
+        .iter()
+        .zip(cb.remainder())
+        .map(|(x, y)| x * y)
+        .sum();
     for (x, y) in ca.zip(cb) {
         for i in 0..8 {
             acc[i] += x[i] * y[i];

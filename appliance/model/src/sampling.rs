@@ -168,7 +168,11 @@ pub fn argmax(logits: &[f32]) -> u32 {
 
 /// The `k` largest logits as `(id, logit)`, highest first (ties to the lower id).
 pub fn top_k(logits: &[f32], k: usize) -> Vec<(u32, f32)> {
-    let mut all: Vec<(u32, f32)> = logits.iter().enumerate().map(|(i, &l)| (i as u32, l)).collect();
+    let mut all: Vec<(u32, f32)> = logits
+        .iter()
+        .enumerate()
+        .map(|(i, &l)| (i as u32, l))
+        .collect();
     all.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
     all.truncate(k);
     all
@@ -204,8 +208,16 @@ mod tests {
     fn top_k_one_and_tiny_top_p_are_greedy() {
         let logits = [0.1, 2.0, 1.9, -3.0];
         for p in [
-            SamplingParams { temperature: 1.0, top_k: 1, ..Default::default() },
-            SamplingParams { temperature: 1.0, top_p: 1e-6, ..Default::default() },
+            SamplingParams {
+                temperature: 1.0,
+                top_k: 1,
+                ..Default::default()
+            },
+            SamplingParams {
+                temperature: 1.0,
+                top_p: 1e-6,
+                ..Default::default()
+            },
         ] {
             let mut s = sampler(p);
             for _ in 0..20 {
@@ -217,10 +229,16 @@ mod tests {
     #[test]
     fn sampling_is_seeded_and_follows_the_distribution() {
         let logits = [0.0f32, (3.0f32).ln()]; // probabilities 1/4 and 3/4
-        let p = SamplingParams { temperature: 1.0, seed: 7, ..Default::default() };
+        let p = SamplingParams {
+            temperature: 1.0,
+            seed: 7,
+            ..Default::default()
+        };
         let draw = |p: SamplingParams| {
             let mut s = sampler(p);
-            (0..4000).map(|_| s.sample(&logits, &[])).collect::<Vec<_>>()
+            (0..4000)
+                .map(|_| s.sample(&logits, &[]))
+                .collect::<Vec<_>>()
         };
         let a = draw(p.clone());
         assert_eq!(a, draw(p.clone()), "same seed, same tokens");
@@ -232,7 +250,11 @@ mod tests {
     #[test]
     fn top_k_limits_the_support() {
         let logits = [1.0, 1.0, 1.0, 5.0, 4.0];
-        let mut s = sampler(SamplingParams { temperature: 5.0, top_k: 2, ..Default::default() });
+        let mut s = sampler(SamplingParams {
+            temperature: 5.0,
+            top_k: 2,
+            ..Default::default()
+        });
         for _ in 0..200 {
             assert!(matches!(s.sample(&logits, &[]), 3 | 4));
         }
@@ -241,9 +263,18 @@ mod tests {
     #[test]
     fn bad_parameters_are_refused() {
         for p in [
-            SamplingParams { temperature: -1.0, ..Default::default() },
-            SamplingParams { top_p: 0.0, ..Default::default() },
-            SamplingParams { repetition_penalty: 0.0, ..Default::default() },
+            SamplingParams {
+                temperature: -1.0,
+                ..Default::default()
+            },
+            SamplingParams {
+                top_p: 0.0,
+                ..Default::default()
+            },
+            SamplingParams {
+                repetition_penalty: 0.0,
+                ..Default::default()
+            },
         ] {
             assert!(Sampler::new(p).is_err());
         }

@@ -37,8 +37,13 @@ impl Matrix {
 
     /// The kernel view of this matrix over the file's bytes.
     pub fn view<'a>(&self, file: &'a GgufFile) -> QMatrix<'a> {
-        QMatrix::new(self.info.ty, self.rows, self.cols, file.tensor_data(&self.info))
-            .expect("shape validated at load")
+        QMatrix::new(
+            self.info.ty,
+            self.rows,
+            self.cols,
+            file.tensor_data(&self.info),
+        )
+        .expect("shape validated at load")
     }
 }
 

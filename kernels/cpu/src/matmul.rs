@@ -6,7 +6,8 @@ use crate::dtype::GgmlType;
 use crate::error::{KernelError, Result};
 use crate::quantize::quantize_into;
 
-/// Below this many weight bytes per thread, extra threads cost more to start than they save:
+/// Below this many weight bytes per thread (times the tokens of the call, since each token
+/// streams every row once), extra threads cost more to start than they save:
 /// `std::thread::scope` spawns cost tens of microseconds, about the time one core takes to
 /// stream 256 KiB of quantised weights.
 const MIN_BYTES_PER_THREAD: usize = 256 * 1024;
@@ -139,6 +140,7 @@ fn matmul_split(
     let by_size = w
         .data
         .len()
+        .saturating_mul(n_tokens)
         .checked_div(min_bytes_per_thread)
         .unwrap_or(usize::MAX)
         .max(1);

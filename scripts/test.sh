@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Runs everything CI runs, on a fresh machine too: fetches the default models (checked by
+# sha256), then format check, clippy with warnings as errors, and the whole test suite against
+# the real models and ../shared/golden.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+scripts/fetch-models.sh >/dev/null
+[[ -d "${ENGRAM_SHARED_DIR:-../shared}/golden" ]] || {
+    echo "test: ../shared/golden not found (set ENGRAM_SHARED_DIR)" >&2
+    exit 1
+}
+
+cargo fmt --all --check
+cargo clippy --workspace --all-targets --locked -- -D warnings
+cargo test --workspace --locked
