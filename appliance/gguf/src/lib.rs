@@ -66,6 +66,18 @@ pub struct GgufFile {
     data_offset: u64,
 }
 
+impl std::fmt::Debug for GgufFile {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GgufFile")
+            .field("path", &self.path)
+            .field("version", &self.version)
+            .field("metadata_entries", &self.metadata.len())
+            .field("tensors", &self.tensors.len())
+            .field("file_size", &self.file_size())
+            .finish()
+    }
+}
+
 impl GgufFile {
     /// Maps and validates the file at `path`.
     pub fn open(path: impl AsRef<Path>) -> Result<GgufFile> {

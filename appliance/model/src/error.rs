@@ -26,6 +26,8 @@ pub enum ModelError {
         found: Vec<u64>,
         expected: Vec<u64>,
     },
+    #[error("tensor `{name}` is not part of the graph Engram implements for this architecture")]
+    UnsupportedTensor { name: String },
     #[error("tensor `{name}` is required by this architecture but missing")]
     MissingWeight { name: String },
     #[error("tensor `{name}` has type {ty} which Engram cannot compute with")]

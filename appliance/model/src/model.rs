@@ -74,7 +74,8 @@ impl Model {
         &self.weights.file
     }
 
-    /// The rotary embedding, for re-encoding stored keys at new positions.
+    /// The rotary embedding: `rotate_at` places a stored pre-RoPE key at a position, `shift`
+    /// moves an already-rotated one.
     pub fn rope(&self) -> &Rope {
         &self.rope
     }
@@ -124,6 +125,24 @@ impl Model {
             return Ok(Vec::new());
         }
         let first_slot = kv.append_slots(positions)?;
+        let result = self.forward_slots(tokens, positions, kv, first_slot, logits);
+        if result.is_err() {
+            // Leave no half-written slots behind.
+            kv.truncate(first_slot);
+        }
+        result
+    }
+
+    fn forward_slots(
+        &self,
+        tokens: &[u32],
+        positions: &[i32],
+        kv: &mut KvCache,
+        first_slot: usize,
+        logits: Logits,
+    ) -> Result<Vec<f32>> {
+        let cfg = &self.cfg;
+        let n = tokens.len();
 
         let (d, qw, kvw, ff) = (cfg.n_embd, cfg.q_width(), cfg.kv_width(), cfg.n_ff);
         let mut s = Scratch {

@@ -156,10 +156,24 @@ impl Rope {
         }
     }
 
-    /// Rotates `x` (one token's heads) to position `pos`.
+    /// Rotates `x` (one token's heads, not yet rotated) to position `pos`: what the forward pass
+    /// does to a fresh key, including YaRN's magnitude scaling.
     pub fn rotate_at(&self, x: &mut [f32], pos: i32) {
         let mut angles = Vec::with_capacity(self.pairs());
         self.angles(pos, &mut angles);
+        self.rotate(x, &angles);
+    }
+
+    /// Moves already-rotated heads by `delta` positions. Rotations compose, but YaRN's magnitude
+    /// was applied when the key was first rotated, so the shift is a pure rotation.
+    pub fn shift(&self, x: &mut [f32], delta: i32) {
+        let mut angles = Vec::with_capacity(self.pairs());
+        self.angles(delta, &mut angles);
+        let inv = 1.0 / self.mscale;
+        for (c, s) in &mut angles {
+            *c *= inv;
+            *s *= inv;
+        }
         self.rotate(x, &angles);
     }
 }
@@ -242,6 +256,17 @@ mod tests {
         assert_eq!(rope.yarn_mix[0], 1.0);
         assert_eq!(*rope.yarn_mix.last().unwrap(), 0.0);
         assert!(rope.mscale > 1.0);
+
+        // Shifting a rotated key equals rotating the raw key at the sum of the positions.
+        let x: Vec<f32> = (0..8).map(|i| (i as f32 * 0.7).cos()).collect();
+        let mut direct = x.clone();
+        rope.rotate_at(&mut direct, 40);
+        let mut shifted = x;
+        rope.rotate_at(&mut shifted, 15);
+        rope.shift(&mut shifted, 25);
+        for (a, b) in direct.iter().zip(&shifted) {
+            assert!((a - b).abs() < 1e-5, "{direct:?} vs {shifted:?}");
+        }
     }
 
     #[test]

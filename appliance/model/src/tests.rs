@@ -10,7 +10,9 @@
 //!
 //! - model vs reference, within [`TOL_F32`] / [`TOL_Q8`] of the logit scale; a companion test
 //!   shows that a wrong RoPE pairing, a dropped bias or Q/K norm, or ignored RoPE scaling moves
-//!   the logits by far more than those tolerances, so they catch such bugs;
+//!   the logits by far more than those tolerances, so they catch such bugs. The reference can
+//!   also reproduce the model's roundings (f16 KV, Q8_0 activations), which shows that they are
+//!   the only source of difference ([`TOL_FAITHFUL_F32`]);
 //! - the model against itself, within [`TOL_SAME`]: incremental decoding, split prefill and
 //!   position-masked out-of-order filling must repeat the same arithmetic;
 //! - stored keys against [`crate::Rope::rotate_at`], within f16 precision ([`TOL_KEY`]);
@@ -25,29 +27,43 @@ use rand::{Rng, SeedableRng};
 
 use crate::{KvCache, Logits, Model, ModelError, Result};
 
-/// Model vs reference, f32 weights: max |logit difference| / max |reference logit|.
+/// Model vs exact-math reference, f32 weights: the largest |logit difference| over a sequence,
+/// divided by the largest |reference logit| (the logit scale, about 10 here).
 ///
-/// With f32 weights the kernels take f32 dot products (no activation quantisation), so the only
-/// real loss is the f16 KV cache: keys and values are rounded to 11 significant bits (relative
-/// error <= 2^-12 ~ 2.4e-4 each). Through two layers that gives measured differences of about
-/// 1e-4 of the logit scale (see the report in `forward_differences_are_reported`); 2e-3 leaves an
-/// order of magnitude of headroom while staying 50x below what a wrong RoPE pairing, a missing
-/// bias or norm, or ignored RoPE scaling produce (`reference_tolerances_catch_wrong_math`).
-const TOL_F32: f64 = 2e-3;
+/// With f32 weights the kernels take f32 dot products, so the one real loss is the f16 KV cache
+/// (11 significant bits, relative error <= 2^-12 per value). Measured: 3e-4 to 9e-4 across the
+/// suite (`cargo test -p engram-model -- --nocapture` prints each). 3e-3 keeps 3x headroom and
+/// is still 150x below what a wrong RoPE pairing, a dropped bias or Q/K norm, or ignored RoPE
+/// scaling produce (0.5 to 1.5 of the logit scale: `reference_tolerances_catch_wrong_math`).
+const TOL_F32: f64 = 3e-3;
 
-/// Model vs reference, Q8_0 weights: activations are quantised to Q8_0 before every matmul, as
-/// in llama.cpp (per block of 32 values, a step of max|x|/127, so up to ~0.4% error on each
-/// value) on top of the f16 KV cache. Measured: about 5e-3 of the logit scale; 2e-2 is the
-/// tolerance, still 10x below the smallest difference a wrong-math variant produces.
-const TOL_Q8: f64 = 2e-2;
+/// Model vs exact-math reference, Q8_0 weights. Before each matmul the model rounds the
+/// activations to Q8_0 (steps of max|x|/127 per block of 32), as llama.cpp does. One rounding is
+/// only ~0.3% noise, but the f16 cache's tiny differences flip roundings in later layers, so the
+/// logits wander more than that. Measured: 1.5e-2 to 2.7e-2; 5e-2 is the tolerance, still 10x
+/// below the smallest wrong-math difference.
+const TOL_Q8: f64 = 5e-2;
+
+/// Model vs the faithful reference (`Reference::faithful`: the same math plus the model's f16
+/// rounding of keys and values), f32 weights. What is left is f32 vs f64 arithmetic, about 3e-7
+/// of the logit scale, except when that noise tips a key or value across an f16 rounding
+/// boundary: one such flip moves the logits by up to 2e-4 (worst seen over 60 random models).
+/// 1e-3 therefore shows that the f16 cache is the only loss, 3x tighter than `TOL_F32`.
+///
+/// With Q8_0 weights the faithful reference also rounds activations, and usually matches to
+/// 1e-7; but when f32 noise tips one activation across a Q8_0 rounding boundary, the change of a
+/// whole step cascades into further flips downstream (seen in 5 of 30 random qwen3 models, up to
+/// 1e-2). The result depends on the kernels' summation order, that is on the CPU's SIMD path,
+/// so against it Q8_0 variants are held only to `TOL_Q8`; their faithful difference is printed.
+const TOL_FAITHFUL_F32: f64 = 1e-3;
 
 /// The model against itself along two routes that must do the same arithmetic (same per-token
 /// matmuls, same f16 cache contents, same visible slots in the same order). Any difference
 /// beyond float noise means a token saw different context.
 const TOL_SAME: f64 = 1e-5;
 
-/// Stored keys vs `Rope::rotate_at` of the reference's pre-RoPE key: f16 storage (relative
-/// 2^-12 per value) plus f32 arithmetic, relative to the largest key value.
+/// Stored keys vs `Rope::rotate_at` of a pre-RoPE key: f16 storage (relative 2^-12 per value)
+/// plus f32 arithmetic, relative to the largest key value.
 const TOL_KEY: f64 = 2e-3;
 
 /// Tokens in a test sequence: enough positions for RoPE to matter, small enough to be fast.
@@ -146,10 +162,7 @@ impl Spec {
                 seed: 4,
                 ..base
             },
-            other => Spec {
-                arch: other,
-                ..base
-            },
+            other => panic!("no tiny model for {other}"),
         }
     }
 
@@ -185,9 +198,18 @@ impl Spec {
         }
     }
 
+    /// Tolerance against the exact-math reference.
     fn tolerance(&self) -> f64 {
         match self.storage {
             Storage::F32 => TOL_F32,
+            Storage::Q8_0 => TOL_Q8,
+        }
+    }
+
+    /// Tolerance against the faithful reference.
+    fn faithful_tolerance(&self) -> f64 {
+        match self.storage {
+            Storage::F32 => TOL_FAITHFUL_F32,
             Storage::Q8_0 => TOL_Q8,
         }
     }
@@ -466,6 +488,7 @@ struct Mat {
 impl Mat {
     fn mul(&self, x: &[f64]) -> Vec<f64> {
         assert_eq!(x.len(), self.cols);
+        assert_eq!(self.data.len(), self.rows * self.cols);
         self.data
             .chunks_exact(self.cols)
             .map(|row| row.iter().zip(x).map(|(w, v)| w * v).sum())
@@ -501,8 +524,10 @@ struct RefMath {
     rope_linear: Option<f64>,
     rope_freqs: bool,
     /// Round every matmul input to Q8_0 first, as llama.cpp (and the crate) do for Q8_0
-    /// weights. Off, the reference is exact math and differs from the model by that noise.
+    /// weights.
     q8_activations: bool,
+    /// Round keys and values to f16, as the model's cache stores them.
+    f16_kv: bool,
 }
 
 struct Reference {
@@ -517,6 +542,8 @@ struct Reference {
     out_norm: Vec<f64>,
     output: Mat,
     freq_divisors: Option<Vec<f64>>,
+    /// Whether the weight matrices are Q8_0 (and so the model's activations are rounded).
+    q8_weights: bool,
 }
 
 impl Reference {
@@ -564,7 +591,8 @@ impl Reference {
                 qk_norm: s.qk_norm,
                 rope_linear: s.rope_linear.map(f64::from),
                 rope_freqs: s.rope_freqs,
-                q8_activations: s.storage == Storage::Q8_0,
+                q8_activations: false,
+                f16_kv: false,
             },
             n_head: s.n_head,
             n_head_kv: s.n_head_kv,
@@ -580,7 +608,18 @@ impl Reference {
                 "output.weight"
             }),
             freq_divisors: s.rope_freqs.then(|| vec("rope_freqs.weight")),
+            q8_weights: s.storage == Storage::Q8_0,
         }
+    }
+
+    /// The same math with the model's two roundings reproduced: Q8_0 activations before each
+    /// matmul of Q8_0 weights, f16 keys and values.
+    fn faithful(self) -> Reference {
+        let q8 = self.q8_weights;
+        self.with_math(|m| {
+            m.q8_activations = q8;
+            m.f16_kv = true;
+        })
     }
 
     fn with_math(mut self, change: impl FnOnce(&mut RefMath)) -> Reference {
@@ -686,6 +725,12 @@ impl Reference {
                 let [mut q, mut k, v] = self.qkv(layer, x);
                 self.rope(&mut q, pos);
                 self.rope(&mut k, pos);
+                let (mut k, mut v) = (k, v);
+                if self.math.f16_kv {
+                    for x in k.iter_mut().chain(v.iter_mut()) {
+                        *x = f16::from_f64(*x).to_f64();
+                    }
+                }
                 qs.push(q);
                 ks.push(k);
                 vs.push(v);
@@ -832,16 +877,36 @@ fn full_pass(model: &Model, tokens: &[u32]) -> Vec<f32> {
 // Model vs reference.
 // ---------------------------------------------------------------------------------------------
 
+/// Compares the model with the exact-math reference and with the faithful one, printing both
+/// differences (`cargo test -p engram-model -- --nocapture`).
 fn check_against_reference(spec: &Spec) {
     let tiny = Tiny::build(spec);
     let model = tiny.model();
     let seq = tokens(spec.seed, SEQ_LEN, spec.vocab);
-    let expected = Reference::new(&tiny).forward(&seq);
-    assert_close(
-        &spec.label(),
-        &full_pass(&model, &seq),
-        &expected,
+    let got = full_pass(&model, &seq);
+    let exact = Reference::new(&tiny).forward(&seq);
+    let faithful = Reference::new(&tiny).faithful().forward(&seq);
+    eprintln!(
+        "{:<30} max |diff| / logit scale: exact math {:.1e} (tolerance {:.0e}), \
+         faithful {:.1e} (tolerance {:.0e})",
+        spec.label(),
+        compare(&got, &exact).relative,
         spec.tolerance(),
+        compare(&got, &faithful).relative,
+        spec.faithful_tolerance(),
+    );
+    let label = spec.label();
+    assert_close(
+        &format!("{label} vs exact math"),
+        &got,
+        &exact,
+        spec.tolerance(),
+    );
+    assert_close(
+        &format!("{label} vs faithful"),
+        &got,
+        &faithful,
+        spec.faithful_tolerance(),
     );
 }
 
@@ -873,35 +938,6 @@ fn llama_linear_rope_scaling_matches_reference() {
 #[test]
 fn llama_rope_freqs_match_reference() {
     check_against_reference(&Spec::new("llama").with_rope_freqs());
-}
-
-/// Prints the measured differences behind the tolerances (`cargo test -- --nocapture`).
-#[test]
-fn forward_differences_are_reported() {
-    let mut failed = Vec::new();
-    for spec in all_specs() {
-        let tiny = Tiny::build(&spec);
-        let seq = tokens(spec.seed, SEQ_LEN, spec.vocab);
-        let got = full_pass(&tiny.model(), &seq);
-        let reference = Reference::new(&tiny);
-        let d = compare(&got, &reference.forward(&seq));
-        let exact = compare(
-            &got,
-            &reference.with_math(|m| m.q8_activations = false).forward(&seq),
-        );
-        eprintln!(
-            "{:<32} max |diff| = {:.2e} of logit scale {:.2} (tolerance {:.0e}); exact math: {:.2e}",
-            spec.label(),
-            d.relative,
-            d.scale,
-            spec.tolerance(),
-            exact.relative,
-        );
-        if d.relative > spec.tolerance() {
-            failed.push(spec.label());
-        }
-    }
-    assert!(failed.is_empty(), "over tolerance: {failed:?}");
 }
 
 /// The tolerances are meaningful only if plausible bugs exceed them by a wide margin: compute
@@ -1111,8 +1147,9 @@ fn assert_keys_close(what: &str, got: &[f32], expected: &[f64]) {
 }
 
 /// `Rope::rotate_at(pre-RoPE key, p)` is what the model stores for that token at position `p`.
-/// Layer 0's pre-RoPE key depends only on the token, so the reference supplies it exactly.
-/// (F32 variants only: with Q8_0 weights the model's own key carries activation quantisation.)
+/// Layer 0's pre-RoPE key depends only on the token, so the reference supplies it. F32 variants
+/// only: with Q8_0 weights the model's key carries activation rounding (and RoPE does not
+/// depend on the storage).
 #[test]
 fn rotate_at_reproduces_the_keys_the_model_stores() {
     for spec in all_specs()

@@ -121,14 +121,25 @@ impl Weights {
         let mut layers = Vec::with_capacity(cfg.n_layer);
         for i in 0..cfg.n_layer {
             let n = |s: &str| format!("blk.{i}.{s}");
-            let has_bias = cfg.arch == Architecture::Qwen2 || f.has_tensor(&n("attn_q.bias"));
+            // Qwen2 always has Q/K/V biases; other Llama-family files may carry them too.
             let bias = |s: &str, len| -> Result<Option<Vec<f32>>> {
-                if has_bias {
-                    optional_vector(f, &n(s), len)
+                if cfg.arch == Architecture::Qwen2 {
+                    vector(f, &n(s), len).map(Some)
                 } else {
-                    Ok(None)
+                    optional_vector(f, &n(s), len)
                 }
             };
+            // Biases this graph has no place for must not be dropped silently.
+            for s in [
+                "attn_output.bias",
+                "ffn_gate.bias",
+                "ffn_up.bias",
+                "ffn_down.bias",
+            ] {
+                if f.has_tensor(&n(s)) {
+                    return Err(ModelError::UnsupportedTensor { name: n(s) });
+                }
+            }
             layers.push(Layer {
                 attn_norm: vector(f, &n("attn_norm.weight"), d)?,
                 wq: Matrix::load(f, &n("attn_q.weight"), q, d)?,
