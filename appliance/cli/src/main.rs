@@ -96,6 +96,16 @@ struct SamplingArgs {
 }
 
 impl SamplingArgs {
+    fn request(&self, prompt: Vec<u32>, max_tokens: usize) -> GenerateRequest {
+        GenerateRequest {
+            prompt,
+            max_tokens,
+            sampling: self.params(),
+            stop_strings: self.stop.clone(),
+            ignore_eos: self.ignore_eos,
+        }
+    }
+
     fn params(&self) -> SamplingParams {
         SamplingParams {
             temperature: if self.greedy { 0.0 } else { self.temperature },
@@ -290,33 +300,16 @@ fn generate_cmd(a: GenerateArgs) -> Result<()> {
     let prompt = loaded.encode_prompt(&text)?;
     let capacity = prompt.len() + a.max_tokens;
     let mut kv = loaded.model.new_cache(capacity);
-    let req = GenerateRequest {
-        prompt,
-        max_tokens: a.max_tokens,
-        sampling: a.sampling.params(),
-        stop_strings: a.sampling.stop.clone(),
-        ignore_eos: a.sampling.ignore_eos,
-    };
+    let req = a.sampling.request(prompt, a.max_tokens);
     let mut cached = Vec::new();
     let json = a.json;
-    let stdout = std::io::stdout();
     let g = generate(
         &loaded.model,
         &loaded.tokenizer,
         &mut kv,
         &mut cached,
         &req,
-        |t| {
-            if !json {
-                let mut out = stdout.lock();
-                // A closed stdout (e.g. `| head`) cancels the generation.
-                return out
-                    .write_all(t.as_bytes())
-                    .and_then(|()| out.flush())
-                    .is_ok();
-            }
-            true
-        },
+        |t| json || print_stream(t),
     )?;
     if json {
         let out = serde_json::json!({
@@ -334,6 +327,14 @@ fn generate_cmd(a: GenerateArgs) -> Result<()> {
         eprintln!("{}", stats_line(&g));
     }
     Ok(())
+}
+
+/// Writes streamed text to stdout at once; a closed stdout (e.g. `| head`) cancels generation.
+fn print_stream(text: &str) -> bool {
+    let mut out = std::io::stdout().lock();
+    out.write_all(text.as_bytes())
+        .and_then(|()| out.flush())
+        .is_ok()
 }
 
 fn stats_json(g: &Generation, load_ms: f64) -> serde_json::Value {
@@ -417,26 +418,14 @@ fn chat(a: ChatArgs) -> Result<()> {
             );
             continue;
         }
-        let req = GenerateRequest {
-            prompt,
-            max_tokens: a.max_tokens,
-            sampling: a.sampling.params(),
-            stop_strings: a.sampling.stop.clone(),
-            ignore_eos: a.sampling.ignore_eos,
-        };
-        let stdout = std::io::stdout();
+        let req = a.sampling.request(prompt, a.max_tokens);
         let g = generate(
             &loaded.model,
             &loaded.tokenizer,
             &mut kv,
             &mut cached,
             &req,
-            |t| {
-                let mut out = stdout.lock();
-                out.write_all(t.as_bytes())
-                    .and_then(|()| out.flush())
-                    .is_ok()
-            },
+            print_stream,
         )?;
         println!();
         eprintln!("{}", stats_line(&g));

@@ -51,6 +51,20 @@ pub enum GgmlType {
 }
 
 impl GgmlType {
+    /// The types this crate can dequantise and multiply (those with a vec-dot type), in id
+    /// order.
+    pub const SUPPORTED: [GgmlType; 9] = [
+        GgmlType::F32,
+        GgmlType::F16,
+        GgmlType::Q4_0,
+        GgmlType::Q4_1,
+        GgmlType::Q8_0,
+        GgmlType::Q4K,
+        GgmlType::Q5K,
+        GgmlType::Q6K,
+        GgmlType::BF16,
+    ];
+
     /// Every type this crate knows, in id order.
     pub const ALL: [GgmlType; 32] = [
         Self::F32,
@@ -242,6 +256,15 @@ impl fmt::Display for GgmlType {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn supported_list_matches_is_supported() {
+        let derived: Vec<GgmlType> = GgmlType::ALL
+            .into_iter()
+            .filter(|t| t.is_supported())
+            .collect();
+        assert_eq!(derived, GgmlType::SUPPORTED);
+    }
+
     use super::*;
 
     #[test]

@@ -183,17 +183,7 @@ mod tests {
         row
     }
 
-    const SUPPORTED: [GgmlType; 9] = [
-        GgmlType::F32,
-        GgmlType::F16,
-        GgmlType::BF16,
-        GgmlType::Q4_0,
-        GgmlType::Q4_1,
-        GgmlType::Q8_0,
-        GgmlType::Q4K,
-        GgmlType::Q5K,
-        GgmlType::Q6K,
-    ];
+    const SUPPORTED: [GgmlType; 9] = GgmlType::SUPPORTED;
 
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(64))]

@@ -5,17 +5,7 @@ use engram_kernels::{
     vec_dot_f32, GgmlType, KernelError, QMatrix,
 };
 
-const SUPPORTED: [GgmlType; 9] = [
-    GgmlType::F32,
-    GgmlType::F16,
-    GgmlType::BF16,
-    GgmlType::Q4_0,
-    GgmlType::Q4_1,
-    GgmlType::Q8_0,
-    GgmlType::Q4K,
-    GgmlType::Q5K,
-    GgmlType::Q6K,
-];
+const SUPPORTED: [GgmlType; 9] = GgmlType::SUPPORTED;
 
 #[test]
 fn dequantize_every_wrong_length_errors() {

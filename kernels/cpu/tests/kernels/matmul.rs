@@ -3,17 +3,7 @@
 use engram_kernels::{bf16, f16, matmul, quantize_activations, vec_dot, GgmlType, QMatrix};
 use proptest::prelude::*;
 
-const SUPPORTED: [GgmlType; 9] = [
-    GgmlType::F32,
-    GgmlType::F16,
-    GgmlType::BF16,
-    GgmlType::Q4_0,
-    GgmlType::Q4_1,
-    GgmlType::Q8_0,
-    GgmlType::Q4K,
-    GgmlType::Q5K,
-    GgmlType::Q6K,
-];
+const SUPPORTED: [GgmlType; 9] = GgmlType::SUPPORTED;
 
 /// Random bytes made into a valid matrix: f16 scale fields set to small positive values and
 /// float elements kept finite.
