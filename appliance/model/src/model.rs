@@ -9,7 +9,7 @@ use half::f16;
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
 use crate::kv::KvCache;
-use crate::ops::{rms_norm, rms_norm_in_place, softmax, swiglu, Rope};
+use crate::ops::{rms_norm, rms_norm_in_place, swiglu, Rope};
 use crate::weights::{Matrix, Weights};
 
 /// Which positions of a forward call need logits.
@@ -29,6 +29,8 @@ pub struct Model {
     weights: Weights,
     rope: Rope,
     threads: usize,
+    /// The kernels' worker pool (`threads` threads), shared by every matmul of this model.
+    pool: Arc<engram_kernels::ThreadPool>,
 }
 
 /// Per-call scratch buffers, sized for the call's tokens.
@@ -61,6 +63,7 @@ impl Model {
             weights,
             rope,
             threads: threads.max(1),
+            pool: Arc::new(engram_kernels::ThreadPool::new(threads)?),
         })
     }
 
@@ -83,6 +86,11 @@ impl Model {
     /// Number of compute threads.
     pub fn threads(&self) -> usize {
         self.threads
+    }
+
+    /// The worker pool the kernels run on (`threads()` threads).
+    pub fn pool(&self) -> &engram_kernels::ThreadPool {
+        &self.pool
     }
 
     /// An empty KV cache for this model with room for `capacity` tokens.
@@ -199,7 +207,7 @@ impl Model {
                     &s.v[t * kvw..(t + 1) * kvw],
                 );
             }
-            self.attention(li, kv, positions, &s.q, &mut s.attn);
+            self.attention(li, kv, positions, &s.q, &mut s.attn)?;
             self.matmul(&layer.wo, &s.attn, n, &mut s.proj)?;
             add_assign(&mut s.x, &s.proj);
 
@@ -227,107 +235,40 @@ impl Model {
 
     fn matmul(&self, w: &Matrix, x: &[f32], n: usize, out: &mut [f32]) -> Result<()> {
         let view = w.view(&self.weights.file);
-        engram_kernels::matmul(&view, x, n, out, self.threads)?;
+        engram_kernels::matmul(&view, x, n, out, &self.pool)?;
         Ok(())
     }
 
     /// Scaled dot-product attention of the call's queries over the whole cache of layer `li`,
-    /// masked by position. Writes `n * q_width` values to `out`.
-    fn attention(&self, li: usize, kv: &KvCache, positions: &[i32], q: &[f32], out: &mut [f32]) {
+    /// masked by position (the tiled kernel in `engram-kernels`). Writes `n * q_width` values.
+    fn attention(
+        &self,
+        li: usize,
+        kv: &KvCache,
+        positions: &[i32],
+        q: &[f32],
+        out: &mut [f32],
+    ) -> Result<()> {
         let cfg = &self.cfg;
-        let (hd, qw, n_heads) = (cfg.head_dim, cfg.q_width(), cfg.n_head);
         let len = kv.len();
-        let cache_pos = kv.positions();
-        let scale = 1.0 / (hd as f32).sqrt();
-        let group = cfg.gqa_group();
-
-        // One head at a time per thread; heads write disjoint columns of `out`, so each thread
-        // produces its heads into a private buffer that is scattered afterwards.
-        let threads = self.threads.min(n_heads);
-        let heads_per = n_heads.div_ceil(threads);
-        let results: Vec<(usize, Vec<f32>)> = std::thread::scope(|sc| {
-            let handles: Vec<_> = (0..threads)
-                .map(|t| {
-                    sc.spawn(move || {
-                        let mut done = Vec::new();
-                        let mut k32 = vec![0.0f32; len * hd];
-                        let mut v32 = vec![0.0f32; len * hd];
-                        let mut scores = vec![0.0f32; len];
-                        let mut last_kv = usize::MAX;
-                        for h in t * heads_per..((t + 1) * heads_per).min(n_heads) {
-                            let kvh = h / group;
-                            if kvh != last_kv {
-                                to_f32(kv.keys(li, kvh, len), &mut k32);
-                                to_f32(kv.values(li, kvh, len), &mut v32);
-                                last_kv = kvh;
-                            }
-                            let mut head_out = vec![0.0f32; positions.len() * hd];
-                            for (i, &pq) in positions.iter().enumerate() {
-                                let qv = &q[i * qw + h * hd..i * qw + (h + 1) * hd];
-                                let mut visible = 0;
-                                for (j, &pk) in cache_pos.iter().enumerate() {
-                                    if pk <= pq {
-                                        scores[visible] =
-                                            dot(qv, &k32[j * hd..(j + 1) * hd]) * scale;
-                                        visible += 1;
-                                    }
-                                }
-                                let sc = &mut scores[..visible];
-                                softmax(sc);
-                                let o = &mut head_out[i * hd..(i + 1) * hd];
-                                let mut w = sc.iter();
-                                for (j, &pk) in cache_pos.iter().enumerate() {
-                                    if pk <= pq {
-                                        let p = *w.next().expect("one weight per visible slot");
-                                        for (o, &v) in o.iter_mut().zip(&v32[j * hd..(j + 1) * hd])
-                                        {
-                                            *o += p * v;
-                                        }
-                                    }
-                                }
-                            }
-                            done.push((h, head_out));
-                        }
-                        done
-                    })
-                })
-                .collect();
-            handles
-                .into_iter()
-                .flat_map(|h| h.join().expect("attention worker panicked"))
-                .collect()
-        });
-        for (h, head_out) in results {
-            for (i, row) in head_out.chunks_exact(hd).enumerate() {
-                out[i * qw + h * hd..i * qw + (h + 1) * hd].copy_from_slice(row);
-            }
-        }
+        let keys: Vec<&[f16]> = (0..cfg.n_head_kv).map(|h| kv.keys(li, h, len)).collect();
+        let values: Vec<&[f16]> = (0..cfg.n_head_kv).map(|h| kv.values(li, h, len)).collect();
+        let a = engram_kernels::Attention {
+            n_head: cfg.n_head,
+            n_head_kv: cfg.n_head_kv,
+            head_dim: cfg.head_dim,
+            scale: 1.0 / (cfg.head_dim as f32).sqrt(),
+            q,
+            q_pos: positions,
+            keys: &keys,
+            values: &values,
+            kv_pos: kv.positions(),
+        };
+        engram_kernels::attention(&a, out, &self.pool)?;
+        Ok(())
     }
 }
 
 fn add_assign(x: &mut [f32], y: &[f32]) {
     x.iter_mut().zip(y).for_each(|(a, b)| *a += b);
-}
-
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    // Eight partial sums let the compiler vectorise without reassociation flags.
-    let mut acc = [0.0f32; 8];
-    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
-    let tail: f32 = ca
-        .remainder()
-        .iter()
-        .zip(cb.remainder())
-        .map(|(x, y)| x * y)
-        .sum();
-    for (x, y) in ca.zip(cb) {
-        for i in 0..8 {
-            acc[i] += x[i] * y[i];
-        }
-    }
-    acc.iter().sum::<f32>() + tail
-}
-
-fn to_f32(src: &[f16], dst: &mut [f32]) {
-    use half::slice::HalfFloatSliceExt;
-    src.convert_to_f32_slice(&mut dst[..src.len()]);
 }

@@ -33,20 +33,6 @@ pub fn swiglu(gate: &mut [f32], up: &[f32]) {
     }
 }
 
-/// In-place softmax.
-pub fn softmax(x: &mut [f32]) {
-    let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let mut sum = 0.0f32;
-    for v in x.iter_mut() {
-        *v = (*v - max).exp();
-        sum += *v;
-    }
-    let inv = 1.0 / sum;
-    for v in x.iter_mut() {
-        *v *= inv;
-    }
-}
-
 /// Rotary position embedding for one model: frequencies, scaling and pairing.
 #[derive(Debug, Clone)]
 pub struct Rope {
@@ -270,10 +256,7 @@ mod tests {
     }
 
     #[test]
-    fn softmax_and_norm() {
-        let mut x = vec![1.0, 2.0, 3.0];
-        softmax(&mut x);
-        assert!((x.iter().sum::<f32>() - 1.0).abs() < 1e-6 && x[2] > x[1]);
+    fn rms_norm_scales_by_root_mean_square() {
         let mut out = vec![0.0; 2];
         rms_norm(&[3.0, 4.0], &[1.0, 2.0], 0.0, &mut out);
         let rms = (12.5f32).sqrt();

@@ -57,6 +57,14 @@ pub enum KernelError {
         /// How many rows there are.
         rows: usize,
     },
+    /// The OS refused to start a worker thread of a [`ThreadPool`](crate::ThreadPool).
+    #[error("could not spawn a worker thread for a pool of {threads} threads: {reason}")]
+    ThreadSpawn {
+        /// Threads the pool was asked for.
+        threads: usize,
+        /// The OS error, as text.
+        reason: String,
+    },
 }
 
 /// `Result` with [`KernelError`].

@@ -9,6 +9,10 @@
 //! takes integer dot products. This crate does the same, with the same rounding, so the model
 //! crate gets llama.cpp's numerics from one entry point, [`matmul`].
 //!
+//! Matmuls run on a persistent [`ThreadPool`] (no thread is spawned per call). Q4_0, Q4_1 and
+//! Q8_0 weights go through register-tiled integer kernels (AVX-512 VNNI or AVX2) that reuse each
+//! unpacked weight block across several tokens and each activation block across several rows.
+//!
 //! Every kernel has a scalar reference that is always compiled. Faster per-ISA kernels sit
 //! behind a dispatcher that detects CPU features once and caches the choice; property tests
 //! check them against the reference. Kernels never panic on bad lengths: they return
@@ -17,7 +21,7 @@
 //! # Example
 //!
 //! ```
-//! use engram_kernels::{matmul, quantize_row, GgmlType, QMatrix};
+//! use engram_kernels::{matmul, quantize_row, GgmlType, QMatrix, ThreadPool};
 //!
 //! // A 2 x 64 weight matrix stored as Q8_0 (quantize_row can write Q8_0 weights too).
 //! let (rows, cols) = (2, 64);
@@ -26,27 +30,33 @@
 //! quantize_row(GgmlType::Q8_0, &weights, &mut bytes)?;
 //! let w = QMatrix::new(GgmlType::Q8_0, rows, cols, &bytes)?;
 //!
+//! let pool = ThreadPool::new(2)?; // create once, reuse for every matmul
 //! let x = vec![0.25f32; cols]; // one token
 //! let mut out = vec![0.0f32; rows];
-//! matmul(&w, &x, 1, &mut out, 1)?;
+//! matmul(&w, &x, 1, &mut out, &pool)?;
 //! assert!((out[0] - 16.0).abs() < 1e-2 && (out[1] + 8.0).abs() < 1e-2);
 //! # Ok::<(), engram_kernels::KernelError>(())
 //! ```
 
 #![warn(missing_docs)]
 
+mod attention;
 mod blocks;
 mod dequant;
 mod dot;
 mod dtype;
 mod error;
+mod gemm;
 mod matmul;
+mod pool;
 mod quantize;
 
+pub use attention::{attention, Attention, KV_TILE, Q_TILE};
 pub use dequant::dequantize_row;
 pub use dot::{vec_dot, vec_dot_f32};
 pub use dtype::{GgmlType, QK_K};
 pub use error::{KernelError, Result};
 pub use half::{bf16, f16};
 pub use matmul::{embedding_row, matmul, QMatrix};
+pub use pool::ThreadPool;
 pub use quantize::{quantize_activations, quantize_row};

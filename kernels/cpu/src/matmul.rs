@@ -1,16 +1,17 @@
 //! Quantised matrix times activations (`QMatrix`, `matmul`) and embedding-row lookup.
 
 use crate::dequant::dequantize_row;
-use crate::dot::{dot_fn, DotFn};
+use crate::dot::Isa;
 use crate::dtype::GgmlType;
 use crate::error::{KernelError, Result};
+use crate::gemm;
+use crate::pool::ThreadPool;
 use crate::quantize::quantize_into;
 
-/// Below this many weight bytes per thread (times the tokens of the call, since each token
-/// streams every row once), extra threads cost more to start than they save:
-/// `std::thread::scope` spawns cost tens of microseconds, about the time one core takes to
-/// stream 256 KiB of quantised weights.
-const MIN_BYTES_PER_THREAD: usize = 256 * 1024;
+/// Weight bytes times tokens per pool task of the per-pair dot loop (formats without a tiled
+/// kernel): about 64 KiB of streamed weights, tens of microseconds of work, which dwarfs the
+/// ~100 ns of claiming a task and still splits a 576 x 576 Q4_K matrix into ~4 tasks.
+const DOT_BYTES_PER_TASK: usize = 64 * 1024;
 
 /// A row-major weight matrix in a GGML format: `rows` rows of `cols` elements each.
 #[derive(Debug, Clone, Copy)]
@@ -75,28 +76,40 @@ impl<'a> QMatrix<'a> {
 
 /// `out[t * rows + r] = dot(w.row(r), x[t * cols .. (t + 1) * cols])` for `t` in `0..n_tokens`.
 ///
-/// Each token's activations are quantised once to `w.ty`'s vec-dot type, as llama.cpp does, then
-/// every (row, token) pair is an integer dot product. Rows are split across up to `threads`
-/// threads (0 counts as 1); each thread walks its rows in the outer loop and the tokens in the
-/// inner one, so a weight row is read from memory once and reused for all tokens.
+/// Each token's activations are quantised once to `w.ty`'s vec-dot type, as llama.cpp does (in
+/// parallel on `pool`), then every (row, token) pair is an integer dot product. Q4_0, Q4_1 and
+/// Q8_0 weights use the register-tiled kernels (tiles of rows x tokens, split over `pool` by row
+/// blocks and token chunks); other types take one dot per pair, rows split over `pool`. Either
+/// way a pair's result does not depend on `n_tokens`, the tiling or the thread count, and equals
+/// [`vec_dot`](crate::vec_dot) of that pair bit for bit.
 pub fn matmul(
     w: &QMatrix<'_>,
     x: &[f32],
     n_tokens: usize,
     out: &mut [f32],
-    threads: usize,
+    pool: &ThreadPool,
 ) -> Result<()> {
-    matmul_split(w, x, n_tokens, out, threads, MIN_BYTES_PER_THREAD)
+    matmul_on(
+        Isa::detected(),
+        w,
+        x,
+        n_tokens,
+        out,
+        pool,
+        DOT_BYTES_PER_TASK,
+    )
 }
 
-/// [`matmul`] with the per-thread work floor as a parameter (tests set it to 0 to force threads).
-fn matmul_split(
+/// [`matmul`] on a given ISA and with the dot loop's task size as a parameter (tests force
+/// ISAs and tiny tasks).
+fn matmul_on(
+    isa: Isa,
     w: &QMatrix<'_>,
     x: &[f32],
     n_tokens: usize,
     out: &mut [f32],
-    threads: usize,
-    min_bytes_per_thread: usize,
+    pool: &ThreadPool,
+    bytes_per_task: usize,
 ) -> Result<()> {
     let wrb = w.validate()?;
     let expect = |what, expected: Option<usize>, actual| match expected {
@@ -117,98 +130,87 @@ fn matmul_split(
     if n_tokens == 0 || w.rows == 0 {
         return Ok(());
     }
-    let dot = dot_fn(w.ty, "matmul")?;
+    if w.cols == 0 {
+        out.fill(0.0);
+        return Ok(());
+    }
+    if let (Some(fmt), true) = (gemm::fmt_of(w.ty), gemm::has_tiled(isa)) {
+        return gemm::matmul_tiled(isa, fmt, w.data, w.rows, w.cols, x, n_tokens, out, pool);
+    }
+    let dot = isa.dot_fn(w.ty).ok_or(KernelError::Unsupported {
+        ty: w.ty,
+        op: "matmul",
+    })?;
 
-    // Quantise each token's activations once.
+    // Quantise each token's activations once, tokens split over the pool.
     let vd = w.ty.checked_vec_dot_type("matmul")?;
     let xrb = vd.checked_row_bytes(w.cols, "matmul cols")?;
     let mut xq = vec![0u8; xrb * n_tokens];
-    if xrb > 0 {
-        for (q, xt) in xq.chunks_exact_mut(xrb).zip(x.chunks_exact(w.cols)) {
-            quantize_into(vd, xt, q)?;
+    {
+        let per = n_tokens.div_ceil(pool.n_threads());
+        // One part per task; each task locks only its own part.
+        let parts: Vec<Part<'_>> = xq
+            .chunks_mut(xrb * per)
+            .zip(x.chunks(w.cols * per))
+            .map(std::sync::Mutex::new)
+            .collect();
+        let err = std::sync::Mutex::new(None);
+        pool.run(parts.len(), |i| {
+            let mut part = parts[i].lock().unwrap_or_else(|p| p.into_inner());
+            let (q, xs) = &mut *part;
+            for (q, xt) in q.chunks_exact_mut(xrb).zip(xs.chunks_exact(w.cols)) {
+                if let Err(e) = quantize_into(vd, xt, q) {
+                    *err.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
+                }
+            }
+        });
+        if let Some(e) = err.into_inner().unwrap_or_else(|p| p.into_inner()) {
+            return Err(e);
         }
     }
-    let job = Job {
-        dot,
-        data: w.data,
-        wrb,
-        xq: &xq,
-        xrb,
-        n_tokens,
-    };
 
-    let by_size = w
-        .data
-        .len()
-        .saturating_mul(n_tokens)
-        .checked_div(min_bytes_per_thread)
-        .unwrap_or(usize::MAX)
-        .max(1);
-    let threads = threads.clamp(1, w.rows).min(by_size);
-    if threads == 1 {
-        job.run_strided(0, w.rows, out, w.rows);
-        return Ok(());
-    }
-    let chunk = w.rows.div_ceil(threads);
-    if n_tokens == 1 {
-        // One token: each thread owns a contiguous slice of `out`.
-        std::thread::scope(|s| {
-            for (i, o) in out.chunks_mut(chunk).enumerate() {
-                let job = &job;
-                s.spawn(move || job.run_strided(i * chunk, o.len(), o, o.len()));
-            }
-        });
-    } else {
-        // Several tokens: a thread's outputs are strided in `out`; it fills a private
-        // [token][row] buffer that is copied into place after the join.
-        let parts: Vec<(usize, Vec<f32>)> = std::thread::scope(|s| {
-            let handles: Vec<_> = (0..w.rows)
-                .step_by(chunk)
-                .map(|r0| {
-                    let job = &job;
-                    let len = chunk.min(w.rows - r0);
-                    s.spawn(move || {
-                        let mut local = vec![0f32; len * n_tokens];
-                        job.run_strided(r0, len, &mut local, len);
-                        (r0, local)
-                    })
-                })
-                .collect();
-            handles
-                .into_iter()
-                .map(|h| h.join().unwrap_or_else(|e| std::panic::resume_unwind(e)))
-                .collect()
-        });
-        for (r0, local) in parts {
-            let len = local.len() / n_tokens;
-            for (t, src) in local.chunks_exact(len).enumerate() {
-                out[t * w.rows + r0..t * w.rows + r0 + len].copy_from_slice(src);
+    // Rows split into blocks; each task walks its rows in the outer loop and the tokens in the
+    // inner one, so a weight row is read from memory once and reused for all tokens.
+    let rows_per_task = (bytes_per_task / wrb.saturating_mul(n_tokens).max(1)).clamp(1, w.rows);
+    let n_tasks = w.rows.div_ceil(rows_per_task);
+    let rows = w.rows;
+    let optr = SharedOut(out.as_mut_ptr(), out.len());
+    let (data, xq) = (w.data, &xq[..]);
+    pool.run(n_tasks, |task| {
+        let r0 = task * rows_per_task;
+        for r in r0..(r0 + rows_per_task).min(rows) {
+            let wrow = &data[r * wrb..(r + 1) * wrb];
+            for t in 0..n_tokens {
+                let v = dot(wrow, &xq[t * xrb..(t + 1) * xrb]);
+                // SAFETY: tasks own disjoint row ranges, so cell (r, t) is written by this task
+                // only, while `matmul` holds `out` borrowed mutably.
+                unsafe { optr.write(t * rows + r, v) };
             }
         }
-    }
+    });
     Ok(())
 }
 
-/// The validated inputs of one `matmul`, shared by its threads.
-struct Job<'a> {
-    dot: DotFn,
-    data: &'a [u8],
-    wrb: usize,
-    xq: &'a [u8],
-    xrb: usize,
-    n_tokens: usize,
-}
+/// A run of tokens' quantised activations and their f32 source, quantised by one task.
+type Part<'a> = std::sync::Mutex<(&'a mut [u8], &'a [f32])>;
 
-impl Job<'_> {
-    /// Computes rows `r0..r0 + len` for every token into `out[t * stride + (r - r0)]`.
-    fn run_strided(&self, r0: usize, len: usize, out: &mut [f32], stride: usize) {
-        for r in 0..len {
-            let wrow = &self.data[(r0 + r) * self.wrb..(r0 + r + 1) * self.wrb];
-            for t in 0..self.n_tokens {
-                let xrow = &self.xq[t * self.xrb..(t + 1) * self.xrb];
-                out[t * stride + r] = (self.dot)(wrow, xrow);
-            }
-        }
+/// `out`'s pointer, shared by the tasks of one dot-loop matmul (they write disjoint cells).
+#[derive(Clone, Copy)]
+struct SharedOut(*mut f32, usize);
+
+// SAFETY: used only inside one `pool.run` whose tasks write disjoint cells of the buffer.
+unsafe impl Send for SharedOut {}
+// SAFETY: as above.
+unsafe impl Sync for SharedOut {}
+
+impl SharedOut {
+    /// # Safety
+    ///
+    /// No other thread accesses cell `i` during the call; `i` is checked to be in bounds.
+    unsafe fn write(&self, i: usize, v: f32) {
+        assert!(i < self.1, "output index {i} out of range");
+        // SAFETY: in bounds (asserted); exclusivity is the caller's promise.
+        unsafe { *self.0.add(i) = v };
     }
 }
 
@@ -255,6 +257,7 @@ mod tests {
             .collect();
         let (ts, offs): (usize, &[usize]) = match ty {
             GgmlType::Q8_0 => (34, &[0]),
+            GgmlType::Q4_1 => (20, &[0, 2]),
             GgmlType::Q4K => (144, &[0, 2]),
             _ => (2, &[0]),
         };
@@ -270,10 +273,12 @@ mod tests {
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(32))]
 
-        /// Forced multi-threading (no work floor) gives the same bits as a per-row loop.
+        /// Forced multi-threading (one row per dot task) gives the same bits as a per-row loop,
+        /// and on every ISA a token's results do not depend on how many tokens share the call.
         #[test]
         fn threaded_split_matches_vec_dot_loop(
-            ty in prop::sample::select(vec![GgmlType::Q4K, GgmlType::Q8_0, GgmlType::F16]),
+            ty in prop::sample::select(vec![GgmlType::Q4K, GgmlType::Q8_0, GgmlType::F16,
+                GgmlType::Q4_1]),
             rows in 1usize..20,
             n_tokens in 1usize..5,
             seed in any::<u8>(),
@@ -292,9 +297,18 @@ mod tests {
                 }
             }
             for threads in [1, 2, 3, 7] {
-                let mut out = vec![f32::NAN; n_tokens * rows];
-                matmul_split(&w, x, n_tokens, &mut out, threads, 0).unwrap();
-                prop_assert_eq!(&out, &expected, "threads={}", threads);
+                let pool = ThreadPool::new(threads).unwrap();
+                for isa in Isa::available() {
+                    let mut out = vec![f32::NAN; n_tokens * rows];
+                    matmul_on(isa, &w, x, n_tokens, &mut out, &pool, 0).unwrap();
+                    if isa == Isa::detected() {
+                        prop_assert_eq!(&out, &expected, "threads={}", threads);
+                    }
+                    // Every ISA: the same bits whatever the thread count and token count.
+                    let mut single = vec![f32::NAN; rows];
+                    matmul_on(isa, &w, &x[..cols], 1, &mut single, &pool, 0).unwrap();
+                    prop_assert_eq!(&single[..], &out[..rows], "{:?} threads={}", isa, threads);
+                }
             }
         }
     }

@@ -1,11 +1,13 @@
 //! Dot products of a weight row with a quantised activation row, and the ISA dispatcher.
 //!
 //! - `scalar`: the reference kernels, always compiled.
-//! - `avx2` (x86_64): `#[target_feature]` kernels for the hottest pairs, used when the CPU has
-//!   AVX2 and FMA.
+//! - `avx2` (x86_64): `#[target_feature]` kernels for the formats without a tiled kernel
+//!   (f16), used when the CPU has AVX2, FMA and F16C;
+//! - Q4_0, Q4_1 and Q8_0 on AVX2 and AVX-512 are the 1 x 1 case of the tiled kernels in
+//!   `crate::gemm`, so a lone dot product and a matmul give the same bits.
 //!
 //! The choice is made once per process ([`Isa::detected`]) and cached; setting
-//! `ENGRAM_KERNELS_ISA=scalar` forces the reference kernels. Property tests below check every
+//! `ENGRAM_KERNELS_ISA=scalar` forces the reference kernels, `=avx2` caps the ISA at AVX2. Property tests below check every
 //! implementation available on the test machine against the scalar one.
 
 #[cfg(target_arch = "x86_64")]
@@ -19,8 +21,8 @@ use crate::dtype::GgmlType;
 use crate::error::{KernelError, Result};
 
 /// Environment variable that, set to `scalar`, makes the process use the scalar reference
-/// kernels only: for bisecting a numerical difference, and for running the fixture tests
-/// against the reference on machines with SIMD.
+/// kernels only (`avx2`: no AVX-512): for bisecting a numerical difference, and for running the
+/// fixture tests against the reference on machines with SIMD.
 pub(crate) const FORCE_SCALAR_ENV: &str = "ENGRAM_KERNELS_ISA";
 
 /// A dot-product kernel over whole rows: `(weight_row, quantized_x) -> dot`. The two slices must
@@ -32,9 +34,12 @@ pub(crate) type DotFn = fn(&[u8], &[u8]) -> f32;
 pub(crate) enum Isa {
     /// Portable Rust, left to the auto-vectoriser.
     Scalar,
-    /// x86_64 AVX2 + FMA.
+    /// x86_64 AVX2 + FMA + F16C.
     #[cfg(target_arch = "x86_64")]
     Avx2,
+    /// x86_64 AVX-512 F/BW/VL with VNNI (`vpdpbusd`), plus everything `Avx2` needs.
+    #[cfg(target_arch = "x86_64")]
+    Avx512,
 }
 
 impl Isa {
@@ -42,34 +47,56 @@ impl Isa {
     pub(crate) fn detected() -> Isa {
         static DETECTED: OnceLock<Isa> = OnceLock::new();
         *DETECTED.get_or_init(|| {
-            if std::env::var_os(FORCE_SCALAR_ENV).is_some_and(|v| v == "scalar") {
-                return Isa::Scalar;
+            let forced = std::env::var(FORCE_SCALAR_ENV).ok();
+            let best = Isa::supported_here().pop().unwrap_or(Isa::Scalar);
+            match forced.as_deref() {
+                Some("scalar") => Isa::Scalar,
+                #[cfg(target_arch = "x86_64")]
+                Some("avx2") if best != Isa::Scalar => Isa::Avx2,
+                _ => best,
             }
-            #[cfg(target_arch = "x86_64")]
-            if std::arch::is_x86_feature_detected!("avx2")
-                && std::arch::is_x86_feature_detected!("fma")
-            {
-                return Isa::Avx2;
-            }
-            Isa::Scalar
         })
     }
 
-    /// Every instruction set this CPU can run (for tests and benchmarks).
-    #[cfg(test)]
-    pub(crate) fn available() -> Vec<Isa> {
+    /// Every instruction set this CPU can run, worst first (ignores `ENGRAM_KERNELS_ISA`).
+    fn supported_here() -> Vec<Isa> {
+        #[allow(unused_mut)]
         let mut v = vec![Isa::Scalar];
         #[cfg(target_arch = "x86_64")]
-        if Isa::detected() == Isa::Avx2 {
-            v.push(Isa::Avx2);
+        {
+            use std::arch::is_x86_feature_detected as has;
+            if has!("avx2") && has!("fma") && has!("f16c") {
+                v.push(Isa::Avx2);
+                if has!("avx512f") && has!("avx512bw") && has!("avx512vl") && has!("avx512vnni") {
+                    v.push(Isa::Avx512);
+                }
+            }
         }
         v
     }
 
+    /// Every instruction set this CPU can run (for tests).
+    #[cfg(test)]
+    pub(crate) fn available() -> Vec<Isa> {
+        Isa::supported_here()
+    }
+
+    /// Whether this ISA has `vpdpbusd` (u8 x i8 dot products without saturation).
+    pub(crate) fn has_vnni(self) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        if self == Isa::Avx512 {
+            return true;
+        }
+        false
+    }
+
     /// The kernel for weights of type `ty` on this instruction set; `None` if unsupported.
     pub(crate) fn dot_fn(self, ty: GgmlType) -> Option<DotFn> {
+        if let Some(f) = crate::gemm::dot_fn(self, ty) {
+            return Some(f);
+        }
         #[cfg(target_arch = "x86_64")]
-        if self == Isa::Avx2 {
+        if self != Isa::Scalar {
             if let Some(f) = avx2::dot_fn(ty) {
                 return Some(f);
             }
@@ -142,7 +169,7 @@ pub fn vec_dot_f32(ty: GgmlType, weight_row: &[u8], x: &[f32]) -> Result<f32> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::quantize::quantize_activations;
     use proptest::prelude::*;

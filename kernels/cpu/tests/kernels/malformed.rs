@@ -2,7 +2,7 @@
 
 use engram_kernels::{
     dequantize_row, embedding_row, matmul, quantize_activations, quantize_row, vec_dot,
-    vec_dot_f32, GgmlType, KernelError, QMatrix,
+    vec_dot_f32, GgmlType, KernelError, QMatrix, ThreadPool,
 };
 
 const SUPPORTED: [GgmlType; 9] = GgmlType::SUPPORTED;
@@ -82,21 +82,22 @@ fn qmatrix_and_matmul_wrong_shapes_error() {
     assert!(QMatrix::new(ty, usize::MAX, 64, &data).is_err());
 
     let w = QMatrix::new(ty, 3, 64, &data).unwrap();
+    let pool = ThreadPool::new(2).unwrap();
     let mut out = vec![0f32; 6];
-    assert!(matmul(&w, &[0.0; 128], 2, &mut out, 2).is_ok());
-    assert!(matmul(&w, &[0.0; 127], 2, &mut out, 2).is_err());
-    assert!(matmul(&w, &[0.0; 128], 2, &mut out[..5], 2).is_err());
-    assert!(matmul(&w, &[0.0; 128], usize::MAX, &mut out, 2).is_err());
+    assert!(matmul(&w, &[0.0; 128], 2, &mut out, &pool).is_ok());
+    assert!(matmul(&w, &[0.0; 127], 2, &mut out, &pool).is_err());
+    assert!(matmul(&w, &[0.0; 128], 2, &mut out[..5], &pool).is_err());
+    assert!(matmul(&w, &[0.0; 128], usize::MAX, &mut out, &pool).is_err());
     // Public fields can be set inconsistently; matmul re-validates.
     let bad = QMatrix { rows: 4, ..w };
-    assert!(matmul(&bad, &[0.0; 128], 2, &mut [0.0; 8], 2).is_err());
+    assert!(matmul(&bad, &[0.0; 128], 2, &mut [0.0; 8], &pool).is_err());
     // Zero tokens, rows or columns are empty products, not errors.
-    assert!(matmul(&w, &[], 0, &mut [], 4).is_ok());
+    assert!(matmul(&w, &[], 0, &mut [], &pool).is_ok());
     let empty_rows = QMatrix::new(ty, 0, 64, &[]).unwrap();
-    assert!(matmul(&empty_rows, &[0.0; 64], 1, &mut [], 4).is_ok());
+    assert!(matmul(&empty_rows, &[0.0; 64], 1, &mut [], &pool).is_ok());
     let empty_cols = QMatrix::new(ty, 3, 0, &[]).unwrap();
     let mut out = [f32::NAN; 6];
-    matmul(&empty_cols, &[], 2, &mut out, 4).unwrap();
+    matmul(&empty_cols, &[], 2, &mut out, &pool).unwrap();
     assert_eq!(out, [0.0; 6]);
 }
 

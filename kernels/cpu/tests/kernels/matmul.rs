@@ -1,6 +1,9 @@
-//! `matmul` against a naive loop of `vec_dot`, over random shapes, types, and thread counts.
+//! `matmul` against a naive loop of `vec_dot`, over random shapes, types, and thread counts:
+//! bit-identical, since `vec_dot` is the 1 x 1 case of the same kernels.
 
-use engram_kernels::{bf16, f16, matmul, quantize_activations, vec_dot, GgmlType, QMatrix};
+use engram_kernels::{
+    bf16, f16, matmul, quantize_activations, vec_dot, GgmlType, QMatrix, ThreadPool,
+};
 use proptest::prelude::*;
 
 const SUPPORTED: [GgmlType; 9] = GgmlType::SUPPORTED;
@@ -70,8 +73,9 @@ proptest! {
             }
         }
         for threads in [1, 3] {
+            let pool = ThreadPool::new(threads).unwrap();
             let mut out = vec![f32::NAN; n_tokens * rows];
-            matmul(&w, x, n_tokens, &mut out, threads).unwrap();
+            matmul(&w, x, n_tokens, &mut out, &pool).unwrap();
             // Same kernel, same inputs: bit-identical whatever the split.
             prop_assert_eq!(&out, &expected, "{} threads={}", ty, threads);
         }
@@ -82,7 +86,12 @@ proptest! {
 /// on one thread; the crate's unit tests force splits on small shapes).
 #[test]
 fn large_matmul_threads_match_single_thread() {
-    for ty in [GgmlType::Q4_0, GgmlType::Q6K] {
+    for ty in [
+        GgmlType::Q4_0,
+        GgmlType::Q4_1,
+        GgmlType::Q8_0,
+        GgmlType::Q6K,
+    ] {
         let (rows, cols, n_tokens) = (2048, 512, 3);
         let data = make_weights(ty, rows, cols, &[1, 2, 3, 250, 77]);
         let w = QMatrix::new(ty, rows, cols, &data).unwrap();
@@ -90,13 +99,14 @@ fn large_matmul_threads_match_single_thread() {
             .map(|i| ((i * 13) % 29) as f32 / 7.0 - 2.0)
             .collect();
         let mut one = vec![0f32; n_tokens * rows];
-        matmul(&w, &x, n_tokens, &mut one, 1).unwrap();
+        matmul(&w, &x, n_tokens, &mut one, &ThreadPool::new(1).unwrap()).unwrap();
         for threads in [2, 3] {
+            let pool = ThreadPool::new(threads).unwrap();
             let mut many = vec![f32::NAN; n_tokens * rows];
-            matmul(&w, &x, n_tokens, &mut many, threads).unwrap();
+            matmul(&w, &x, n_tokens, &mut many, &pool).unwrap();
             assert_eq!(one, many, "{ty} threads={threads}");
             let mut single = vec![f32::NAN; rows];
-            matmul(&w, &x[cols..2 * cols], 1, &mut single, threads).unwrap();
+            matmul(&w, &x[cols..2 * cols], 1, &mut single, &pool).unwrap();
             assert_eq!(
                 single,
                 one[rows..2 * rows],

@@ -1,0 +1,84 @@
+//! `matmul` at the shapes of SmolLM2-135M (n_embd 576, n_ff 1536, 3 KV heads of 64, vocabulary
+//! 49152): Q4_1 layer matrices and the Q8_0 output head, 1 token (decode) and 512 tokens
+//! (prefill), on a 2-thread pool (the appliance's default profile).
+//!
+//! Throughput is reported in elements (`rows * cols * tokens` multiply-adds); GFLOP/s is twice
+//! that. The ISA is chosen once per process, so compare ISAs with separate runs:
+//!
+//! ```text
+//! cargo bench -p engram-kernels --bench matmul
+//! ENGRAM_KERNELS_ISA=avx2 cargo bench -p engram-kernels --bench matmul
+//! ENGRAM_KERNELS_ISA=scalar cargo bench -p engram-kernels --bench matmul -- 'tokens=1$'
+//! ```
+//!
+//! `ENGRAM_BENCH_THREADS` overrides the thread count.
+
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use engram_kernels::{f16, matmul, quantize_row, GgmlType, QMatrix, ThreadPool};
+
+/// Threads of the pool unless `ENGRAM_BENCH_THREADS` says otherwise: the 2-core profile that
+/// the llama.cpp comparison uses.
+const DEFAULT_THREADS: usize = 2;
+
+/// Deterministic weights of type `ty` with sane scales.
+fn weights(ty: GgmlType, rows: usize, cols: usize) -> Vec<u8> {
+    if ty == GgmlType::Q8_0 {
+        let w: Vec<f32> = (0..rows * cols)
+            .map(|i| (i * 7919 % 1000) as f32 / 500.0 - 1.0)
+            .collect();
+        let mut b = Vec::new();
+        quantize_row(GgmlType::Q8_0, &w, &mut b).expect("quantize");
+        return b;
+    }
+    let ts = ty.type_size();
+    let mut d: Vec<u8> = (0..rows * ty.row_bytes(cols).expect("row bytes"))
+        .map(|i| (i as u8).wrapping_mul(37) ^ 0x5a)
+        .collect();
+    for b in d.chunks_exact_mut(ts) {
+        b[0..2].copy_from_slice(&f16::from_f32(0.01).to_le_bytes());
+        if ty == GgmlType::Q4_1 {
+            b[2..4].copy_from_slice(&f16::from_f32(-0.05).to_le_bytes());
+        }
+    }
+    d
+}
+
+fn bench_matmul(c: &mut Criterion) {
+    let threads = std::env::var("ENGRAM_BENCH_THREADS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(DEFAULT_THREADS);
+    let pool = ThreadPool::new(threads).expect("pool");
+    let isa = std::env::var("ENGRAM_KERNELS_ISA").unwrap_or_else(|_| "best".into());
+    let shapes = [
+        (GgmlType::Q4_1, 576, 576, "attn_q/attn_output"),
+        (GgmlType::Q4_1, 192, 576, "attn_k/attn_v"),
+        (GgmlType::Q4_1, 1536, 576, "ffn_gate/ffn_up"),
+        (GgmlType::Q4_1, 576, 1536, "ffn_down"),
+        (GgmlType::Q8_0, 49152, 576, "output"),
+    ];
+    let mut g = c.benchmark_group(format!("matmul/{isa}/threads={threads}"));
+    g.sample_size(10);
+    for (ty, rows, cols, what) in shapes {
+        let data = weights(ty, rows, cols);
+        let w = QMatrix::new(ty, rows, cols, &data).expect("matrix");
+        for n in [1usize, 512] {
+            if rows > 10_000 && n > 1 {
+                continue; // prefill computes logits for the last token only
+            }
+            let x: Vec<f32> = (0..n * cols)
+                .map(|i| (i * 31 % 97) as f32 / 48.0 - 1.0)
+                .collect();
+            let mut out = vec![0f32; n * rows];
+            g.throughput(Throughput::Elements((rows * cols * n) as u64));
+            let id = BenchmarkId::new(format!("{ty} {rows}x{cols} {what}"), format!("tokens={n}"));
+            g.bench_function(id, |b| {
+                b.iter(|| matmul(&w, &x, n, &mut out, &pool).expect("matmul"))
+            });
+        }
+    }
+    g.finish();
+}
+
+criterion_group!(benches, bench_matmul);
+criterion_main!(benches);

@@ -1,0 +1,733 @@
+//! Attention of query tokens over an f16 KV cache: tiled with an online softmax (flash-attention
+//! style) so long prompts never hold the full score matrix, grouped-query aware, masked by
+//! position.
+//!
+//! Work is split into tasks of (KV head, tile of query tokens, slice of the cache). A task
+//! converts each tile of keys and values from f16 once and reuses it for every query head of
+//! the group and every token of the query tile. Keys are transposed into `[head_dim][KV_TILE]`
+//! so scores for one query row are computed with broadcasts and FMAs and no horizontal sums.
+//! Decode (few query tokens) splits the cache across threads and merges the partial softmax
+//! states afterwards.
+
+use half::f16;
+
+use std::sync::OnceLock;
+
+use crate::blocks::f16_bits_to_f32;
+use crate::error::{KernelError, Result};
+use crate::pool::ThreadPool;
+
+/// Cache slots per tile: 64 keys of up to 128 dims in f32 (32 KiB) plus the same of values fit
+/// in L2 next to the scores, and 64 lanes keep four AVX-512 accumulators busy per query row.
+pub const KV_TILE: usize = 64;
+/// Query tokens per task: with a GQA group of 4 that is 128 query rows sharing every converted
+/// key/value tile, which amortises the conversion while the scores (128 x 64 f32) stay in L2.
+pub const Q_TILE: usize = 32;
+
+/// One attention call.
+pub struct Attention<'a> {
+    /// Query heads.
+    pub n_head: usize,
+    /// Key/value heads; each serves `n_head / n_head_kv` query heads.
+    pub n_head_kv: usize,
+    /// Width of one head.
+    pub head_dim: usize,
+    /// Multiplies every score (usually `1/sqrt(head_dim)`).
+    pub scale: f32,
+    /// Queries, `[n_q][n_head * head_dim]`, already rotated.
+    pub q: &'a [f32],
+    /// Position of each query token.
+    pub q_pos: &'a [i32],
+    /// Per KV head, the keys of the cache, `[len][head_dim]`.
+    pub keys: &'a [&'a [f16]],
+    /// Per KV head, the values of the cache, `[len][head_dim]`.
+    pub values: &'a [&'a [f16]],
+    /// Position of each cache slot. A query at position `p` sees the slots at positions `<= p`.
+    pub kv_pos: &'a [i32],
+}
+
+impl Attention<'_> {
+    fn validate(&self, out: &[f32]) -> Result<()> {
+        let len = self.kv_pos.len();
+        let hd = self.head_dim;
+        let check = |what: &'static str, expected: usize, actual: usize| {
+            if expected == actual {
+                Ok(())
+            } else {
+                Err(KernelError::LengthMismatch {
+                    what,
+                    expected,
+                    actual,
+                })
+            }
+        };
+        if self.n_head_kv == 0 || hd == 0 || !self.n_head.is_multiple_of(self.n_head_kv) {
+            return Err(KernelError::LengthMismatch {
+                what: "attention heads (n_head must be a positive multiple of n_head_kv)",
+                expected: self.n_head_kv,
+                actual: self.n_head,
+            });
+        }
+        let n_q = self.q_pos.len();
+        check("attention queries", n_q * self.n_head * hd, self.q.len())?;
+        check("attention output", self.q.len(), out.len())?;
+        check("attention key heads", self.n_head_kv, self.keys.len())?;
+        check("attention value heads", self.n_head_kv, self.values.len())?;
+        for (k, v) in self.keys.iter().zip(self.values) {
+            check("attention keys", len * hd, k.len())?;
+            check("attention values", len * hd, v.len())?;
+        }
+        Ok(())
+    }
+}
+
+/// Computes `out[i] = softmax(scale * q_i K^T, masked by position) V` for every query token and
+/// head, on the pool's threads. Rows that see no slot at all get zeros.
+pub fn attention(a: &Attention<'_>, out: &mut [f32], pool: &ThreadPool) -> Result<()> {
+    a.validate(out)?;
+    let n_q = a.q_pos.len();
+    if n_q == 0 {
+        return Ok(());
+    }
+    let len = a.kv_pos.len();
+    let group = a.n_head / a.n_head_kv;
+    let hd = a.head_dim;
+    let n_kv_tiles = len.div_ceil(KV_TILE);
+    let n_q_tiles = n_q.div_ceil(Q_TILE);
+
+    // Position range of each key tile, to skip tiles no query of a task can see and to drop the
+    // mask where every query sees the whole tile.
+    let tile_ranges: Vec<(i32, i32)> = a
+        .kv_pos
+        .chunks(KV_TILE)
+        .map(|c| (*c.iter().min().unwrap(), *c.iter().max().unwrap()))
+        .collect();
+
+    // Few tasks (decode): split the cache so every thread has work.
+    let base_tasks = a.n_head_kv * n_q_tiles;
+    let threads = pool.n_threads();
+    let splits = if base_tasks >= threads || n_kv_tiles < 2 {
+        1
+    } else {
+        (2 * threads).div_ceil(base_tasks).min(n_kv_tiles)
+    };
+    let tiles_per_split = n_kv_tiles.div_ceil(splits);
+    let tasks: Vec<Task> = (0..a.n_head_kv)
+        .flat_map(|kvh| {
+            (0..n_q_tiles).flat_map(move |qt| {
+                (0..splits).map(move |s| Task {
+                    kvh,
+                    q0: qt * Q_TILE,
+                    q1: ((qt + 1) * Q_TILE).min(n_q),
+                    t0: s * tiles_per_split,
+                    t1: ((s + 1) * tiles_per_split).min(n_kv_tiles),
+                })
+            })
+        })
+        .collect();
+
+    let isa = Isa::detected();
+    let results: Vec<OnceLock<Partial>> = tasks.iter().map(|_| OnceLock::new()).collect();
+    pool.run(tasks.len(), |i| {
+        let mut scratch = Scratch::new(hd);
+        let partial = isa.run(a, &tasks[i], &tile_ranges, &mut scratch);
+        // Each index runs exactly once, so the slot is empty.
+        let _ = results[i].set(partial);
+    });
+    let partials: Vec<(usize, Partial)> = results
+        .into_iter()
+        .enumerate()
+        .map(|(i, r)| (i, r.into_inner().expect("the pool ran every task")))
+        .collect();
+
+    // Merge the splits of each (KV head, query tile) and write normalised rows.
+    let qw = a.n_head * hd;
+    for chunk in partials.chunks(splits) {
+        let task = &tasks[chunk[0].0];
+        let rows = group * (task.q1 - task.q0);
+        for r in 0..rows {
+            let m = chunk
+                .iter()
+                .map(|(_, p)| p.m[r])
+                .fold(f32::NEG_INFINITY, f32::max);
+            let (qi, hg) = (task.q0 + r / group, r % group);
+            let h = task.kvh * group + hg;
+            let dst = &mut out[qi * qw + h * hd..qi * qw + (h + 1) * hd];
+            dst.fill(0.0);
+            if m == f32::NEG_INFINITY {
+                continue;
+            }
+            let mut l = 0.0;
+            for (_, p) in chunk {
+                if p.m[r] == f32::NEG_INFINITY {
+                    continue;
+                }
+                let w = (p.m[r] - m).exp();
+                l += w * p.l[r];
+                for (d, &o) in dst.iter_mut().zip(&p.o[r * hd..(r + 1) * hd]) {
+                    *d += w * o;
+                }
+            }
+            let inv = 1.0 / l;
+            dst.iter_mut().for_each(|d| *d *= inv);
+        }
+    }
+    Ok(())
+}
+
+/// A unit of work: one KV head, query tokens `q0..q1`, key tiles `t0..t1`.
+struct Task {
+    kvh: usize,
+    q0: usize,
+    q1: usize,
+    t0: usize,
+    t1: usize,
+}
+
+/// The unnormalised softmax state of a task's rows (row = query token x head of the group):
+/// running max `m`, sum of weights `l`, weighted sum of values `o`.
+struct Partial {
+    m: Vec<f32>,
+    l: Vec<f32>,
+    o: Vec<f32>,
+}
+
+/// Per-thread buffers, reused across tasks.
+struct Scratch {
+    /// Keys of one tile, transposed: `[head_dim][KV_TILE]`.
+    kt: Vec<f32>,
+    /// Values of one tile: `[KV_TILE][head_dim]`.
+    v: Vec<f32>,
+    /// Scores of one query row against the tile.
+    s: Vec<f32>,
+    /// Key positions of the tile.
+    pos: Vec<i32>,
+    /// One converted key row, before it is scattered into `kt`.
+    krow: Vec<f32>,
+}
+
+impl Scratch {
+    fn new(hd: usize) -> Scratch {
+        Scratch {
+            kt: vec![0.0; hd * KV_TILE],
+            v: vec![0.0; KV_TILE * hd],
+            s: vec![0.0; KV_TILE],
+            pos: vec![0; KV_TILE],
+            krow: vec![0.0; hd],
+        }
+    }
+}
+
+/// Which compiled copy of the kernel runs.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Isa {
+    Scalar,
+    #[cfg(target_arch = "x86_64")]
+    Avx2,
+    #[cfg(target_arch = "x86_64")]
+    Avx512,
+}
+
+impl Isa {
+    fn detected() -> Isa {
+        static DETECTED: std::sync::OnceLock<Isa> = std::sync::OnceLock::new();
+        *DETECTED.get_or_init(|| {
+            if std::env::var_os("ENGRAM_KERNELS_ISA").is_some_and(|v| v == "scalar") {
+                return Isa::Scalar;
+            }
+            #[cfg(target_arch = "x86_64")]
+            {
+                use std::arch::is_x86_feature_detected as has;
+                if has!("avx512f")
+                    && has!("avx512bw")
+                    && has!("avx512vl")
+                    && has!("fma")
+                    && has!("f16c")
+                {
+                    return Isa::Avx512;
+                }
+                if has!("avx2") && has!("fma") && has!("f16c") {
+                    return Isa::Avx2;
+                }
+            }
+            Isa::Scalar
+        })
+    }
+
+    #[cfg(test)]
+    fn available() -> Vec<Isa> {
+        let mut v = vec![Isa::Scalar];
+        #[cfg(target_arch = "x86_64")]
+        {
+            use std::arch::is_x86_feature_detected as has;
+            if has!("avx2") && has!("fma") && has!("f16c") {
+                v.push(Isa::Avx2);
+            }
+            if has!("avx512f")
+                && has!("avx512bw")
+                && has!("avx512vl")
+                && has!("fma")
+                && has!("f16c")
+            {
+                v.push(Isa::Avx512);
+            }
+        }
+        v
+    }
+
+    fn run(self, a: &Attention<'_>, t: &Task, ranges: &[(i32, i32)], s: &mut Scratch) -> Partial {
+        match self {
+            Isa::Scalar => task_kernel(a, t, ranges, s, convert_portable),
+            // SAFETY: `detected`/`available` only return these after checking the CPU has
+            // every feature the function enables.
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 => unsafe { task_avx2(a, t, ranges, s) },
+            // SAFETY: as above.
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 => unsafe { task_avx512(a, t, ranges, s) },
+        }
+    }
+}
+
+/// The kernel compiled for AVX2 + FMA: the same code as [`task_kernel`], vectorised 8 wide.
+///
+/// # Safety
+/// The CPU must support AVX2 and FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn task_avx2(a: &Attention<'_>, t: &Task, r: &[(i32, i32)], s: &mut Scratch) -> Partial {
+    task_kernel(a, t, r, s, |src, dst| {
+        // SAFETY: this function only runs on CPUs with F16C (checked by `Isa::detected`).
+        unsafe { convert_f16c(src, dst) }
+    })
+}
+
+/// f16 -> f32 with the F16C instruction, 8 values at a time.
+///
+/// # Safety
+/// The CPU must support F16C and AVX; `dst` must be at least as long as `src`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx,f16c")]
+#[inline]
+unsafe fn convert_f16c(src: &[f16], dst: &mut [f32]) {
+    use std::arch::x86_64::{__m128i, _mm256_cvtph_ps, _mm256_storeu_ps, _mm_loadu_si128};
+    assert!(dst.len() >= src.len());
+    let n8 = src.len() / 8 * 8;
+    for i in (0..n8).step_by(8) {
+        // SAFETY: `i + 8 <= src.len() <= dst.len()`; unaligned loads and stores are used.
+        unsafe {
+            let h = _mm_loadu_si128(src.as_ptr().add(i) as *const __m128i);
+            _mm256_storeu_ps(dst.as_mut_ptr().add(i), _mm256_cvtph_ps(h));
+        }
+    }
+    convert_portable(&src[n8..], &mut dst[n8..]);
+}
+
+/// The kernel compiled for AVX-512: the same code as [`task_kernel`], vectorised 16 wide.
+///
+/// # Safety
+/// The CPU must support AVX-512 F, BW and VL, and FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+unsafe fn task_avx512(a: &Attention<'_>, t: &Task, r: &[(i32, i32)], s: &mut Scratch) -> Partial {
+    task_kernel(a, t, r, s, |src, dst| {
+        // SAFETY: this function only runs on CPUs with F16C (checked by `Isa::detected`).
+        unsafe { convert_f16c(src, dst) }
+    })
+}
+
+/// Portable exact f16 -> f32 (branch-free, so it vectorises where the ISA allows).
+#[inline(always)]
+fn convert_portable(src: &[f16], dst: &mut [f32]) {
+    for (d, &x) in dst.iter_mut().zip(src) {
+        *d = f16_bits_to_f32(x.to_bits());
+    }
+}
+
+/// One task, written as plain loops over fixed-width tiles so that each `#[target_feature]`
+/// copy above vectorises them for its instruction set.
+#[inline(always)]
+fn task_kernel(
+    a: &Attention<'_>,
+    t: &Task,
+    ranges: &[(i32, i32)],
+    sc: &mut Scratch,
+    convert: impl Fn(&[f16], &mut [f32]),
+) -> Partial {
+    let hd = a.head_dim;
+    let group = a.n_head / a.n_head_kv;
+    let qw = a.n_head * hd;
+    let rows = group * (t.q1 - t.q0);
+    let mut m = vec![f32::NEG_INFINITY; rows];
+    let mut l = vec![0.0f32; rows];
+    let mut o = vec![0.0f32; rows * hd];
+    let q_pos = &a.q_pos[t.q0..t.q1];
+    let q_min = *q_pos.iter().min().expect("a task has queries");
+    let q_max = *q_pos.iter().max().expect("a task has queries");
+    let (keys, values) = (a.keys[t.kvh], a.values[t.kvh]);
+    let len = a.kv_pos.len();
+
+    for (tile, &(lo, hi)) in ranges.iter().enumerate().take(t.t1).skip(t.t0) {
+        if lo > q_max {
+            continue; // no query of this task sees any slot of the tile
+        }
+        let masked = hi > q_min;
+        let j0 = tile * KV_TILE;
+        let bk = KV_TILE.min(len - j0);
+
+        // Convert the tile: keys transposed, values as they are; pad short tiles with zeros.
+        let krow = &mut sc.krow[..hd];
+        for j in 0..KV_TILE {
+            if j < bk {
+                convert(&keys[(j0 + j) * hd..(j0 + j + 1) * hd], krow);
+                for (d, &x) in krow.iter().enumerate() {
+                    sc.kt[d * KV_TILE + j] = x;
+                }
+                convert(
+                    &values[(j0 + j) * hd..(j0 + j + 1) * hd],
+                    &mut sc.v[j * hd..(j + 1) * hd],
+                );
+                sc.pos[j] = a.kv_pos[j0 + j];
+            } else {
+                for d in 0..hd {
+                    sc.kt[d * KV_TILE + j] = 0.0;
+                }
+                sc.v[j * hd..(j + 1) * hd].fill(0.0);
+                sc.pos[j] = i32::MAX;
+            }
+        }
+
+        for r in 0..rows {
+            let (qi, hg) = (t.q0 + r / group, r % group);
+            let h = t.kvh * group + hg;
+            let q = &a.q[qi * qw + h * hd..qi * qw + (h + 1) * hd];
+            let qp = a.q_pos[qi];
+            if lo > qp {
+                continue;
+            }
+            // Scores: s[j] = scale * sum_d q[d] * kt[d][j].
+            let s: &mut [f32; KV_TILE] = (&mut sc.s[..]).try_into().expect("KV_TILE scores");
+            *s = [0.0; KV_TILE];
+            for (d, &qd) in q.iter().enumerate() {
+                let krow: &[f32; KV_TILE] = sc.kt[d * KV_TILE..(d + 1) * KV_TILE]
+                    .try_into()
+                    .expect("KV_TILE keys");
+                for (sj, &kj) in s.iter_mut().zip(krow) {
+                    *sj += qd * kj;
+                }
+            }
+            let mut tile_max = f32::NEG_INFINITY;
+            if masked || bk < KV_TILE {
+                for (sj, &pj) in s.iter_mut().zip(&sc.pos) {
+                    *sj = if pj <= qp {
+                        *sj * a.scale
+                    } else {
+                        f32::NEG_INFINITY
+                    };
+                    tile_max = tile_max.max(*sj);
+                }
+            } else {
+                for v in s.iter_mut() {
+                    *v *= a.scale;
+                    tile_max = tile_max.max(*v);
+                }
+            }
+            if tile_max == f32::NEG_INFINITY {
+                continue;
+            }
+            // Online softmax: rescale what was accumulated if the maximum grew.
+            let m_new = m[r].max(tile_max);
+            let correction = if m[r] == f32::NEG_INFINITY {
+                0.0
+            } else {
+                (m[r] - m_new).exp()
+            };
+            let mut sum = 0.0f32;
+            for v in s.iter_mut() {
+                *v = exp_approx(*v - m_new);
+                sum += *v;
+            }
+            l[r] = l[r] * correction + sum;
+            m[r] = m_new;
+            let orow = &mut o[r * hd..(r + 1) * hd];
+            if correction != 1.0 {
+                orow.iter_mut().for_each(|x| *x *= correction);
+            }
+            for (j, &p) in s.iter().enumerate().take(bk) {
+                let vrow = &sc.v[j * hd..(j + 1) * hd];
+                for (x, &v) in orow.iter_mut().zip(vrow) {
+                    *x += p * v;
+                }
+            }
+        }
+    }
+    Partial { m, l, o }
+}
+
+/// `e^x` for `x <= 0` (and `-inf` -> 0), branch-free so loops over it vectorise. Splits `x` into
+/// `n ln2 + r` with `|r| <= ln2/2`, evaluates a degree-6 polynomial for `e^r` (relative error
+/// below 2e-7, the rounding of f32 itself) and scales by `2^n` through the exponent bits.
+#[inline(always)]
+fn exp_approx(x: f32) -> f32 {
+    const LOG2E: f32 = std::f32::consts::LOG2_E;
+    const LN2_HI: f32 = 0.693_145_75;
+    const LN2_LO: f32 = 1.428_606_8e-6;
+    // Below this e^x underflows f32; clamping also maps -inf to 0.
+    let x = x.max(-87.0);
+    let n = (x * LOG2E).round();
+    let r = x - n * LN2_HI - n * LN2_LO;
+    let p = 1.0
+        + r * (1.0
+            + r * (0.5
+                + r * (1.0 / 6.0 + r * (1.0 / 24.0 + r * (1.0 / 120.0 + r * (1.0 / 720.0))))));
+    let scale = f32::from_bits(((n as i32 + 127) as u32) << 23);
+    let y = p * scale;
+    // x was clamped at -87: values that small are exactly zero weight.
+    if x <= -87.0 {
+        0.0
+    } else {
+        y
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// Naive f64 attention over the same inputs.
+    fn reference(a: &Attention<'_>) -> Vec<f32> {
+        let (hd, group) = (a.head_dim, a.n_head / a.n_head_kv);
+        let qw = a.n_head * hd;
+        let n_q = a.q_pos.len();
+        let mut out = vec![0.0f32; n_q * qw];
+        for i in 0..n_q {
+            for h in 0..a.n_head {
+                let kvh = h / group;
+                let q = &a.q[i * qw + h * hd..i * qw + (h + 1) * hd];
+                let vis: Vec<usize> = (0..a.kv_pos.len())
+                    .filter(|&j| a.kv_pos[j] <= a.q_pos[i])
+                    .collect();
+                if vis.is_empty() {
+                    continue;
+                }
+                let scores: Vec<f64> = vis
+                    .iter()
+                    .map(|&j| {
+                        let k = &a.keys[kvh][j * hd..(j + 1) * hd];
+                        q.iter()
+                            .zip(k)
+                            .map(|(&x, y)| f64::from(x) * f64::from(y.to_f32()))
+                            .sum::<f64>()
+                            * f64::from(a.scale)
+                    })
+                    .collect();
+                let mx = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                let w: Vec<f64> = scores.iter().map(|s| (s - mx).exp()).collect();
+                let z: f64 = w.iter().sum();
+                for d in 0..hd {
+                    let v: f64 = vis
+                        .iter()
+                        .zip(&w)
+                        .map(|(&j, &w)| w * f64::from(a.values[kvh][j * hd + d].to_f32()))
+                        .sum();
+                    out[i * qw + h * hd + d] = (v / z) as f32;
+                }
+            }
+        }
+        out
+    }
+
+    struct Case {
+        n_head: usize,
+        n_head_kv: usize,
+        hd: usize,
+        q: Vec<f32>,
+        q_pos: Vec<i32>,
+        k: Vec<Vec<f16>>,
+        v: Vec<Vec<f16>>,
+        kv_pos: Vec<i32>,
+    }
+
+    fn case(seed: u64, n_q: usize, len: usize, n_head_kv: usize, group: usize, hd: usize) -> Case {
+        let mut s = seed | 1;
+        let mut rnd = move || {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            (s % 20_000) as f32 / 10_000.0 - 1.0
+        };
+        let n_head = n_head_kv * group;
+        let q = (0..n_q * n_head * hd).map(|_| 2.0 * rnd()).collect();
+        let k = (0..n_head_kv)
+            .map(|_| (0..len * hd).map(|_| f16::from_f32(2.0 * rnd())).collect())
+            .collect();
+        let v = (0..n_head_kv)
+            .map(|_| (0..len * hd).map(|_| f16::from_f32(rnd())).collect())
+            .collect();
+        // Cache positions 0..len in a shuffled order, queries at the last n_q positions plus
+        // one interior position (as fusion's recomputed tokens are).
+        let mut kv_pos: Vec<i32> = (0..len as i32).collect();
+        for i in (1..len).rev() {
+            let j = ((rnd() + 1.0) * 0.5 * i as f32) as usize % (i + 1);
+            kv_pos.swap(i, j);
+        }
+        let mut q_pos: Vec<i32> = (0..n_q).map(|i| (len - n_q + i) as i32).collect();
+        if n_q > 1 {
+            q_pos[0] = (len / 3) as i32;
+        }
+        Case {
+            n_head,
+            n_head_kv,
+            hd,
+            q,
+            q_pos,
+            k,
+            v,
+            kv_pos,
+        }
+    }
+
+    fn run(c: &Case, isa: Option<Isa>, threads: usize) -> (Vec<f32>, Vec<f32>) {
+        let keys: Vec<&[f16]> = c.k.iter().map(|v| &v[..]).collect();
+        let values: Vec<&[f16]> = c.v.iter().map(|v| &v[..]).collect();
+        let a = Attention {
+            n_head: c.n_head,
+            n_head_kv: c.n_head_kv,
+            head_dim: c.hd,
+            scale: 1.0 / (c.hd as f32).sqrt(),
+            q: &c.q,
+            q_pos: &c.q_pos,
+            keys: &keys,
+            values: &values,
+            kv_pos: &c.kv_pos,
+        };
+        let mut out = vec![0.0; c.q.len()];
+        match isa {
+            None => attention(&a, &mut out, &ThreadPool::new(threads).unwrap()).unwrap(),
+            Some(isa) => {
+                // Drive one ISA directly through the same task split as `attention`.
+                let ranges: Vec<(i32, i32)> = c
+                    .kv_pos
+                    .chunks(KV_TILE)
+                    .map(|ch| (*ch.iter().min().unwrap(), *ch.iter().max().unwrap()))
+                    .collect();
+                let group = c.n_head / c.n_head_kv;
+                let qw = c.n_head * c.hd;
+                for kvh in 0..c.n_head_kv {
+                    for q0 in (0..c.q_pos.len()).step_by(Q_TILE) {
+                        let t = Task {
+                            kvh,
+                            q0,
+                            q1: (q0 + Q_TILE).min(c.q_pos.len()),
+                            t0: 0,
+                            t1: ranges.len(),
+                        };
+                        let mut sc = Scratch::new(c.hd);
+                        let p = isa.run(&a, &t, &ranges, &mut sc);
+                        for r in 0..group * (t.q1 - t.q0) {
+                            let (qi, h) = (q0 + r / group, kvh * group + r % group);
+                            for d in 0..c.hd {
+                                out[qi * qw + h * c.hd + d] = if p.m[r] == f32::NEG_INFINITY {
+                                    0.0
+                                } else {
+                                    p.o[r * c.hd + d] / p.l[r]
+                                };
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        (out, reference(&a))
+    }
+
+    fn max_err(a: &[f32], b: &[f32]) -> f32 {
+        a.iter()
+            .zip(b)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0.0, f32::max)
+    }
+
+    #[test]
+    fn exp_approx_is_accurate() {
+        for i in 0..=2000 {
+            let x = -(i as f32) * 0.05;
+            let (got, want) = (exp_approx(x), (f64::from(x)).exp() as f32);
+            assert!(
+                (got - want).abs() <= 4e-7 * want.max(1e-30),
+                "{x}: {got} vs {want}"
+            );
+        }
+        assert_eq!(exp_approx(f32::NEG_INFINITY), 0.0);
+        assert_eq!(exp_approx(0.0), 1.0);
+    }
+
+    #[test]
+    fn prefill_decode_and_gqa_match_the_reference() {
+        for (n_q, len, kvh, group, hd) in [
+            (1, 1, 1, 1, 64),
+            (1, 700, 3, 3, 64),
+            (37, 37, 3, 3, 64),
+            (100, 300, 2, 4, 128),
+            (5, 130, 1, 8, 32),
+        ] {
+            for threads in [1, 2, 3] {
+                let c = case(n_q as u64 * 31 + len as u64, n_q, len, kvh, group, hd);
+                let (got, want) = run(&c, None, threads);
+                let err = max_err(&got, &want);
+                assert!(err < 2e-5, "n_q {n_q} len {len} threads {threads}: {err}");
+            }
+        }
+    }
+
+    #[test]
+    fn every_isa_matches_the_reference() {
+        for isa in Isa::available() {
+            let c = case(5, 70, 200, 3, 3, 64);
+            let (got, want) = run(&c, Some(isa), 1);
+            let err = max_err(&got, &want);
+            assert!(err < 2e-5, "{isa:?}: {err}");
+        }
+    }
+
+    #[test]
+    fn a_query_that_sees_nothing_gets_zeros() {
+        let mut c = case(9, 2, 10, 1, 2, 16);
+        c.q_pos = vec![-1, 9];
+        let (got, want) = run(&c, None, 2);
+        assert!(got[..2 * 16].iter().all(|&x| x == 0.0));
+        assert!(max_err(&got, &want) < 2e-5);
+    }
+
+    #[test]
+    fn bad_shapes_are_errors() {
+        let c = case(1, 2, 4, 1, 2, 16);
+        let keys: Vec<&[f16]> = c.k.iter().map(|v| &v[..3]).collect();
+        let values: Vec<&[f16]> = c.v.iter().map(|v| &v[..]).collect();
+        let a = Attention {
+            n_head: 2,
+            n_head_kv: 1,
+            head_dim: 16,
+            scale: 1.0,
+            q: &c.q,
+            q_pos: &c.q_pos,
+            keys: &keys,
+            values: &values,
+            kv_pos: &c.kv_pos,
+        };
+        let mut out = vec![0.0; c.q.len()];
+        assert!(attention(&a, &mut out, &ThreadPool::new(1).unwrap()).is_err());
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(24))]
+        #[test]
+        fn random_shapes(seed in 0u64..1000, n_q in 1usize..70, extra in 0usize..150,
+                         kvh in 1usize..4, group in 1usize..5, threads in 1usize..4) {
+            let c = case(seed, n_q, n_q + extra, kvh, group, 32);
+            let (got, want) = run(&c, None, threads);
+            prop_assert!(max_err(&got, &want) < 2e-5);
+        }
+    }
+}

@@ -1,0 +1,343 @@
+//! AVX-512 VNNI micro-kernels (x86_64): tiles of up to `R_MAX` rows x `T_MAX` tokens, one
+//! `vpdpbusd` per (row, token, block pair).
+//!
+//! Used only as `Isa::Avx512`, which `Isa::detected` / `Isa::available` return only after
+//! `is_x86_feature_detected!` confirmed avx512f, avx512bw, avx512vl, avx512vnni, avx2, fma and
+//! f16c: the safe entry point below relies on it.
+
+use std::arch::x86_64::*;
+
+use super::{unpack_row, with_wbuf, Chunk, OutPtr, Span, Q4_0, Q4_1, Q8_0};
+
+/// Rows per register tile. 4 x 4 accumulators (16 zmm) plus 4 activation quants, 4 activation
+/// scales, 4 Q4_0 corrections and the current row's quants and scales fit the 32 registers.
+const R_MAX: usize = 4;
+/// Tokens per register tile (see `R_MAX`).
+const T_MAX: usize = 4;
+
+/// Up to this many tokens per task the kernels read the ggml blocks directly, unpacking in
+/// registers; beyond, each row is unpacked once into a buffer and reused for every token tile.
+/// Unpacking in registers costs as much as one token's arithmetic, so it only pays for a
+/// single token tile (decode and short calls).
+const RAW_MAX_TOKENS: usize = T_MAX;
+
+/// Computes `s` into `out` with the VNNI kernels.
+pub(super) fn run_span(s: &Span<'_>, out: OutPtr) {
+    // SAFETY: `Isa::Avx512` (the only caller's dispatch arm) is chosen only after runtime
+    // detection of every feature `run_span_vnni` enables.
+    unsafe { run_span_vnni(s, out) }
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+fn run_span_vnni(s: &Span<'_>, out: OutPtr) {
+    match s.g.fmt {
+        Q4_0 => span_fmt::<Q4_0>(s, out),
+        Q4_1 => span_fmt::<Q4_1>(s, out),
+        _ => span_fmt::<Q8_0>(s, out),
+    }
+}
+
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+fn span_fmt<const F: u8>(s: &Span<'_>, out: OutPtr) {
+    let g = &s.g;
+    let ws = g.wstride();
+    let xs = g.xstride();
+    let direct = s.tokens.len() <= RAW_MAX_TOKENS;
+    with_wbuf(if direct { 0 } else { R_MAX * ws }, |wbuf| {
+        let mut r0 = s.rows.start;
+        while r0 < s.rows.end {
+            let nr = R_MAX.min(s.rows.end - r0);
+            let row = |i: usize| &s.w[(r0 + i) * s.wrb..(r0 + i + 1) * s.wrb];
+            if !direct {
+                for i in 0..nr {
+                    unpack_row(g, row(i), &mut wbuf[i * ws..(i + 1) * ws]);
+                }
+            }
+            let unpacked = Unpacked {
+                w: &wbuf[..],
+                ws,
+                wf: g.wf,
+                np: g.np,
+            };
+            let mut t0 = s.tokens.start;
+            while t0 < s.tokens.end {
+                let nt = T_MAX.min(s.tokens.end - t0);
+                let x = &s.panel[t0 * xs..(t0 + nt) * xs];
+                macro_rules! tile {
+                    ($r:literal, $t:literal) => {{
+                        let acc = if direct {
+                            let raw = Raw::<F, $r> {
+                                rows: std::array::from_fn(row),
+                                nb: g.nb,
+                            };
+                            tile::<F, $r, $t>(&raw, x, xs, g.np, g.nc)
+                        } else {
+                            tile::<F, $r, $t>(&unpacked, x, xs, g.np, g.nc)
+                        };
+                        for (i, row) in acc.iter().enumerate() {
+                            for (j, v) in row.iter().enumerate() {
+                                // SAFETY: this task owns rows `s.rows` x tokens `s.tokens`.
+                                unsafe { out.write(r0 + i, t0 + j, *v) };
+                            }
+                        }
+                    }};
+                }
+                match (nr, nt) {
+                    (4, 4) => tile!(4, 4),
+                    (4, 3) => tile!(4, 3),
+                    (4, 2) => tile!(4, 2),
+                    (4, _) => tile!(4, 1),
+                    (3, 4) => tile!(3, 4),
+                    (3, 3) => tile!(3, 3),
+                    (3, 2) => tile!(3, 2),
+                    (3, _) => tile!(3, 1),
+                    (2, 4) => tile!(2, 4),
+                    (2, 3) => tile!(2, 3),
+                    (2, 2) => tile!(2, 2),
+                    (2, _) => tile!(2, 1),
+                    (_, 4) => tile!(1, 4),
+                    (_, 3) => tile!(1, 3),
+                    (_, 2) => tile!(1, 2),
+                    (_, _) => tile!(1, 1),
+                }
+                t0 += nt;
+            }
+            r0 += nr;
+        }
+    });
+}
+
+/// Loads a chunk as 16 i32 / 64 i8 lanes.
+#[inline(always)]
+fn ld(c: &Chunk) -> __m512i {
+    // SAFETY: a `Chunk` is 64 readable bytes; `loadu` has no alignment requirement (chunks are
+    // 64-byte aligned anyway). AVX-512F is enabled in every caller.
+    unsafe { _mm512_loadu_si512(c.0.as_ptr().cast()) }
+}
+
+/// Loads a chunk as 16 f32 lanes.
+#[inline(always)]
+fn ldps(c: &Chunk) -> __m512 {
+    // SAFETY: as in `ld`.
+    unsafe { _mm512_loadu_ps(c.0.as_ptr().cast()) }
+}
+
+/// Sum of the 16 lanes in a fixed order (halves, then quarters, then pairs).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+fn hsum(v: __m512) -> f32 {
+    let lo = _mm512_castps512_ps256(v);
+    let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v)));
+    let s = _mm256_add_ps(lo, hi);
+    let s = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps::<1>(s));
+    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    let s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    _mm_cvtss_f32(s)
+}
+
+/// Where a tile's weight vectors come from: unpacked rows ([`Unpacked`], prefill) or the ggml
+/// blocks themselves ([`Raw`], decode). Both build exactly the same vectors (the layout in the
+/// module docs), so a tile's result does not depend on the source.
+///
+/// The methods are only called from `tile`, which enables every feature they use.
+trait WSrc {
+    /// Quants of row `r`, pair `k`.
+    fn q(&self, r: usize, k: usize) -> __m512i;
+    /// Scales of row `r`, pair `k`.
+    fn d(&self, r: usize, k: usize) -> __m512;
+    /// Q8_0 corrections `-128 * (lane sums of q)` of row `r`, pair `k`, whose quants are `q`.
+    fn c(&self, q: __m512i, r: usize, k: usize) -> __m512i;
+    /// Q4_1 mins of row `r`, blocks `16 c .. 16 c + 16`.
+    fn m(&self, r: usize, c: usize) -> __m512;
+}
+
+/// Rows unpacked by `unpack_row`: `w[r * ws ..]`, `np` pairs of `wf` chunks then the mins.
+struct Unpacked<'a> {
+    w: &'a [Chunk],
+    ws: usize,
+    wf: usize,
+    np: usize,
+}
+
+impl WSrc for Unpacked<'_> {
+    #[inline(always)]
+    fn q(&self, r: usize, k: usize) -> __m512i {
+        ld(&self.w[r * self.ws + k * self.wf])
+    }
+    #[inline(always)]
+    fn d(&self, r: usize, k: usize) -> __m512 {
+        ldps(&self.w[r * self.ws + k * self.wf + 1])
+    }
+    #[inline(always)]
+    fn c(&self, _q: __m512i, r: usize, k: usize) -> __m512i {
+        ld(&self.w[r * self.ws + k * self.wf + 2])
+    }
+    #[inline(always)]
+    fn m(&self, r: usize, c: usize) -> __m512 {
+        ldps(&self.w[r * self.ws + self.np * self.wf + c])
+    }
+}
+
+/// Rows in ggml layout (`rows[r]`, `nb` blocks of `bs` bytes, quants at `qo`), unpacked in
+/// registers on the fly.
+struct Raw<'a, const F: u8, const R: usize> {
+    rows: [&'a [u8]; R],
+    nb: usize,
+}
+
+impl<const F: u8, const R: usize> Raw<'_, F, R> {
+    const BS: usize = match F {
+        Q4_0 => 18,
+        Q4_1 => 20,
+        _ => 34,
+    };
+    const QO: usize = if F == Q4_1 { 4 } else { 2 };
+
+    /// Block `b` of row `r`, or `None` past the end (the missing half of a last pair).
+    #[inline(always)]
+    fn block(&self, r: usize, b: usize) -> Option<&[u8]> {
+        (b < self.nb).then(|| &self.rows[r][b * Self::BS..(b + 1) * Self::BS])
+    }
+}
+
+/// Loads 16 bytes (zeros for a missing block).
+#[inline(always)]
+fn ld16(b: Option<&[u8]>, off: usize) -> __m128i {
+    match b {
+        Some(b) => {
+            let v: &[u8; 16] = b[off..off + 16].try_into().expect("16 bytes in block");
+            // SAFETY: 16 readable bytes; `loadu` has no alignment requirement; SSE2 is baseline.
+            unsafe { _mm_loadu_si128(v.as_ptr().cast()) }
+        }
+        // SAFETY: SSE2 is baseline on x86_64.
+        None => unsafe { _mm_setzero_si128() },
+    }
+}
+
+/// The f16 bits at the start of `off` in block `b` (0 for a missing block).
+#[inline(always)]
+fn h16(b: Option<&[u8]>, off: usize) -> u16 {
+    b.map_or(0, |b| u16::from_le_bytes([b[off], b[off + 1]]))
+}
+
+impl<const F: u8, const R: usize> WSrc for Raw<'_, F, R> {
+    #[inline(always)]
+    fn q(&self, r: usize, k: usize) -> __m512i {
+        let (b0, b1) = (self.block(r, 2 * k), self.block(r, 2 * k + 1));
+        // SAFETY: only called from `tile`, which enables AVX-512F/BW and AVX2.
+        unsafe {
+            if F == Q8_0 {
+                let a = _mm256_set_m128i(ld16(b0, Self::QO + 16), ld16(b0, Self::QO));
+                let b = _mm256_set_m128i(ld16(b1, Self::QO + 16), ld16(b1, Self::QO));
+                let idx = _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0);
+                _mm512_permutex2var_epi64(_mm512_castsi256_si512(a), idx, _mm512_castsi256_si512(b))
+            } else {
+                let v = _mm256_set_m128i(ld16(b1, Self::QO), ld16(b0, Self::QO));
+                let m = _mm256_set1_epi8(0x0F);
+                let lo = _mm256_and_si256(v, m);
+                let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(v), m);
+                _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi)
+            }
+        }
+    }
+    #[inline(always)]
+    fn d(&self, r: usize, k: usize) -> __m512 {
+        let (b0, b1) = (self.block(r, 2 * k), self.block(r, 2 * k + 1));
+        let bits = h16(b0, 0) as i32 | (h16(b1, 0) as i32) << 16;
+        // SAFETY: only called from `tile`, which enables AVX-512F and F16C.
+        unsafe {
+            let d01 = _mm_cvtph_ps(_mm_cvtsi32_si128(bits));
+            let idx = _mm512_set_epi32(1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0);
+            _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(d01))
+        }
+    }
+    #[inline(always)]
+    fn c(&self, q: __m512i, _r: usize, _k: usize) -> __m512i {
+        // SAFETY: only called from `tile`, which enables AVX-512F and VNNI.
+        unsafe {
+            let zero = _mm512_setzero_si512();
+            let s = _mm512_dpbusd_epi32(zero, _mm512_set1_epi8(-128), q);
+            _mm512_sub_epi32(zero, s)
+        }
+    }
+    #[inline(always)]
+    fn m(&self, r: usize, c: usize) -> __m512 {
+        let mut h = [0u16; 16];
+        for (l, v) in h.iter_mut().enumerate() {
+            *v = h16(self.block(r, 16 * c + l), 2);
+        }
+        // SAFETY: `h` is 32 readable bytes; only called from `tile`, which enables AVX-512F.
+        unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(h.as_ptr().cast())) }
+    }
+}
+
+/// One tile: `R` weight rows from `w` times `T` packed tokens (`x`, stride `xs` chunks), `np`
+/// block pairs and `nc` Q4_1 min chunks. Returns `[row][token]` dots.
+///
+/// Per (row, token, pair): `acc += float(lanes) * (dw * dx)` with exact i32 lane sums; the
+/// order of operations per pair does not depend on `R`, `T` or the source (see the module
+/// docs).
+// Indexing the [row][token] register tile by (r, t) reads like the math and unrolls fully.
+#[allow(clippy::needless_range_loop)]
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+fn tile<const F: u8, const R: usize, const T: usize>(
+    w: &impl WSrc,
+    x: &[Chunk],
+    xs: usize,
+    np: usize,
+    nc: usize,
+) -> [[f32; T]; R] {
+    let xf = if F == Q4_0 { 3 } else { 2 };
+    assert!(x.len() >= T * xs && xs >= np * xf + nc);
+    let zero = _mm512_setzero_si512();
+    let mut acc = [[_mm512_setzero_ps(); T]; R];
+    for k in 0..np {
+        let mut xq = [zero; T];
+        let mut xd = [_mm512_setzero_ps(); T];
+        let mut xc = [zero; T];
+        for t in 0..T {
+            let b = t * xs + k * xf;
+            xq[t] = ld(&x[b]);
+            xd[t] = ldps(&x[b + 1]);
+            if F == Q4_0 {
+                xc[t] = ld(&x[b + 2]);
+            }
+        }
+        for r in 0..R {
+            let wq = w.q(r, k);
+            let wd = w.d(r, k);
+            let wc = if F == Q8_0 { w.c(wq, r, k) } else { zero };
+            for t in 0..T {
+                // Exact natural lane sums: Q4_0 (q - 8) * x = q * x - 8 * sum(x); Q8_0
+                // (x + 128) * w - 128 * sum(w) = x * w.
+                let lanes = match F {
+                    Q4_0 => _mm512_dpbusd_epi32(xc[t], wq, xq[t]),
+                    Q4_1 => _mm512_dpbusd_epi32(zero, wq, xq[t]),
+                    _ => _mm512_dpbusd_epi32(wc, xq[t], wq),
+                };
+                let d = _mm512_mul_ps(wd, xd[t]);
+                acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lanes), d, acc[r][t]);
+            }
+        }
+    }
+    if F == Q4_1 {
+        for c in 0..nc {
+            for r in 0..R {
+                let m = w.m(r, c);
+                for t in 0..T {
+                    let s = ldps(&x[t * xs + np * xf + c]);
+                    acc[r][t] = _mm512_fmadd_ps(m, s, acc[r][t]);
+                }
+            }
+        }
+    }
+    let mut res = [[0f32; T]; R];
+    for r in 0..R {
+        for t in 0..T {
+            res[r][t] = hsum(acc[r][t]);
+        }
+    }
+    res
+}
