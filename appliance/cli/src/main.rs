@@ -1,5 +1,7 @@
 //! `engram`: the command line of the Engram appliance (tokenize, generate, chat, info).
 
+mod bench;
+
 use std::io::{BufRead, Write};
 use std::path::{Path, PathBuf};
 
@@ -34,6 +36,29 @@ enum Command {
     Chat(ChatArgs),
     /// Describe a GGUF model: architecture, shapes, tokenizer, tensor types.
     Info(ModelArgs),
+    /// Measure prefill and decode speed, load time and peak memory.
+    Bench(BenchArgs),
+}
+
+#[derive(Args)]
+struct BenchArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Prompt lengths to prefill (comma-separated).
+    #[arg(long, value_delimiter = ',', default_values_t = [128, 512, 2048, 4096])]
+    prefill: Vec<usize>,
+    /// Tokens to decode one at a time (0: skip).
+    #[arg(long, default_value_t = 128)]
+    decode: usize,
+    /// Context before decoding.
+    #[arg(long, default_value_t = 512)]
+    decode_context: usize,
+    /// Runs of each figure; medians are reported.
+    #[arg(long, default_value_t = 3)]
+    repetitions: usize,
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(Args)]
@@ -173,6 +198,7 @@ fn main() -> Result<()> {
         Command::Generate(a) => generate_cmd(a),
         Command::Chat(a) => chat(a),
         Command::Info(a) => info(a),
+        Command::Bench(a) => bench_cmd(a),
     }
 }
 
@@ -430,6 +456,30 @@ fn chat(a: ChatArgs) -> Result<()> {
         println!();
         eprintln!("{}", stats_line(&g));
         messages.push(Message::new("assistant", g.text.trim()));
+    }
+    Ok(())
+}
+
+fn bench_cmd(a: BenchArgs) -> Result<()> {
+    let path = a.model.path()?;
+    let started = std::time::Instant::now();
+    let model = Model::load(&path, a.model.threads())
+        .with_context(|| format!("loading {}", path.display()))?;
+    let load_ms = started.elapsed().as_secs_f64() * 1e3;
+    let plan = bench::BenchPlan {
+        prefill: a.prefill,
+        decode_tokens: a.decode,
+        decode_context: a.decode_context,
+        repetitions: a.repetitions,
+    };
+    let name = path
+        .file_name()
+        .map_or_else(String::new, |n| n.to_string_lossy().into_owned());
+    let report = bench::run(&model, &name, load_ms, &plan)?;
+    if a.json {
+        println!("{}", serde_json::to_string(&report)?);
+    } else {
+        bench::print_table(&report);
     }
     Ok(())
 }

@@ -1,0 +1,180 @@
+//! `engram bench`: prefill and decode speed, model load time and peak memory, as JSON or a table.
+
+use std::time::Instant;
+
+use anyhow::{bail, Result};
+use engram_model::{Logits, Model, PREFILL_CHUNK};
+
+/// What to measure.
+pub struct BenchPlan {
+    /// Prompt lengths whose prefill speed is measured.
+    pub prefill: Vec<usize>,
+    /// Tokens decoded one at a time...
+    pub decode_tokens: usize,
+    /// ...after a context of this many tokens.
+    pub decode_context: usize,
+    /// Runs of each measurement; the median is reported.
+    pub repetitions: usize,
+}
+
+/// One figure: its runs and their median.
+#[derive(serde::Serialize)]
+pub struct Figure {
+    pub tokens: usize,
+    pub context: usize,
+    pub tokens_per_second: f64,
+    pub runs: Vec<f64>,
+}
+
+/// All results of one `engram bench`.
+#[derive(serde::Serialize)]
+pub struct BenchReport {
+    pub model: String,
+    pub threads: usize,
+    pub model_load_ms: f64,
+    pub prefill: Vec<Figure>,
+    pub decode: Option<Figure>,
+    pub peak_rss_mib: f64,
+}
+
+/// Deterministic pseudo-random token ids (as llama-bench, the content does not change the
+/// work), avoiding the special ids at the bottom of the vocabulary.
+fn tokens(n: usize, vocab: usize, seed: u64) -> Vec<u32> {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            (100 + s % (vocab as u64 - 100)) as u32
+        })
+        .collect()
+}
+
+/// Prefills `ids` from position 0 in `PREFILL_CHUNK`-token calls (llama.cpp's default
+/// micro-batch) and returns the seconds taken.
+fn prefill(model: &Model, ids: &[u32], kv: &mut engram_model::KvCache) -> Result<f64> {
+    let start = Instant::now();
+    let mut pos = 0usize;
+    for chunk in ids.chunks(PREFILL_CHUNK) {
+        let positions: Vec<i32> = (pos..pos + chunk.len()).map(|p| p as i32).collect();
+        model.forward(chunk, &positions, kv, Logits::Last)?;
+        pos += chunk.len();
+    }
+    Ok(start.elapsed().as_secs_f64())
+}
+
+fn median(runs: &[f64]) -> f64 {
+    let mut v = runs.to_vec();
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
+}
+
+/// Runs the plan on a loaded model.
+pub fn run(model: &Model, model_name: &str, load_ms: f64, plan: &BenchPlan) -> Result<BenchReport> {
+    if plan.repetitions == 0 {
+        bail!("--repetitions must be at least 1");
+    }
+    let vocab = model.config().vocab_size;
+    let max_ctx = plan
+        .prefill
+        .iter()
+        .copied()
+        .chain([plan.decode_context + plan.decode_tokens])
+        .max()
+        .unwrap_or(0);
+    let mut kv = model.new_cache(max_ctx.max(1));
+
+    // One short warm-up run pages the weights in and starts the workers.
+    prefill(model, &tokens(16, vocab, 0), &mut kv)?;
+
+    let mut prefill_figs = Vec::new();
+    for &n in &plan.prefill {
+        let ids = tokens(n, vocab, n as u64);
+        let mut runs = Vec::new();
+        for _ in 0..plan.repetitions {
+            kv.clear();
+            runs.push(n as f64 / prefill(model, &ids, &mut kv)?);
+        }
+        prefill_figs.push(Figure {
+            tokens: n,
+            context: 0,
+            tokens_per_second: median(&runs),
+            runs,
+        });
+    }
+
+    let decode = if plan.decode_tokens > 0 {
+        let ctx_ids = tokens(plan.decode_context, vocab, 7);
+        let next = tokens(plan.decode_tokens, vocab, 11);
+        let mut runs = Vec::new();
+        for _ in 0..plan.repetitions {
+            kv.clear();
+            prefill(model, &ctx_ids, &mut kv)?;
+            let start = Instant::now();
+            for (i, &t) in next.iter().enumerate() {
+                let pos = (plan.decode_context + i) as i32;
+                model.forward(&[t], &[pos], &mut kv, Logits::Last)?;
+            }
+            runs.push(plan.decode_tokens as f64 / start.elapsed().as_secs_f64());
+        }
+        Some(Figure {
+            tokens: plan.decode_tokens,
+            context: plan.decode_context,
+            tokens_per_second: median(&runs),
+            runs,
+        })
+    } else {
+        None
+    };
+
+    Ok(BenchReport {
+        model: model_name.to_owned(),
+        threads: model.threads(),
+        model_load_ms: load_ms,
+        prefill: prefill_figs,
+        decode,
+        peak_rss_mib: peak_rss_mib(),
+    })
+}
+
+/// The process's peak resident set size (`VmHWM`), in MiB; 0 where /proc is unavailable.
+pub fn peak_rss_mib() -> f64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmHWM:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|kb| kb.parse::<f64>().ok())
+        })
+        .map_or(0.0, |kb| kb / 1024.0)
+}
+
+/// Prints the report as a table.
+pub fn print_table(r: &BenchReport) {
+    println!("model        {}", r.model);
+    println!("threads      {}", r.threads);
+    println!("load         {:.0} ms", r.model_load_ms);
+    println!("{:<24} {:>10}", "test", "tokens/s");
+    for f in &r.prefill {
+        println!(
+            "{:<24} {:>10.1}",
+            format!("prefill {}", f.tokens),
+            f.tokens_per_second
+        );
+    }
+    if let Some(d) = &r.decode {
+        println!(
+            "{:<24} {:>10.1}",
+            format!("decode {} @ {}", d.tokens, d.context),
+            d.tokens_per_second
+        );
+    }
+    println!("peak RSS     {:.1} MiB", r.peak_rss_mib);
+}
