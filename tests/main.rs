@@ -11,3 +11,5 @@ mod common;
 mod tokenizer_golden;
 // The engine through `engram generate`/`tokenize`: logits and greedy tokens against llama.cpp.
 mod engine_golden;
+// The BERT embedder against sentence-transformers' reference vectors.
+mod embed_golden;

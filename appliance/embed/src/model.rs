@@ -1,0 +1,234 @@
+//! The BERT encoder: immutable weights and a forward pass over a packed batch of sequences.
+
+use engram_kernels::{matmul, GgmlType, QMatrix, ThreadPool};
+
+use crate::config::{Activation, BertConfig};
+use crate::error::{EmbedError, Result};
+use crate::ops::{activate, attention, layer_norm, par_rows, Span};
+use crate::weights::TensorFile;
+
+/// A dense layer `y = W x + b`, W stored as little-endian f32 bytes for the kernels.
+struct Linear {
+    /// `rows x cols` f32 weights, row-major (PyTorch's `[out, in]`).
+    w: Vec<u8>,
+    b: Vec<f32>,
+    rows: usize,
+    cols: usize,
+}
+
+impl Linear {
+    fn load(t: &TensorFile<'_>, name: &str, rows: usize, cols: usize) -> Result<Linear> {
+        Ok(Linear {
+            w: to_bytes(&t.get(&format!("{name}.weight"), &[rows, cols])?),
+            b: t.get(&format!("{name}.bias"), &[rows])?,
+            rows,
+            cols,
+        })
+    }
+
+    /// Stacks layers that read the same input into one (Q, K and V become one matmul).
+    fn concat(parts: Vec<Linear>) -> Linear {
+        let cols = parts[0].cols;
+        let mut out = Linear {
+            w: Vec::new(),
+            b: Vec::new(),
+            rows: 0,
+            cols,
+        };
+        for p in parts {
+            debug_assert_eq!(p.cols, cols);
+            out.w.extend_from_slice(&p.w);
+            out.b.extend_from_slice(&p.b);
+            out.rows += p.rows;
+        }
+        out
+    }
+
+    /// `W x + b` for `n` tokens of `cols` activations each; `n x rows` outputs.
+    fn forward(&self, x: &[f32], n: usize, pool: &ThreadPool) -> Result<Vec<f32>> {
+        let w = QMatrix::new(GgmlType::F32, self.rows, self.cols, &self.w)?;
+        let mut out = vec![0.0f32; n * self.rows];
+        matmul(&w, x, n, &mut out, pool)?;
+        Ok(out)
+    }
+}
+
+fn to_bytes(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+/// LayerNorm's scale and shift (older checkpoints call them `gamma` and `beta`).
+struct Norm {
+    w: Vec<f32>,
+    b: Vec<f32>,
+}
+
+impl Norm {
+    fn load(t: &TensorFile<'_>, name: &str, n: usize) -> Result<Norm> {
+        Ok(Norm {
+            w: t.get_any(&[&format!("{name}.weight"), &format!("{name}.gamma")], &[n])?,
+            b: t.get_any(&[&format!("{name}.bias"), &format!("{name}.beta")], &[n])?,
+        })
+    }
+}
+
+/// One transformer block.
+struct Layer {
+    qkv: Linear,
+    attn_out: Linear,
+    attn_norm: Norm,
+    ffn_up: Linear,
+    ffn_down: Linear,
+    ffn_norm: Norm,
+}
+
+/// A BERT encoder (`BertModel` without the pooler).
+pub(crate) struct Bert {
+    cfg: BertConfig,
+    word: Vec<f32>,
+    position: Vec<f32>,
+    token_type: Vec<f32>,
+    emb_norm: Norm,
+    layers: Vec<Layer>,
+}
+
+impl Bert {
+    /// Reads every tensor `cfg` calls for, checking shapes.
+    pub fn load(cfg: BertConfig, t: &TensorFile<'_>) -> Result<Bert> {
+        let (h, i) = (cfg.hidden_size, cfg.intermediate_size);
+        let e = "embeddings";
+        let word = t.get(&format!("{e}.word_embeddings.weight"), &[cfg.vocab_size, h])?;
+        let position = t.get(
+            &format!("{e}.position_embeddings.weight"),
+            &[cfg.max_position_embeddings, h],
+        )?;
+        let token_type = t.get(
+            &format!("{e}.token_type_embeddings.weight"),
+            &[cfg.type_vocab_size, h],
+        )?;
+        let emb_norm = Norm::load(t, &format!("{e}.LayerNorm"), h)?;
+        let layers = (0..cfg.num_hidden_layers)
+            .map(|l| {
+                let p = format!("encoder.layer.{l}");
+                let qkv = ["query", "key", "value"]
+                    .iter()
+                    .map(|n| Linear::load(t, &format!("{p}.attention.self.{n}"), h, h))
+                    .collect::<Result<Vec<_>>>()?;
+                Ok(Layer {
+                    qkv: Linear::concat(qkv),
+                    attn_out: Linear::load(t, &format!("{p}.attention.output.dense"), h, h)?,
+                    attn_norm: Norm::load(t, &format!("{p}.attention.output.LayerNorm"), h)?,
+                    ffn_up: Linear::load(t, &format!("{p}.intermediate.dense"), i, h)?,
+                    ffn_down: Linear::load(t, &format!("{p}.output.dense"), h, i)?,
+                    ffn_norm: Norm::load(t, &format!("{p}.output.LayerNorm"), h)?,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Bert {
+            cfg,
+            word,
+            position,
+            token_type,
+            emb_norm,
+            layers,
+        })
+    }
+
+    pub fn config(&self) -> &BertConfig {
+        &self.cfg
+    }
+
+    /// The last hidden state of every token of `seqs`, packed: sequence after sequence,
+    /// `hidden_size` values per token. Token types are all 0, as in sentence-transformers.
+    ///
+    /// Sequences are packed without padding; each attends only to its own tokens, so the
+    /// result equals running them one by one (and a padded, masked batch).
+    pub fn forward(&self, seqs: &[Vec<u32>], pool: &ThreadPool) -> Result<Vec<f32>> {
+        let cfg = &self.cfg;
+        let h = cfg.hidden_size;
+        let mut spans = Vec::with_capacity(seqs.len());
+        let mut x = Vec::new();
+        for s in seqs {
+            if s.len() > cfg.max_position_embeddings {
+                return Err(EmbedError::SequenceTooLong {
+                    len: s.len(),
+                    max: cfg.max_position_embeddings,
+                });
+            }
+            spans.push(Span {
+                start: x.len() / h,
+                len: s.len(),
+            });
+            for (pos, &id) in s.iter().enumerate() {
+                let row = usize::try_from(id)
+                    .ok()
+                    .filter(|&r| r < cfg.vocab_size)
+                    .ok_or(EmbedError::TokenOutOfRange {
+                        id,
+                        vocab_size: cfg.vocab_size,
+                    })?;
+                let w = &self.word[row * h..][..h];
+                let p = &self.position[pos * h..][..h];
+                let t = &self.token_type[..h];
+                // PyTorch's order: (word + token_type) + position.
+                x.extend(w.iter().zip(t).zip(p).map(|((w, t), p)| (w + t) + p));
+            }
+        }
+        let n = x.len() / h;
+        let eps = cfg.layer_norm_eps;
+        let norm = |x: &mut Vec<f32>, nm: &Norm| {
+            par_rows(pool, x, h, |_, row| layer_norm(row, &nm.w, &nm.b, eps));
+        };
+        norm(&mut x, &self.emb_norm);
+
+        for layer in &self.layers {
+            // Self-attention block.
+            let mut qkv = layer.qkv.forward(&x, n, pool)?;
+            add_bias(pool, &mut qkv, &layer.qkv.b, None);
+            let ctx = attention(pool, &qkv, &spans, h, cfg.num_attention_heads);
+            drop(qkv);
+            let mut a = layer.attn_out.forward(&ctx, n, pool)?;
+            residual_norm(pool, &mut a, &layer.attn_out.b, &x, &layer.attn_norm, eps);
+            x = a;
+
+            // Feed-forward block.
+            let mut up = layer.ffn_up.forward(&x, n, pool)?;
+            add_bias(pool, &mut up, &layer.ffn_up.b, Some(cfg.hidden_act));
+            let mut down = layer.ffn_down.forward(&up, n, pool)?;
+            drop(up);
+            residual_norm(pool, &mut down, &layer.ffn_down.b, &x, &layer.ffn_norm, eps);
+            x = down;
+        }
+        Ok(x)
+    }
+}
+
+/// `y = act(y + b)` row by row.
+fn add_bias(pool: &ThreadPool, y: &mut [f32], b: &[f32], act: Option<Activation>) {
+    par_rows(pool, y, b.len(), |_, row| {
+        for (v, &b) in row.iter_mut().zip(b) {
+            *v += b;
+        }
+        if let Some(act) = act {
+            row.iter_mut().for_each(|v| *v = activate(act, *v));
+        }
+    });
+}
+
+/// `y = LayerNorm((y + b) + residual)` row by row, as BertSelfOutput / BertOutput do.
+fn residual_norm(
+    pool: &ThreadPool,
+    y: &mut [f32],
+    b: &[f32],
+    residual: &[f32],
+    nm: &Norm,
+    eps: f32,
+) {
+    let h = b.len();
+    par_rows(pool, y, h, |i, row| {
+        for ((v, &b), &r) in row.iter_mut().zip(b).zip(&residual[i * h..][..h]) {
+            *v = (*v + b) + r;
+        }
+        layer_norm(row, &nm.w, &nm.b, eps);
+    });
+}
