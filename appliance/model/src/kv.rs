@@ -3,13 +3,16 @@
 
 use half::f16;
 
+use engram_kernels::{key_tile_index, KV_TILE};
+
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
 
 /// Keys and values of one sequence, for every layer.
 ///
-/// Layout per layer: `[n_head_kv][capacity][head_dim]`, so one head's keys over all cached tokens
-/// are contiguous for attention. Each slot also records the absolute position its key was
+/// Layout per layer and KV head: values `[capacity][head_dim]`; keys in tiles of
+/// [`KV_TILE`] slots, each tile transposed (`[tile][head_dim][KV_TILE]`), the layout the
+/// attention kernel reads without converting or transposing per call. Each slot also records the absolute position its key was
 /// rotated to; attention masks by position (a query at position `p` sees the slots at positions
 /// `<= p`), which is what lets fusion place stored chunks at arbitrary positions and recompute
 /// interior tokens under an exact causal mask.
@@ -19,6 +22,8 @@ pub struct KvCache {
     n_head_kv: usize,
     head_dim: usize,
     capacity: usize,
+    /// Slots allocated per head: `capacity` rounded up to whole key tiles.
+    stride: usize,
     len: usize,
     positions: Vec<i32>,
     k: Vec<Vec<f16>>,
@@ -28,12 +33,15 @@ pub struct KvCache {
 impl KvCache {
     /// An empty cache with room for `capacity` tokens of the model described by `cfg`.
     pub fn new(cfg: &ModelConfig, capacity: usize) -> KvCache {
-        let per_layer = cfg.n_head_kv * capacity * cfg.head_dim;
+        // Storage in whole key tiles, so every head's tiles start at a tile boundary.
+        let stride = capacity.div_ceil(KV_TILE) * KV_TILE;
+        let per_layer = cfg.n_head_kv * stride * cfg.head_dim;
         KvCache {
             n_layer: cfg.n_layer,
             n_head_kv: cfg.n_head_kv,
             head_dim: cfg.head_dim,
             capacity,
+            stride,
             len: 0,
             positions: Vec::with_capacity(capacity),
             k: (0..cfg.n_layer)
@@ -126,25 +134,36 @@ impl KvCache {
     pub fn write(&mut self, layer: usize, slot: usize, k: &[f32], v: &[f32]) {
         let hd = self.head_dim;
         for h in 0..self.n_head_kv {
-            let at = (h * self.capacity + slot) * hd;
-            for (dst, &src) in self.k[layer][at..at + hd].iter_mut().zip(&k[h * hd..]) {
-                *dst = f16::from_f32(src);
+            let base = h * self.stride * hd;
+            let keys = &mut self.k[layer][base..base + self.stride * hd];
+            for (d, &src) in k[h * hd..(h + 1) * hd].iter().enumerate() {
+                keys[key_tile_index(slot, d, hd)] = f16::from_f32(src);
             }
+            let at = base + slot * hd;
             for (dst, &src) in self.v[layer][at..at + hd].iter_mut().zip(&v[h * hd..]) {
                 *dst = f16::from_f32(src);
             }
         }
     }
 
-    /// Keys of one KV head in one layer, for the first `len` slots: `len * head_dim` values.
+    /// Keys of one KV head in one layer, in the attention kernel's tiled layout, covering the
+    /// first `len` slots (whole tiles).
     pub fn keys(&self, layer: usize, head: usize, len: usize) -> &[f16] {
-        let at = head * self.capacity * self.head_dim;
-        &self.k[layer][at..at + len * self.head_dim]
+        let at = head * self.stride * self.head_dim;
+        &self.k[layer][at..at + len.div_ceil(KV_TILE) * KV_TILE * self.head_dim]
+    }
+
+    /// The key stored in `slot` of one KV head and layer, as f32 (for inspection and tests).
+    pub fn key(&self, layer: usize, head: usize, slot: usize) -> Vec<f32> {
+        let keys = self.keys(layer, head, slot + 1);
+        (0..self.head_dim)
+            .map(|d| keys[key_tile_index(slot, d, self.head_dim)].to_f32())
+            .collect()
     }
 
     /// Values of one KV head in one layer, for the first `len` slots.
     pub fn values(&self, layer: usize, head: usize, len: usize) -> &[f16] {
-        let at = head * self.capacity * self.head_dim;
+        let at = head * self.stride * self.head_dim;
         &self.v[layer][at..at + len * self.head_dim]
     }
 }

@@ -1122,15 +1122,10 @@ fn cache_masks_by_position_not_by_slot_order() {
 /// Layer 0's keys of every slot, one token's KV heads concatenated, as f64.
 fn stored_first_layer_keys(model: &Model, kv: &KvCache) -> Vec<Vec<f64>> {
     let cfg = model.config();
-    let hd = cfg.head_dim;
     (0..kv.len())
         .map(|slot| {
             (0..cfg.n_head_kv)
-                .flat_map(|h| {
-                    kv.keys(0, h, kv.len())[slot * hd..(slot + 1) * hd]
-                        .iter()
-                        .map(|v| v.to_f64())
-                })
+                .flat_map(|h| kv.key(0, h, slot).into_iter().map(f64::from))
                 .collect()
         })
         .collect()

@@ -20,6 +20,11 @@ use crate::pool::ThreadPool;
 /// Cache slots per tile: 64 keys of up to 128 dims in f32 (32 KiB) plus the same of values fit
 /// in L2 next to the scores, and 64 lanes keep four AVX-512 accumulators busy per query row.
 pub const KV_TILE: usize = 64;
+/// Query rows computed together: 4 rows x 64 keys of scores are 16 AVX-512 registers (half of
+/// the register file), and each key row loaded from the tile then feeds 4 rows.
+const ROW_BLOCK: usize = 4;
+/// Output dimensions accumulated together: 4 rows x 64 dims, again 16 AVX-512 registers.
+const DIM_BLOCK: usize = 64;
 /// Query tokens per task: with a GQA group of 4 that is 128 query rows sharing every converted
 /// key/value tile, which amortises the conversion while the scores (128 x 64 f32) stay in L2.
 pub const Q_TILE: usize = 32;
@@ -38,7 +43,9 @@ pub struct Attention<'a> {
     pub q: &'a [f32],
     /// Position of each query token.
     pub q_pos: &'a [i32],
-    /// Per KV head, the keys of the cache, `[len][head_dim]`.
+    /// Per KV head, the keys of the cache in tiles of [`KV_TILE`] slots, each tile transposed:
+    /// `[len.div_ceil(KV_TILE)][head_dim][KV_TILE]` (see [`key_tile_index`]). Lanes of the last
+    /// tile past `len` are never used, whatever they hold.
     pub keys: &'a [&'a [f16]],
     /// Per KV head, the values of the cache, `[len][head_dim]`.
     pub values: &'a [&'a [f16]],
@@ -74,11 +81,22 @@ impl Attention<'_> {
         check("attention key heads", self.n_head_kv, self.keys.len())?;
         check("attention value heads", self.n_head_kv, self.values.len())?;
         for (k, v) in self.keys.iter().zip(self.values) {
-            check("attention keys", len * hd, k.len())?;
+            check(
+                "attention keys",
+                len.div_ceil(KV_TILE) * KV_TILE * hd,
+                k.len(),
+            )?;
             check("attention values", len * hd, v.len())?;
         }
         Ok(())
     }
+}
+
+/// Where the key of cache slot `slot`, dimension `d`, lives in the tiled key layout of
+/// [`Attention::keys`].
+#[inline]
+pub fn key_tile_index(slot: usize, d: usize, head_dim: usize) -> usize {
+    (slot / KV_TILE) * head_dim * KV_TILE + d * KV_TILE + slot % KV_TILE
 }
 
 /// Computes `out[i] = softmax(scale * q_i K^T, masked by position) V` for every query token and
@@ -198,12 +216,8 @@ struct Scratch {
     kt: Vec<f32>,
     /// Values of one tile: `[KV_TILE][head_dim]`.
     v: Vec<f32>,
-    /// Scores of one query row against the tile.
-    s: Vec<f32>,
     /// Key positions of the tile.
     pos: Vec<i32>,
-    /// One converted key row, before it is scattered into `kt`.
-    krow: Vec<f32>,
 }
 
 impl Scratch {
@@ -211,9 +225,7 @@ impl Scratch {
         Scratch {
             kt: vec![0.0; hd * KV_TILE],
             v: vec![0.0; KV_TILE * hd],
-            s: vec![0.0; KV_TILE],
             pos: vec![0; KV_TILE],
-            krow: vec![0.0; hd],
         }
     }
 }
@@ -366,6 +378,8 @@ fn task_kernel(
     let q_max = *q_pos.iter().max().expect("a task has queries");
     let (keys, values) = (a.keys[t.kvh], a.values[t.kvh]);
     let len = a.kv_pos.len();
+    // Stands in for the query of an unused row of a partial block.
+    let zeros = vec![0.0f32; hd];
 
     for (tile, &(lo, hi)) in ranges.iter().enumerate().take(t.t1).skip(t.t0) {
         if lo > q_max {
@@ -375,89 +389,126 @@ fn task_kernel(
         let j0 = tile * KV_TILE;
         let bk = KV_TILE.min(len - j0);
 
-        // Convert the tile: keys transposed, values as they are; pad short tiles with zeros.
-        let krow = &mut sc.krow[..hd];
+        // Convert the tile: keys are stored transposed already; values as they are, with the
+        // rows of a short tile zeroed (their weights are 0, and 0 * inf would be NaN).
+        convert(
+            &keys[tile * hd * KV_TILE..(tile + 1) * hd * KV_TILE],
+            &mut sc.kt,
+        );
         for j in 0..KV_TILE {
             if j < bk {
-                convert(&keys[(j0 + j) * hd..(j0 + j + 1) * hd], krow);
-                for (d, &x) in krow.iter().enumerate() {
-                    sc.kt[d * KV_TILE + j] = x;
-                }
                 convert(
                     &values[(j0 + j) * hd..(j0 + j + 1) * hd],
                     &mut sc.v[j * hd..(j + 1) * hd],
                 );
                 sc.pos[j] = a.kv_pos[j0 + j];
             } else {
-                for d in 0..hd {
-                    sc.kt[d * KV_TILE + j] = 0.0;
-                }
                 sc.v[j * hd..(j + 1) * hd].fill(0.0);
                 sc.pos[j] = i32::MAX;
             }
         }
 
-        for r in 0..rows {
-            let (qi, hg) = (t.q0 + r / group, r % group);
-            let h = t.kvh * group + hg;
-            let q = &a.q[qi * qw + h * hd..qi * qw + (h + 1) * hd];
-            let qp = a.q_pos[qi];
-            if lo > qp {
+        // Query rows in blocks of ROW_BLOCK: each key or value row loaded from the tile feeds
+        // ROW_BLOCK rows of FMAs, with the scores and outputs of the block in registers.
+        for r0 in (0..rows).step_by(ROW_BLOCK) {
+            let nr = ROW_BLOCK.min(rows - r0);
+            let mut qrows: [&[f32]; ROW_BLOCK] = [&zeros[..]; ROW_BLOCK];
+            let mut qpos = [i32::MIN; ROW_BLOCK];
+            for i in 0..nr {
+                let r = r0 + i;
+                let (qi, hg) = (t.q0 + r / group, r % group);
+                let h = t.kvh * group + hg;
+                qrows[i] = &a.q[qi * qw + h * hd..qi * qw + (h + 1) * hd];
+                qpos[i] = a.q_pos[qi];
+            }
+            if qpos[..nr].iter().all(|&p| p < lo) {
                 continue;
             }
-            // Scores: s[j] = scale * sum_d q[d] * kt[d][j].
-            let s: &mut [f32; KV_TILE] = (&mut sc.s[..]).try_into().expect("KV_TILE scores");
-            *s = [0.0; KV_TILE];
-            for (d, &qd) in q.iter().enumerate() {
+
+            // Scores: s[i][j] = sum_d q_i[d] * kt[d][j].
+            let mut s = [[0.0f32; KV_TILE]; ROW_BLOCK];
+            for d in 0..hd {
                 let krow: &[f32; KV_TILE] = sc.kt[d * KV_TILE..(d + 1) * KV_TILE]
                     .try_into()
                     .expect("KV_TILE keys");
-                for (sj, &kj) in s.iter_mut().zip(krow) {
-                    *sj += qd * kj;
+                for (si, q) in s.iter_mut().zip(&qrows) {
+                    let qd = q[d];
+                    for (sj, &kj) in si.iter_mut().zip(krow) {
+                        *sj += qd * kj;
+                    }
                 }
             }
-            let mut tile_max = f32::NEG_INFINITY;
-            if masked || bk < KV_TILE {
-                for (sj, &pj) in s.iter_mut().zip(&sc.pos) {
-                    *sj = if pj <= qp {
-                        *sj * a.scale
-                    } else {
-                        f32::NEG_INFINITY
-                    };
-                    tile_max = tile_max.max(*sj);
+
+            // Mask, online softmax; s becomes the weights p (0 for rows or keys not seen).
+            let mut correction = [1.0f32; ROW_BLOCK];
+            for i in 0..ROW_BLOCK {
+                let si = &mut s[i];
+                if i >= nr || qpos[i] < lo {
+                    *si = [0.0; KV_TILE];
+                    continue;
                 }
-            } else {
-                for v in s.iter_mut() {
-                    *v *= a.scale;
-                    tile_max = tile_max.max(*v);
+                let qp = qpos[i];
+                let mut tile_max = f32::NEG_INFINITY;
+                if masked || bk < KV_TILE {
+                    for (sj, &pj) in si.iter_mut().zip(&sc.pos) {
+                        *sj = if pj <= qp {
+                            *sj * a.scale
+                        } else {
+                            f32::NEG_INFINITY
+                        };
+                        tile_max = tile_max.max(*sj);
+                    }
+                } else {
+                    for v in si.iter_mut() {
+                        *v *= a.scale;
+                        tile_max = tile_max.max(*v);
+                    }
                 }
-            }
-            if tile_max == f32::NEG_INFINITY {
-                continue;
-            }
-            // Online softmax: rescale what was accumulated if the maximum grew.
-            let m_new = m[r].max(tile_max);
-            let correction = if m[r] == f32::NEG_INFINITY {
-                0.0
-            } else {
-                (m[r] - m_new).exp()
-            };
-            let mut sum = 0.0f32;
-            for v in s.iter_mut() {
-                *v = exp_approx(*v - m_new);
-                sum += *v;
-            }
-            l[r] = l[r] * correction + sum;
-            m[r] = m_new;
-            let orow = &mut o[r * hd..(r + 1) * hd];
-            if correction != 1.0 {
-                orow.iter_mut().for_each(|x| *x *= correction);
-            }
-            for (j, &p) in s.iter().enumerate().take(bk) {
-                let vrow = &sc.v[j * hd..(j + 1) * hd];
-                for (x, &v) in orow.iter_mut().zip(vrow) {
-                    *x += p * v;
+                if tile_max == f32::NEG_INFINITY {
+                    *si = [0.0; KV_TILE];
+                    continue;
                 }
+                let r = r0 + i;
+                let m_new = m[r].max(tile_max);
+                correction[i] = if m[r] == f32::NEG_INFINITY {
+                    0.0
+                } else {
+                    (m[r] - m_new).exp()
+                };
+                let mut sum = 0.0f32;
+                for v in si.iter_mut() {
+                    *v = exp_approx(*v - m_new);
+                    sum += *v;
+                }
+                l[r] = l[r] * correction[i] + sum;
+                m[r] = m_new;
+            }
+
+            // Outputs: o_i = o_i * correction_i + sum_j p_i[j] * v[j], DIM_BLOCK dims at a time.
+            let mut d0 = 0;
+            while d0 < hd {
+                let w = DIM_BLOCK.min(hd - d0);
+                let mut acc = [[0.0f32; DIM_BLOCK]; ROW_BLOCK];
+                for i in 0..nr {
+                    let orow = &o[(r0 + i) * hd + d0..(r0 + i) * hd + d0 + w];
+                    for (x, &y) in acc[i].iter_mut().zip(orow) {
+                        *x = y * correction[i];
+                    }
+                }
+                for j in 0..bk {
+                    let mut vrow = [0.0f32; DIM_BLOCK];
+                    vrow[..w].copy_from_slice(&sc.v[j * hd + d0..j * hd + d0 + w]);
+                    for (acci, si) in acc.iter_mut().zip(&s) {
+                        let p = si[j];
+                        for (x, &v) in acci.iter_mut().zip(&vrow) {
+                            *x += p * v;
+                        }
+                    }
+                }
+                for i in 0..nr {
+                    o[(r0 + i) * hd + d0..(r0 + i) * hd + d0 + w].copy_from_slice(&acc[i][..w]);
+                }
+                d0 += w;
             }
         }
     }
@@ -514,10 +565,9 @@ mod tests {
                 let scores: Vec<f64> = vis
                     .iter()
                     .map(|&j| {
-                        let k = &a.keys[kvh][j * hd..(j + 1) * hd];
                         q.iter()
-                            .zip(k)
-                            .map(|(&x, y)| f64::from(x) * f64::from(y.to_f32()))
+                            .enumerate()
+                            .map(|(d, &x)| f64::from(x) * f64::from(key_of(a.keys[kvh], j, d, hd)))
                             .sum::<f64>()
                             * f64::from(a.scale)
                     })
@@ -536,6 +586,26 @@ mod tests {
             }
         }
         out
+    }
+
+    /// Rearranges `[len][hd]` keys into the tiled layout, filling unused lanes with `fill`.
+    fn tile_keys(k: Vec<Vec<f16>>, len: usize, hd: usize, fill: f16) -> Vec<Vec<f16>> {
+        k.into_iter()
+            .map(|rows| {
+                let mut t = vec![fill; len.div_ceil(KV_TILE) * KV_TILE * hd];
+                for slot in 0..len {
+                    for d in 0..hd {
+                        t[key_tile_index(slot, d, hd)] = rows[slot * hd + d];
+                    }
+                }
+                t
+            })
+            .collect()
+    }
+
+    /// The key of `slot` from the tiled layout.
+    fn key_of(k: &[f16], slot: usize, d: usize, hd: usize) -> f32 {
+        k[key_tile_index(slot, d, hd)].to_f32()
     }
 
     struct Case {
@@ -562,6 +632,8 @@ mod tests {
         let k = (0..n_head_kv)
             .map(|_| (0..len * hd).map(|_| f16::from_f32(2.0 * rnd())).collect())
             .collect();
+        // Garbage in the unused lanes of the last tile must not matter.
+        let k = tile_keys(k, len, hd, f16::INFINITY);
         let v = (0..n_head_kv)
             .map(|_| (0..len * hd).map(|_| f16::from_f32(rnd())).collect())
             .collect();
@@ -703,7 +775,7 @@ mod tests {
     #[test]
     fn bad_shapes_are_errors() {
         let c = case(1, 2, 4, 1, 2, 16);
-        let keys: Vec<&[f16]> = c.k.iter().map(|v| &v[..3]).collect();
+        let keys: Vec<&[f16]> = c.k.iter().map(|v| &v[..3]).collect(); // too short
         let values: Vec<&[f16]> = c.v.iter().map(|v| &v[..]).collect();
         let a = Attention {
             n_head: 2,

@@ -51,12 +51,12 @@ mod matmul;
 mod pool;
 mod quantize;
 
-pub use attention::{attention, Attention, KV_TILE, Q_TILE};
+pub use attention::{attention, key_tile_index, Attention, KV_TILE, Q_TILE};
 pub use dequant::dequantize_row;
 pub use dot::{vec_dot, vec_dot_f32};
 pub use dtype::{GgmlType, QK_K};
 pub use error::{KernelError, Result};
 pub use half::{bf16, f16};
-pub use matmul::{embedding_row, matmul, QMatrix};
+pub use matmul::{embedding_row, matmul, matmul_many, QMatrix};
 pub use pool::ThreadPool;
 pub use quantize::{quantize_activations, quantize_row};
