@@ -176,9 +176,12 @@ impl Model {
         for (li, layer) in self.weights.layers.iter().enumerate() {
             // Attention block.
             rms_norm(&s.x, &layer.attn_norm, cfg.rms_eps, &mut s.h);
-            self.matmul(&layer.wq, &s.h, n, &mut s.q)?;
-            self.matmul(&layer.wk, &s.h, n, &mut s.k)?;
-            self.matmul(&layer.wv, &s.h, n, &mut s.v)?;
+            self.matmul_many(
+                &[&layer.wq, &layer.wk, &layer.wv],
+                &s.h,
+                n,
+                &mut [&mut s.q, &mut s.k, &mut s.v],
+            )?;
             for (buf, bias) in [
                 (&mut s.q, &layer.bq),
                 (&mut s.k, &layer.bk),
@@ -213,8 +216,12 @@ impl Model {
 
             // Feed-forward block.
             rms_norm(&s.x, &layer.ffn_norm, cfg.rms_eps, &mut s.h);
-            self.matmul(&layer.w_gate, &s.h, n, &mut s.gate)?;
-            self.matmul(&layer.w_up, &s.h, n, &mut s.up)?;
+            self.matmul_many(
+                &[&layer.w_gate, &layer.w_up],
+                &s.h,
+                n,
+                &mut [&mut s.gate, &mut s.up],
+            )?;
             swiglu(&mut s.gate, &s.up);
             self.matmul(&layer.w_down, &s.gate, n, &mut s.proj)?;
             add_assign(&mut s.x, &s.proj);
@@ -236,6 +243,20 @@ impl Model {
     fn matmul(&self, w: &Matrix, x: &[f32], n: usize, out: &mut [f32]) -> Result<()> {
         let view = w.view(&self.weights.file);
         engram_kernels::matmul(&view, x, n, out, &self.pool)?;
+        Ok(())
+    }
+
+    /// Several matrices times the same input in one kernel call (quantised once, one pool
+    /// dispatch when their types match): `outs[i] = ws[i] * x`, as `matmul` on each would give.
+    fn matmul_many(
+        &self,
+        ws: &[&Matrix],
+        x: &[f32],
+        n: usize,
+        outs: &mut [&mut [f32]],
+    ) -> Result<()> {
+        let views: Vec<_> = ws.iter().map(|w| w.view(&self.weights.file)).collect();
+        engram_kernels::matmul_many(&views, x, n, outs, &self.pool)?;
         Ok(())
     }
 

@@ -111,22 +111,7 @@ fn matmul_on(
     pool: &ThreadPool,
     bytes_per_task: usize,
 ) -> Result<()> {
-    let wrb = w.validate()?;
-    let expect = |what, expected: Option<usize>, actual| match expected {
-        None => Err(KernelError::Overflow { what }),
-        Some(e) if e != actual => Err(KernelError::LengthMismatch {
-            what,
-            expected: e,
-            actual,
-        }),
-        Some(_) => Ok(()),
-    };
-    expect("matmul x elements", n_tokens.checked_mul(w.cols), x.len())?;
-    expect(
-        "matmul out elements",
-        n_tokens.checked_mul(w.rows),
-        out.len(),
-    )?;
+    let wrb = check_shapes(w, x, n_tokens, out.len())?;
     if n_tokens == 0 || w.rows == 0 {
         return Ok(());
     }
@@ -189,6 +174,78 @@ fn matmul_on(
         }
     });
     Ok(())
+}
+
+/// Validates `w` and the lengths of `x` and `out` for `n_tokens` tokens; returns `w`'s row size.
+fn check_shapes(w: &QMatrix<'_>, x: &[f32], n_tokens: usize, out_len: usize) -> Result<usize> {
+    let wrb = w.validate()?;
+    let expect = |what, expected: Option<usize>, actual| match expected {
+        None => Err(KernelError::Overflow { what }),
+        Some(e) if e != actual => Err(KernelError::LengthMismatch {
+            what,
+            expected: e,
+            actual,
+        }),
+        Some(_) => Ok(()),
+    };
+    expect("matmul x elements", n_tokens.checked_mul(w.cols), x.len())?;
+    expect("matmul out elements", n_tokens.checked_mul(w.rows), out_len)?;
+    Ok(wrb)
+}
+
+/// Several matrices times the same activations: `outs[i]` gets [`matmul`]`(ws[i], x)`, bit for
+/// bit. When the matrices share a type and width with a tiled kernel (a layer's Q/K/V, or its
+/// gate/up projections), `x` is quantised once and all their tasks run in one pool dispatch,
+/// which at one token (decode) saves the per-call quantisation and thread synchronisation;
+/// otherwise it is `matmul` on each in turn.
+pub fn matmul_many(
+    ws: &[QMatrix<'_>],
+    x: &[f32],
+    n_tokens: usize,
+    outs: &mut [&mut [f32]],
+    pool: &ThreadPool,
+) -> Result<()> {
+    matmul_many_on(Isa::detected(), ws, x, n_tokens, outs, pool)
+}
+
+/// [`matmul_many`] on a given ISA (tests force ISAs).
+fn matmul_many_on(
+    isa: Isa,
+    ws: &[QMatrix<'_>],
+    x: &[f32],
+    n_tokens: usize,
+    outs: &mut [&mut [f32]],
+    pool: &ThreadPool,
+) -> Result<()> {
+    if ws.len() != outs.len() {
+        return Err(KernelError::LengthMismatch {
+            what: "matmul_many outputs",
+            expected: ws.len(),
+            actual: outs.len(),
+        });
+    }
+    for (w, out) in ws.iter().zip(outs.iter()) {
+        check_shapes(w, x, n_tokens, out.len())?;
+    }
+    let Some(first) = ws.first() else {
+        return Ok(());
+    };
+    let fused = ws.iter().all(|w| w.ty == first.ty && w.cols == first.cols)
+        && first.cols > 0
+        && n_tokens > 0
+        && gemm::has_tiled(isa);
+    match (gemm::fmt_of(first.ty), fused) {
+        (Some(fmt), true) => {
+            let mats: Vec<(&[u8], usize)> = ws.iter().map(|w| (w.data, w.rows)).collect();
+            gemm::matmul_tiled_many(isa, fmt, &mats, first.cols, x, n_tokens, outs, pool)
+        }
+        _ => {
+            for (w, out) in ws.iter().zip(outs.iter_mut()) {
+                matmul_on(isa, w, x, n_tokens, out, pool, DOT_BYTES_PER_TASK)?;
+            }
+            Ok(())
+        }
+    }
 }
 
 /// A run of tokens' quantised activations and their f32 source, quantised by one task.
@@ -308,6 +365,47 @@ mod tests {
                     let mut single = vec![f32::NAN; rows];
                     matmul_on(isa, &w, &x[..cols], 1, &mut single, &pool, 0).unwrap();
                     prop_assert_eq!(&single[..], &out[..rows], "{:?} threads={}", isa, threads);
+                }
+            }
+        }
+
+        /// `matmul_many` equals `matmul` on each matrix bit for bit, on every ISA and thread
+        /// count, over ragged row counts (including an empty matrix) and mixed types (which
+        /// take the unfused path).
+        #[test]
+        fn matmul_many_matches_separate_matmuls(
+            ty in prop::sample::select(vec![GgmlType::Q4_1, GgmlType::Q8_0, GgmlType::Q4K]),
+            mixed in any::<bool>(),
+            rows in prop::collection::vec(0usize..23, 1..4),
+            n_tokens in 1usize..4,
+            seed in any::<u8>(),
+            xs in prop::collection::vec(-2.0f32..2.0, 3 * 256),
+        ) {
+            let cols = 256;
+            let tys: Vec<GgmlType> = (0..rows.len())
+                .map(|i| if mixed && i == 1 { GgmlType::Q8_0 } else { ty })
+                .collect();
+            let data: Vec<Vec<u8>> = rows.iter().zip(&tys).enumerate()
+                .map(|(i, (&r, &t))| weights(t, r, cols, seed.wrapping_add(i as u8)))
+                .collect();
+            let ws: Vec<QMatrix<'_>> = data.iter().zip(&rows).zip(&tys)
+                .map(|((d, &r), &t)| QMatrix::new(t, r, cols, d).unwrap())
+                .collect();
+            let x = &xs[..n_tokens * cols];
+            for threads in [1, 2, 3] {
+                let pool = ThreadPool::new(threads).unwrap();
+                for isa in Isa::available() {
+                    let mut outs: Vec<Vec<f32>> =
+                        rows.iter().map(|&r| vec![f32::NAN; r * n_tokens]).collect();
+                    let mut refs: Vec<&mut [f32]> =
+                        outs.iter_mut().map(|o| &mut o[..]).collect();
+                    matmul_many_on(isa, &ws, x, n_tokens, &mut refs, &pool).unwrap();
+                    for (w, got) in ws.iter().zip(&outs) {
+                        let mut one = vec![f32::NAN; w.rows * n_tokens];
+                        matmul_on(isa, w, x, n_tokens, &mut one, &pool, DOT_BYTES_PER_TASK)
+                            .unwrap();
+                        prop_assert_eq!(&one, got, "{:?} threads={}", isa, threads);
+                    }
                 }
             }
         }

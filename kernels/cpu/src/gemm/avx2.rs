@@ -13,6 +13,11 @@ const R_MAX: usize = 2;
 /// Tokens per register tile (see `R_MAX`).
 const T_MAX: usize = 4;
 
+/// Up to this many tokens per task the kernels read the ggml blocks directly, unpacking in
+/// registers (decode); beyond, each row is unpacked once into a buffer and reused for every
+/// token tile, as in the AVX-512 kernels.
+const RAW_MAX_TOKENS: usize = T_MAX;
+
 /// Computes `s` into `out` with the AVX2 kernels.
 pub(super) fn run_span(s: &Span<'_>, out: OutPtr) {
     // SAFETY: `Isa::Avx2` (the only caller's dispatch arm) is chosen only after runtime
@@ -35,22 +40,36 @@ fn span_fmt<const F: u8>(s: &Span<'_>, out: OutPtr) {
     let g = &s.g;
     let ws = g.wstride();
     let xs = g.xstride();
-    with_wbuf(R_MAX * ws, |wbuf| {
+    let direct = s.tokens.len() <= RAW_MAX_TOKENS;
+    with_wbuf(if direct { 0 } else { R_MAX * ws }, |wbuf| {
         let mut r0 = s.rows.start;
         while r0 < s.rows.end {
             let nr = R_MAX.min(s.rows.end - r0);
-            for i in 0..nr {
-                let row = &s.w[(r0 + i) * s.wrb..(r0 + i + 1) * s.wrb];
-                unpack_row(g, row, &mut wbuf[i * ws..(i + 1) * ws]);
+            let row = |i: usize| &s.w[(r0 + i) * s.wrb..(r0 + i + 1) * s.wrb];
+            if direct {
+                prefetch_rows(s.w, (r0 + R_MAX) * s.wrb, nr * s.wrb);
+            } else {
+                for i in 0..nr {
+                    unpack_row(g, row(i), &mut wbuf[i * ws..(i + 1) * ws]);
+                }
             }
+            let unpacked = Unpacked {
+                w: &wbuf[..],
+                ws,
+                np: g.np,
+            };
             let mut t0 = s.tokens.start;
             while t0 < s.tokens.end {
                 let nt = T_MAX.min(s.tokens.end - t0);
                 let x = &s.panel[t0 * xs..(t0 + nt) * xs];
-                let w = &wbuf[..nr * ws];
                 macro_rules! tile {
                     ($r:literal, $t:literal) => {{
-                        let acc = tile::<F, $r, $t>(w, ws, x, xs, g.np, g.nc);
+                        let acc = if direct {
+                            let raw = Raw::<F, $r>::new(std::array::from_fn(row), g.nb);
+                            tile::<F, $r, $t>(&raw, x, xs, g.np, g.nc)
+                        } else {
+                            tile::<F, $r, $t>(&unpacked, x, xs, g.np, g.nc)
+                        };
                         for (i, row) in acc.iter().enumerate() {
                             for (j, v) in row.iter().enumerate() {
                                 // SAFETY: this task owns rows `s.rows` x tokens `s.tokens`.
@@ -74,6 +93,186 @@ fn span_fmt<const F: u8>(s: &Span<'_>, out: OutPtr) {
             r0 += nr;
         }
     });
+}
+
+/// Prefetches `len` bytes of `w` from `start` into L1 (the part inside `w`; nothing past it):
+/// the next row tile in the direct path, as in the AVX-512 kernels.
+#[inline(always)]
+fn prefetch_rows(w: &[u8], start: usize, len: usize) {
+    let end = (start + len).min(w.len());
+    let mut o = start;
+    while o < end {
+        // SAFETY: `o < w.len()`, so the pointer is inside `w`; a prefetch never faults and
+        // reads nothing architecturally. SSE is baseline on x86_64.
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(w.as_ptr().add(o).cast()) };
+        o += 64;
+    }
+}
+
+/// Where a tile's weight vectors come from, as in `avx512`: unpacked rows ([`Unpacked`],
+/// prefill) or the ggml blocks ([`Raw`], decode), giving exactly the same vectors.
+///
+/// The methods are only called from `tile`, which enables every feature they use.
+trait WSrc {
+    /// Quants of row `r`, pair `k`: both 256-bit halves of the chunk.
+    fn q(&self, r: usize, k: usize) -> [__m256i; 2];
+    /// Scales `[d0 x4, d1 x4]` of row `r`, pair `k`.
+    fn d(&self, r: usize, k: usize) -> __m256;
+    /// Q4_1 mins of row `r`, blocks `16 c .. 16 c + 16`, as two halves of 8.
+    fn m(&self, r: usize, c: usize) -> [__m256; 2];
+}
+
+/// Rows unpacked by `unpack_row`: `w[r * ws ..]`, `np` pairs of 2 chunks then the mins.
+struct Unpacked<'a> {
+    w: &'a [Chunk],
+    ws: usize,
+    np: usize,
+}
+
+impl WSrc for Unpacked<'_> {
+    #[inline(always)]
+    fn q(&self, r: usize, k: usize) -> [__m256i; 2] {
+        let c = &self.w[r * self.ws + k * 2];
+        [ld(c, 0), ld(c, 1)]
+    }
+    #[inline(always)]
+    fn d(&self, r: usize, k: usize) -> __m256 {
+        ldps(&self.w[r * self.ws + k * 2 + 1], 0)
+    }
+    #[inline(always)]
+    fn m(&self, r: usize, c: usize) -> [__m256; 2] {
+        let m = &self.w[r * self.ws + self.np * 2 + c];
+        [ldps(m, 0), ldps(m, 1)]
+    }
+}
+
+/// Rows in ggml layout, unpacked in registers on the fly; built only by [`Raw::new`], which
+/// checks the row lengths that the unchecked loads rely on.
+struct Raw<'a, const F: u8, const R: usize> {
+    rows: [&'a [u8]; R],
+    nb: usize,
+}
+
+impl<'a, const F: u8, const R: usize> Raw<'a, F, R> {
+    const BS: usize = match F {
+        Q4_0 => 18,
+        Q4_1 => 20,
+        _ => 34,
+    };
+    const QO: usize = if F == Q4_1 { 4 } else { 2 };
+
+    /// # Panics
+    ///
+    /// If a row is shorter than `nb` blocks.
+    #[inline(always)]
+    fn new(rows: [&'a [u8]; R], nb: usize) -> Self {
+        assert!(
+            rows.iter().all(|r| r.len() >= nb * Self::BS),
+            "weight row shorter than {nb} blocks"
+        );
+        Raw { rows, nb }
+    }
+
+    /// Block `b` of row `r` (`BS` bytes), or `None` past the end (the missing half of a pair).
+    #[inline(always)]
+    fn block(&self, r: usize, b: usize) -> Option<&[u8]> {
+        (b < self.nb).then(|| &self.rows[r][b * Self::BS..(b + 1) * Self::BS])
+    }
+
+    /// Pointer to block `b` of row `r`: `BS` readable bytes when `b < nb` (see `new`).
+    #[inline(always)]
+    fn ptr(&self, r: usize, b: usize) -> *const u8 {
+        self.rows[r].as_ptr().wrapping_add(b * Self::BS)
+    }
+}
+
+/// 16 bytes at `off` of block `b` (zeros for a missing block).
+#[inline(always)]
+fn ld16(b: Option<&[u8]>, off: usize) -> __m128i {
+    match b {
+        Some(b) => {
+            let v: &[u8; 16] = b[off..off + 16].try_into().expect("16 bytes in block");
+            // SAFETY: 16 readable bytes; `loadu` has no alignment requirement; SSE2 is baseline.
+            unsafe { _mm_loadu_si128(v.as_ptr().cast()) }
+        }
+        // SAFETY: SSE2 is baseline on x86_64.
+        None => unsafe { _mm_setzero_si128() },
+    }
+}
+
+/// The f16 bits at `off` of block `b` (0 for a missing block).
+#[inline(always)]
+fn h16(b: Option<&[u8]>, off: usize) -> u16 {
+    b.map_or(0, |b| u16::from_le_bytes([b[off], b[off + 1]]))
+}
+
+impl<const F: u8, const R: usize> WSrc for Raw<'_, F, R> {
+    #[inline(always)]
+    fn q(&self, r: usize, k: usize) -> [__m256i; 2] {
+        let (b0, b1) = (2 * k, 2 * k + 1);
+        let (lo0, lo1, hi0, hi1) = if b1 < self.nb {
+            let (p0, p1) = (self.ptr(r, b0), self.ptr(r, b1));
+            // SAFETY: both blocks are in the row (`b1 < nb`, `new` checked the length); the
+            // loads read bytes `QO..QO + 32` (Q8_0) or `QO..QO + 16` (Q4) of a `BS`-byte block.
+            // SSE2 is baseline.
+            unsafe {
+                let l0 = _mm_loadu_si128(p0.add(Self::QO).cast());
+                let l1 = _mm_loadu_si128(p1.add(Self::QO).cast());
+                if F == Q8_0 {
+                    let h0 = _mm_loadu_si128(p0.add(Self::QO + 16).cast());
+                    let h1 = _mm_loadu_si128(p1.add(Self::QO + 16).cast());
+                    (l0, l1, h0, h1)
+                } else {
+                    (l0, l1, l0, l1)
+                }
+            }
+        } else {
+            let (c0, c1) = (self.block(r, b0), self.block(r, b1));
+            let (l0, l1) = (ld16(c0, Self::QO), ld16(c1, Self::QO));
+            if F == Q8_0 {
+                (l0, l1, ld16(c0, Self::QO + 16), ld16(c1, Self::QO + 16))
+            } else {
+                (l0, l1, l0, l1)
+            }
+        };
+        // SAFETY: only called from `tile`, which enables AVX2.
+        unsafe {
+            let lo = _mm256_set_m128i(lo1, lo0);
+            if F == Q8_0 {
+                return [lo, _mm256_set_m128i(hi1, hi0)];
+            }
+            let m = _mm256_set1_epi8(0x0F);
+            [
+                _mm256_and_si256(lo, m),
+                _mm256_and_si256(_mm256_srli_epi16::<4>(lo), m),
+            ]
+        }
+    }
+    #[inline(always)]
+    fn d(&self, r: usize, k: usize) -> __m256 {
+        let bits =
+            h16(self.block(r, 2 * k), 0) as i32 | (h16(self.block(r, 2 * k + 1), 0) as i32) << 16;
+        // SAFETY: only called from `tile`, which enables AVX2 and F16C.
+        unsafe {
+            let d01 = _mm_cvtph_ps(_mm_cvtsi32_si128(bits));
+            let idx = _mm256_set_epi32(1, 1, 1, 1, 0, 0, 0, 0);
+            _mm256_permutevar8x32_ps(_mm256_castps128_ps256(d01), idx)
+        }
+    }
+    #[inline(always)]
+    fn m(&self, r: usize, c: usize) -> [__m256; 2] {
+        let mut h = [0u16; 16];
+        for (l, v) in h.iter_mut().enumerate() {
+            *v = h16(self.block(r, 16 * c + l), 2);
+        }
+        // SAFETY: `h` is 32 readable bytes; only called from `tile`, which enables F16C/AVX.
+        unsafe {
+            [
+                _mm256_cvtph_ps(_mm_loadu_si128(h.as_ptr().cast())),
+                _mm256_cvtph_ps(_mm_loadu_si128(h.as_ptr().add(8).cast())),
+            ]
+        }
+    }
 }
 
 /// Loads half `h` (0 or 1) of a chunk as 8 i32 / 32 i8 lanes.
@@ -110,23 +309,20 @@ fn hsum(v: __m256) -> f32 {
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 fn tile<const F: u8, const R: usize, const T: usize>(
-    w: &[Chunk],
-    ws: usize,
+    w: &impl WSrc,
     x: &[Chunk],
     xs: usize,
     np: usize,
     nc: usize,
 ) -> [[f32; T]; R] {
-    let wf = 2;
     let xf = if F == Q4_0 { 3 } else { 2 };
-    assert!(w.len() >= R * ws && x.len() >= T * xs && ws >= np * wf + nc && xs >= np * xf + nc);
+    assert!(x.len() >= T * xs && xs >= np * xf + nc);
     let ones = _mm256_set1_epi16(1);
     let mut acc = [[_mm256_setzero_ps(); T]; R];
     for k in 0..np {
         for r in 0..R {
-            let b = r * ws + k * wf;
-            let wq = [ld(&w[b], 0), ld(&w[b], 1)];
-            let wd = ldps(&w[b + 1], 0);
+            let wq = w.q(r, k);
+            let wd = w.d(r, k);
             // Q8_0: maddubs wants one unsigned operand; move w's sign onto x.
             let wa = if F == Q8_0 {
                 [
@@ -158,11 +354,11 @@ fn tile<const F: u8, const R: usize, const T: usize>(
     if F == Q4_1 {
         for c in 0..nc {
             for r in 0..R {
-                let m = &w[r * ws + np * wf + c];
+                let m = w.m(r, c);
                 for t in 0..T {
                     let s = &x[t * xs + np * xf + c];
                     for h in 0..2 {
-                        acc[r][t] = _mm256_fmadd_ps(ldps(m, h), ldps(s, h), acc[r][t]);
+                        acc[r][t] = _mm256_fmadd_ps(m[h], ldps(s, h), acc[r][t]);
                     }
                 }
             }

@@ -21,6 +21,27 @@ const T_MAX: usize = 4;
 /// single token tile (decode and short calls).
 const RAW_MAX_TOKENS: usize = T_MAX;
 
+/// How far ahead (in rows) the direct (decode) path prefetches the weights: the next register
+/// tile's rows, issued before the current tile is computed. Without it a 30-layer Q4_1 decode
+/// sweep (66 MB, streamed from DRAM) ran at ~6.5 GB/s on one Zen 4 core, with it ~9.6 GB/s;
+/// one tile ahead measured as good as or better than 2, 4 or 8 tiles (8 tiles was ~10% slower
+/// on 2 threads), since the hardware prefetcher covers the longer range once a task's
+/// contiguous rows are streaming.
+const PREFETCH_ROWS: usize = R_MAX;
+
+/// Prefetches `len` bytes of `w` from `start` into L1 (the part inside `w`; nothing past it).
+#[inline(always)]
+fn prefetch_rows(w: &[u8], start: usize, len: usize) {
+    let end = (start + len).min(w.len());
+    let mut o = start;
+    while o < end {
+        // SAFETY: `o < w.len()`, so the pointer is inside `w`; a prefetch never faults and
+        // reads nothing architecturally. SSE is baseline on x86_64.
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(w.as_ptr().add(o).cast()) };
+        o += 64;
+    }
+}
+
 /// Computes `s` into `out` with the VNNI kernels.
 pub(super) fn run_span(s: &Span<'_>, out: OutPtr) {
     // SAFETY: `Isa::Avx512` (the only caller's dispatch arm) is chosen only after runtime
@@ -48,6 +69,9 @@ fn span_fmt<const F: u8>(s: &Span<'_>, out: OutPtr) {
         let mut r0 = s.rows.start;
         while r0 < s.rows.end {
             let nr = R_MAX.min(s.rows.end - r0);
+            if direct {
+                prefetch_rows(s.w, (r0 + PREFETCH_ROWS) * s.wrb, nr * s.wrb);
+            }
             let row = |i: usize| &s.w[(r0 + i) * s.wrb..(r0 + i + 1) * s.wrb];
             if !direct {
                 for i in 0..nr {
@@ -67,10 +91,7 @@ fn span_fmt<const F: u8>(s: &Span<'_>, out: OutPtr) {
                 macro_rules! tile {
                     ($r:literal, $t:literal) => {{
                         let acc = if direct {
-                            let raw = Raw::<F, $r> {
-                                rows: std::array::from_fn(row),
-                                nb: g.nb,
-                            };
+                            let raw = Raw::<F, $r>::new(std::array::from_fn(row), g.nb);
                             tile::<F, $r, $t>(&raw, x, xs, g.np, g.nc)
                         } else {
                             tile::<F, $r, $t>(&unpacked, x, xs, g.np, g.nc)
@@ -179,14 +200,16 @@ impl WSrc for Unpacked<'_> {
     }
 }
 
-/// Rows in ggml layout (`rows[r]`, `nb` blocks of `bs` bytes, quants at `qo`), unpacked in
-/// registers on the fly.
+/// Rows in ggml layout (`rows[r]`, `nb` blocks of `BS` bytes, quants at `QO`), unpacked in
+/// registers on the fly. Built only by [`Raw::new`], which checks that every row holds `nb`
+/// blocks, so the hot path reads whole block pairs through raw pointers without per-load
+/// bounds checks; only the missing half of an odd last pair takes the checked path.
 struct Raw<'a, const F: u8, const R: usize> {
     rows: [&'a [u8]; R],
     nb: usize,
 }
 
-impl<const F: u8, const R: usize> Raw<'_, F, R> {
+impl<'a, const F: u8, const R: usize> Raw<'a, F, R> {
     const BS: usize = match F {
         Q4_0 => 18,
         Q4_1 => 20,
@@ -194,10 +217,34 @@ impl<const F: u8, const R: usize> Raw<'_, F, R> {
     };
     const QO: usize = if F == Q4_1 { 4 } else { 2 };
 
+    /// # Panics
+    ///
+    /// If a row is shorter than `nb` blocks (the invariant the unchecked loads rely on).
+    #[inline(always)]
+    fn new(rows: [&'a [u8]; R], nb: usize) -> Self {
+        assert!(
+            rows.iter().all(|r| r.len() >= nb * Self::BS),
+            "weight row shorter than {nb} blocks"
+        );
+        Raw { rows, nb }
+    }
+
     /// Block `b` of row `r`, or `None` past the end (the missing half of a last pair).
     #[inline(always)]
     fn block(&self, r: usize, b: usize) -> Option<&[u8]> {
         (b < self.nb).then(|| &self.rows[r][b * Self::BS..(b + 1) * Self::BS])
+    }
+
+    /// Pointer to block `b` of row `r`: `BS` readable bytes when `b < nb` (see `new`).
+    #[inline(always)]
+    fn ptr(&self, r: usize, b: usize) -> *const u8 {
+        self.rows[r].as_ptr().wrapping_add(b * Self::BS)
+    }
+
+    /// Whether pair `k` has both blocks (every pair but the last of an odd block count).
+    #[inline(always)]
+    fn full(&self, k: usize) -> bool {
+        2 * k + 1 < self.nb
     }
 }
 
@@ -224,6 +271,25 @@ fn h16(b: Option<&[u8]>, off: usize) -> u16 {
 impl<const F: u8, const R: usize> WSrc for Raw<'_, F, R> {
     #[inline(always)]
     fn q(&self, r: usize, k: usize) -> __m512i {
+        if self.full(k) {
+            let (p0, p1) = (self.ptr(r, 2 * k), self.ptr(r, 2 * k + 1));
+            // SAFETY: blocks `2k` and `2k + 1` are in the row (`full`, and `new` checked the
+            // row length), and the loads read bytes `QO..QO + 32` (Q8_0) or `QO..QO + 16` (Q4)
+            // of a `BS`-byte block; `loadu` has no alignment requirement. Only called from
+            // `tile`, which enables AVX-512F/BW and AVX2.
+            unsafe {
+                if F == Q8_0 {
+                    let a = _mm512_castsi256_si512(_mm256_loadu_si256(p0.add(Self::QO).cast()));
+                    let b = _mm512_castsi256_si512(_mm256_loadu_si256(p1.add(Self::QO).cast()));
+                    let idx = _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0);
+                    return _mm512_permutex2var_epi64(a, idx, b);
+                }
+                let v = _mm256_loadu2_m128i(p1.add(Self::QO).cast(), p0.add(Self::QO).cast());
+                let v =
+                    _mm512_inserti64x4::<1>(_mm512_castsi256_si512(v), _mm256_srli_epi16::<4>(v));
+                return _mm512_and_si512(v, _mm512_set1_epi8(0x0F));
+            }
+        }
         let (b0, b1) = (self.block(r, 2 * k), self.block(r, 2 * k + 1));
         // SAFETY: only called from `tile`, which enables AVX-512F/BW and AVX2.
         unsafe {
@@ -243,8 +309,18 @@ impl<const F: u8, const R: usize> WSrc for Raw<'_, F, R> {
     }
     #[inline(always)]
     fn d(&self, r: usize, k: usize) -> __m512 {
-        let (b0, b1) = (self.block(r, 2 * k), self.block(r, 2 * k + 1));
-        let bits = h16(b0, 0) as i32 | (h16(b1, 0) as i32) << 16;
+        let bits = if self.full(k) {
+            // SAFETY: both blocks are in the row (`full`, `new`); each starts with its f16
+            // scale, read unaligned.
+            unsafe {
+                let d0 = self.ptr(r, 2 * k).cast::<u16>().read_unaligned();
+                let d1 = self.ptr(r, 2 * k + 1).cast::<u16>().read_unaligned();
+                d0 as i32 | (d1 as i32) << 16
+            }
+        } else {
+            let (b0, b1) = (self.block(r, 2 * k), self.block(r, 2 * k + 1));
+            h16(b0, 0) as i32 | (h16(b1, 0) as i32) << 16
+        };
         // SAFETY: only called from `tile`, which enables AVX-512F and F16C.
         unsafe {
             let d01 = _mm_cvtph_ps(_mm_cvtsi32_si128(bits));
@@ -263,12 +339,23 @@ impl<const F: u8, const R: usize> WSrc for Raw<'_, F, R> {
     }
     #[inline(always)]
     fn m(&self, r: usize, c: usize) -> __m512 {
-        let mut h = [0u16; 16];
-        for (l, v) in h.iter_mut().enumerate() {
-            *v = h16(self.block(r, 16 * c + l), 2);
+        let b0 = 16 * c;
+        let n = self.nb.saturating_sub(b0).min(16);
+        let mask: __mmask16 = if n == 16 { 0xFFFF } else { (1u16 << n) - 1 };
+        // SAFETY: lane `l` (enabled for `b0 + l < nb` only) reads 4 bytes at offset 2 of block
+        // `b0 + l`: the f16 min and the next 2 bytes, inside the `BS`-byte block (`new` checked
+        // the row length); masked-off lanes read nothing. Only called from `tile`, which
+        // enables AVX-512F/BW.
+        unsafe {
+            let idx = _mm512_mullo_epi32(
+                _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                _mm512_set1_epi32(Self::BS as i32),
+            );
+            let base = self.ptr(r, b0).wrapping_add(2);
+            let v =
+                _mm512_mask_i32gather_epi32::<1>(_mm512_setzero_si512(), mask, idx, base.cast());
+            _mm512_cvtph_ps(_mm512_cvtepi32_epi16(v))
         }
-        // SAFETY: `h` is 32 readable bytes; only called from `tile`, which enables AVX-512F.
-        unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(h.as_ptr().cast())) }
     }
 }
 

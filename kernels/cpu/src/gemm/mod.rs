@@ -56,6 +56,13 @@ pub(crate) const Q8_0: u8 = 2;
 /// (576 rows), enough to balance 2 to 8 threads.
 const ROWS_PER_TASK: usize = 32;
 
+/// Weight bytes a task streams per token chunk, at least (see [`rows_per_task`]). In decode
+/// (one token) a task of [`ROWS_PER_TASK`] Q4_1 rows of 576 columns is ~11 KiB, about 1 us,
+/// so the ~0.1-0.2 us of claiming it (an atomic on a line shared by all threads) is 10-20% of
+/// the work; 24 KiB tasks (64 such rows) halve that, and a layer's fused Q/K/V or gate/up
+/// dispatch still has 15 to 48 tasks to balance 2 to 8 threads.
+const TASK_BYTES: usize = 24 * 1024;
+
 /// Tokens per pool task (a token chunk). A chunk's packed activations (about 2 bytes per
 /// element: 64 tokens x 1536 columns = 196 KiB) stay in L2 while every row tile of the task
 /// streams through it, and unpacking a row is amortised over 64 tokens (~3% of the work).
@@ -356,6 +363,25 @@ pub(crate) fn matmul_tiled(
     out: &mut [f32],
     pool: &ThreadPool,
 ) -> Result<()> {
+    matmul_tiled_many(isa, fmt, &[(w, rows)], cols, x, n_tokens, &mut [out], pool)
+}
+
+/// [`matmul_tiled`] for several matrices of the same format and width sharing the input `x`
+/// (`ws[i] = (data, rows)`, results in `outs[i]`): the activations are quantised and packed
+/// once, and every matrix's tasks run in one pool dispatch. Each result is bit-identical to
+/// what `matmul_tiled` computes for that matrix alone (same tiles, same spans).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn matmul_tiled_many(
+    isa: Isa,
+    fmt: u8,
+    ws: &[(&[u8], usize)],
+    cols: usize,
+    x: &[f32],
+    n_tokens: usize,
+    outs: &mut [&mut [f32]],
+    pool: &ThreadPool,
+) -> Result<()> {
+    assert_eq!(ws.len(), outs.len(), "one output per matrix");
     let g = Geom::new(fmt, cols, isa);
     let vd = if fmt == Q4_1 {
         GgmlType::Q8_1
@@ -366,7 +392,8 @@ pub(crate) fn matmul_tiled(
     let xs = g.xstride();
     let mut panel = vec![Chunk::ZERO; xs * n_tokens];
 
-    // Quantise and pack the activations, in parallel over token groups.
+    // Quantise and pack the activations, in parallel over token groups (one token, as in
+    // decode, is a single group, which `run` executes inline on the caller).
     {
         let pp = OutPtrChunks(panel.as_mut_ptr(), panel.len());
         let per = n_tokens.div_ceil(pool.n_threads()).max(1);
@@ -395,34 +422,57 @@ pub(crate) fn matmul_tiled(
         }
     }
 
-    let wrb = w.len() / rows;
     let tc = if n_tokens <= TOKENS_PER_TASK {
         n_tokens
     } else {
         TOKENS_PER_TASK
     };
     let n_tc = n_tokens.div_ceil(tc);
-    let n_rb = rows.div_ceil(ROWS_PER_TASK);
-    let optr = OutPtr {
-        ptr: out.as_mut_ptr(),
-        rows,
-        len: out.len(),
-    };
+    // Per matrix: its geometry, output and the index of its first task.
+    let mut jobs = Vec::with_capacity(ws.len());
+    let mut n_tasks = 0;
+    for (&(w, rows), out) in ws.iter().zip(outs.iter_mut()) {
+        if rows == 0 {
+            continue;
+        }
+        let wrb = w.len() / rows;
+        let rpt = rows_per_task(wrb, tc);
+        let n_rb = rows.div_ceil(rpt);
+        let optr = OutPtr {
+            ptr: out.as_mut_ptr(),
+            rows,
+            len: out.len(),
+        };
+        jobs.push((n_tasks, w, wrb, rows, rpt, n_rb, optr));
+        n_tasks += n_rb * n_tc;
+    }
     let panel = &panel[..];
-    pool.run(n_rb * n_tc, |task| {
+    let jobs = &jobs[..];
+    pool.run(n_tasks, |task| {
+        let j = jobs.partition_point(|job| job.0 <= task) - 1;
+        let (first, w, wrb, rows, rpt, n_rb, optr) = jobs[j];
+        let task = task - first;
         // Row-block major: neighbouring tasks share a token chunk, which stays in L3/L2.
         let (tci, rbi) = (task / n_rb, task % n_rb);
         let span = Span {
             g,
             w,
             wrb,
-            rows: rbi * ROWS_PER_TASK..((rbi + 1) * ROWS_PER_TASK).min(rows),
+            rows: rbi * rpt..((rbi + 1) * rpt).min(rows),
             panel,
             tokens: tci * tc..((tci + 1) * tc).min(n_tokens),
         };
         run_span(isa, &span, optr);
     });
     Ok(())
+}
+
+/// Rows per task for rows of `wrb` bytes and token chunks of `tc` tokens: at least
+/// [`ROWS_PER_TASK`], more (in multiples of 4, the register tile) when few tokens make a task
+/// short, so that a task streams about [`TASK_BYTES`] of weights.
+fn rows_per_task(wrb: usize, tc: usize) -> usize {
+    let by_bytes = TASK_BYTES / wrb.saturating_mul(tc).max(1) / 4 * 4;
+    by_bytes.max(ROWS_PER_TASK)
 }
 
 /// A raw pointer to a panel under construction, shared by the packing tasks.
