@@ -218,6 +218,8 @@ struct Scratch {
     v: Vec<f32>,
     /// Key positions of the tile.
     pos: Vec<i32>,
+    /// The current row block's queries, transposed: `[head_dim][ROW_BLOCK]`.
+    qt: Vec<[f32; ROW_BLOCK]>,
 }
 
 impl Scratch {
@@ -226,6 +228,7 @@ impl Scratch {
             kt: vec![0.0; hd * KV_TILE],
             v: vec![0.0; KV_TILE * hd],
             pos: vec![0; KV_TILE],
+            qt: vec![[0.0; ROW_BLOCK]; hd],
         }
     }
 }
@@ -289,7 +292,7 @@ impl Isa {
 
     fn run(self, a: &Attention<'_>, t: &Task, ranges: &[(i32, i32)], s: &mut Scratch) -> Partial {
         match self {
-            Isa::Scalar => task_kernel(a, t, ranges, s, convert_portable),
+            Isa::Scalar => task_kernel(a, t, ranges, s, convert_portable, |x, y, z| x * y + z),
             // SAFETY: `detected`/`available` only return these after checking the CPU has
             // every feature the function enables.
             #[cfg(target_arch = "x86_64")]
@@ -308,10 +311,17 @@ impl Isa {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn task_avx2(a: &Attention<'_>, t: &Task, r: &[(i32, i32)], s: &mut Scratch) -> Partial {
-    task_kernel(a, t, r, s, |src, dst| {
-        // SAFETY: this function only runs on CPUs with F16C (checked by `Isa::detected`).
-        unsafe { convert_f16c(src, dst) }
-    })
+    task_kernel(
+        a,
+        t,
+        r,
+        s,
+        |src, dst| {
+            // SAFETY: this function only runs on CPUs with F16C (checked by `Isa::detected`).
+            unsafe { convert_f16c(src, dst) }
+        },
+        f32::mul_add,
+    )
 }
 
 /// f16 -> f32 with the F16C instruction, 8 values at a time.
@@ -342,10 +352,17 @@ unsafe fn convert_f16c(src: &[f16], dst: &mut [f32]) {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
 unsafe fn task_avx512(a: &Attention<'_>, t: &Task, r: &[(i32, i32)], s: &mut Scratch) -> Partial {
-    task_kernel(a, t, r, s, |src, dst| {
-        // SAFETY: this function only runs on CPUs with F16C (checked by `Isa::detected`).
-        unsafe { convert_f16c(src, dst) }
-    })
+    task_kernel(
+        a,
+        t,
+        r,
+        s,
+        |src, dst| {
+            // SAFETY: this function only runs on CPUs with F16C (checked by `Isa::detected`).
+            unsafe { convert_f16c(src, dst) }
+        },
+        f32::mul_add,
+    )
 }
 
 /// Portable exact f16 -> f32 (branch-free, so it vectorises where the ISA allows).
@@ -365,6 +382,9 @@ fn task_kernel(
     ranges: &[(i32, i32)],
     sc: &mut Scratch,
     convert: impl Fn(&[f16], &mut [f32]),
+    // `x * y + z`: one fused instruction where the ISA has FMA (Rust never contracts a multiply
+    // and an add by itself), a plain multiply and add in the portable copy.
+    madd: impl Fn(f32, f32, f32) -> f32 + Copy,
 ) -> Partial {
     let hd = a.head_dim;
     let group = a.n_head / a.n_head_kv;
@@ -372,7 +392,9 @@ fn task_kernel(
     let rows = group * (t.q1 - t.q0);
     let mut m = vec![f32::NEG_INFINITY; rows];
     let mut l = vec![0.0f32; rows];
-    let mut o = vec![0.0f32; rows * hd];
+    // Whole row blocks, so the micro-kernel reads and writes every row of a block without
+    // runtime row indices (which would keep its accumulators out of registers).
+    let mut o = vec![0.0f32; rows.div_ceil(ROW_BLOCK) * ROW_BLOCK * hd];
     let q_pos = &a.q_pos[t.q0..t.q1];
     let q_min = *q_pos.iter().min().expect("a task has queries");
     let q_max = *q_pos.iter().max().expect("a task has queries");
@@ -425,16 +447,19 @@ fn task_kernel(
                 continue;
             }
 
+            // The block's queries transposed, `[d][ROW_BLOCK]`, so the loop below reads them
+            // with constant row indices.
+            for (d, qd) in sc.qt.iter_mut().enumerate() {
+                for (x, q) in qd.iter_mut().zip(&qrows) {
+                    *x = q[d];
+                }
+            }
             // Scores: s[i][j] = sum_d q_i[d] * kt[d][j].
             let mut s = [[0.0f32; KV_TILE]; ROW_BLOCK];
-            for d in 0..hd {
-                let krow: &[f32; KV_TILE] = sc.kt[d * KV_TILE..(d + 1) * KV_TILE]
-                    .try_into()
-                    .expect("KV_TILE keys");
-                for (si, q) in s.iter_mut().zip(&qrows) {
-                    let qd = q[d];
+            for (krow, qd) in sc.kt.chunks_exact(KV_TILE).zip(&sc.qt) {
+                for (si, &q) in s.iter_mut().zip(qd) {
                     for (sj, &kj) in si.iter_mut().zip(krow) {
-                        *sj += qd * kj;
+                        *sj = madd(q, kj, *sj);
                     }
                 }
             }
@@ -448,7 +473,6 @@ fn task_kernel(
                     continue;
                 }
                 let qp = qpos[i];
-                let mut tile_max = f32::NEG_INFINITY;
                 if masked || bk < KV_TILE {
                     for (sj, &pj) in si.iter_mut().zip(&sc.pos) {
                         *sj = if pj <= qp {
@@ -456,14 +480,13 @@ fn task_kernel(
                         } else {
                             f32::NEG_INFINITY
                         };
-                        tile_max = tile_max.max(*sj);
                     }
                 } else {
                     for v in si.iter_mut() {
                         *v *= a.scale;
-                        tile_max = tile_max.max(*v);
                     }
                 }
+                let tile_max = lane_max(si);
                 if tile_max == f32::NEG_INFINITY {
                     *si = [0.0; KV_TILE];
                     continue;
@@ -475,44 +498,81 @@ fn task_kernel(
                 } else {
                     (m[r] - m_new).exp()
                 };
-                let mut sum = 0.0f32;
                 for v in si.iter_mut() {
                     *v = exp_approx(*v - m_new);
-                    sum += *v;
                 }
-                l[r] = l[r] * correction[i] + sum;
+                l[r] = l[r] * correction[i] + lane_sum(si);
                 m[r] = m_new;
             }
 
             // Outputs: o_i = o_i * correction_i + sum_j p_i[j] * v[j], DIM_BLOCK dims at a time.
-            let mut d0 = 0;
-            while d0 < hd {
-                let w = DIM_BLOCK.min(hd - d0);
-                let mut acc = [[0.0f32; DIM_BLOCK]; ROW_BLOCK];
-                for i in 0..nr {
-                    let orow = &o[(r0 + i) * hd + d0..(r0 + i) * hd + d0 + w];
-                    for (x, &y) in acc[i].iter_mut().zip(orow) {
-                        *x = y * correction[i];
+            let ob = &mut o[r0 * hd..(r0 + ROW_BLOCK) * hd];
+            if hd.is_multiple_of(DIM_BLOCK) {
+                for d0 in (0..hd).step_by(DIM_BLOCK) {
+                    let mut acc = [[0.0f32; DIM_BLOCK]; ROW_BLOCK];
+                    for (i, acci) in acc.iter_mut().enumerate() {
+                        let orow = &ob[i * hd + d0..i * hd + d0 + DIM_BLOCK];
+                        for (x, &y) in acci.iter_mut().zip(orow) {
+                            *x = y * correction[i];
+                        }
+                    }
+                    for j in 0..bk {
+                        let vrow: &[f32; DIM_BLOCK] = sc.v[j * hd + d0..j * hd + d0 + DIM_BLOCK]
+                            .try_into()
+                            .expect("DIM_BLOCK values");
+                        for (acci, si) in acc.iter_mut().zip(&s) {
+                            let p = si[j];
+                            for (x, &v) in acci.iter_mut().zip(vrow) {
+                                *x = madd(p, v, *x);
+                            }
+                        }
+                    }
+                    for (i, acci) in acc.iter().enumerate() {
+                        ob[i * hd + d0..i * hd + d0 + DIM_BLOCK].copy_from_slice(acci);
                     }
                 }
-                for j in 0..bk {
-                    let mut vrow = [0.0f32; DIM_BLOCK];
-                    vrow[..w].copy_from_slice(&sc.v[j * hd + d0..j * hd + d0 + w]);
-                    for (acci, si) in acc.iter_mut().zip(&s) {
-                        let p = si[j];
-                        for (x, &v) in acci.iter_mut().zip(&vrow) {
-                            *x += p * v;
+            } else {
+                for (i, (orow, si)) in ob.chunks_exact_mut(hd).zip(&s).enumerate() {
+                    orow.iter_mut().for_each(|x| *x *= correction[i]);
+                    for (j, &p) in si.iter().enumerate().take(bk) {
+                        for (x, &v) in orow.iter_mut().zip(&sc.v[j * hd..(j + 1) * hd]) {
+                            *x = madd(p, v, *x);
                         }
                     }
                 }
-                for i in 0..nr {
-                    o[(r0 + i) * hd + d0..(r0 + i) * hd + d0 + w].copy_from_slice(&acc[i][..w]);
-                }
-                d0 += w;
             }
         }
     }
     Partial { m, l, o }
+}
+
+/// Lanes of the partial reductions below: one AVX-512 register of f32.
+const LANES: usize = 16;
+
+/// Maximum of a score row, reduced through `LANES` partial maxima so it vectorises (a plain
+/// fold is a serial chain of scalar `max`).
+#[inline(always)]
+fn lane_max(x: &[f32; KV_TILE]) -> f32 {
+    let mut m = [f32::NEG_INFINITY; LANES];
+    for c in x.chunks_exact(LANES) {
+        for (m, &v) in m.iter_mut().zip(c) {
+            *m = m.max(v);
+        }
+    }
+    m.into_iter().fold(f32::NEG_INFINITY, f32::max)
+}
+
+/// Sum of a weight row through `LANES` partial sums (the order differs from a serial sum by
+/// rounding only).
+#[inline(always)]
+fn lane_sum(x: &[f32; KV_TILE]) -> f32 {
+    let mut acc = [0.0f32; LANES];
+    for c in x.chunks_exact(LANES) {
+        for (a, &v) in acc.iter_mut().zip(c) {
+            *a += v;
+        }
+    }
+    acc.iter().sum()
 }
 
 /// `e^x` for `x <= 0` (and `-inf` -> 0), branch-free so loops over it vectorise. Splits `x` into
