@@ -64,3 +64,15 @@ pub fn temp_dir(name: &str) -> PathBuf {
     std::fs::create_dir_all(&dir).expect("creating a test folder");
     dir
 }
+
+/// Token ids from a JSON array (golden files and `engram --json` output).
+pub fn ids(v: &serde_json::Value) -> Vec<u32> {
+    v.as_array()
+        .expect("an array of ids")
+        .iter()
+        .map(|x| {
+            let id = x.as_u64().expect("an id");
+            u32::try_from(id).expect("an id fits in u32")
+        })
+        .collect()
+}

@@ -9,7 +9,7 @@ use std::sync::OnceLock;
 use engram_embed::Embedder;
 use serde_json::Value;
 
-use crate::common;
+use crate::common::{self, ids};
 
 /// Least cosine between our embedding and the reference, per text.
 const MIN_COSINE: f64 = 0.999;
@@ -38,14 +38,6 @@ fn fixture() -> &'static Fixture {
             golden: common::golden("minilm-l6-v2.sentence-transformers.json"),
         }
     })
-}
-
-fn ids(v: &Value) -> Vec<u32> {
-    v.as_array()
-        .expect("an id array")
-        .iter()
-        .map(|x| x.as_u64().expect("an id") as u32)
-        .collect()
 }
 
 fn floats(v: &Value) -> Vec<f64> {

@@ -9,20 +9,12 @@ use std::process::Command;
 
 use serde_json::Value;
 
-use crate::common;
+use crate::common::{self, ids};
 
 /// Below this top1-top2 margin llama.cpp's own two attention paths may disagree.
 const MARGIN: f64 = 0.3;
 /// llama.cpp's flash-attention path moves these logits by up to 0.47 from its default path.
 const LOGIT_TOLERANCE: f64 = 0.6;
-
-fn ids(v: &Value) -> Vec<u64> {
-    v.as_array()
-        .expect("an array of ids")
-        .iter()
-        .map(|x| x.as_u64().expect("an id"))
-        .collect()
-}
 
 /// Runs `engram` with `args` and parses its one-line JSON output.
 fn engram_json(args: &[&str]) -> Value {

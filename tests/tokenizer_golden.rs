@@ -8,7 +8,7 @@ use engram_gguf::GgufFile;
 use engram_tokenizer::{ChatTemplate, Message, Tokenizer};
 use serde_json::Value;
 
-use crate::common;
+use crate::common::{self, ids};
 
 struct Fixture {
     tokenizer: Tokenizer,
@@ -31,14 +31,6 @@ fn fixture() -> &'static Fixture {
             golden: common::smollm2_golden(),
         }
     })
-}
-
-fn ids(v: &Value) -> Vec<u32> {
-    v.as_array()
-        .expect("an id array")
-        .iter()
-        .map(|x| x.as_u64().expect("an id") as u32)
-        .collect()
 }
 
 fn messages(v: &Value) -> Vec<Message> {
