@@ -121,13 +121,19 @@ pub fn attention(a: &Attention<'_>, out: &mut [f32], pool: &ThreadPool) -> Resul
         .map(|c| (*c.iter().min().unwrap(), *c.iter().max().unwrap()))
         .collect();
 
-    // Few tasks (decode): split the cache so every thread has work.
     let base_tasks = a.n_head_kv * n_q_tiles;
     let threads = pool.n_threads();
-    let splits = if base_tasks >= threads || n_kv_tiles < 2 {
+    // Few tasks (decode): split the cache into slices so there are at least two tasks per
+    // thread and a multiple of the thread count (3 KV heads on 2 threads would leave one
+    // thread idle for a third of the call).
+    let splits = if base_tasks >= 2 * threads || n_kv_tiles < 2 {
         1
     } else {
-        (2 * threads).div_ceil(base_tasks).min(n_kv_tiles)
+        let mut s = (2 * threads).div_ceil(base_tasks);
+        while !(base_tasks * s).is_multiple_of(threads) && s < n_kv_tiles {
+            s += 1;
+        }
+        s.min(n_kv_tiles)
     };
     let tiles_per_split = n_kv_tiles.div_ceil(splits);
     let tasks: Vec<Task> = (0..a.n_head_kv)
