@@ -14,6 +14,7 @@ use half::f16;
 use std::sync::OnceLock;
 
 use crate::blocks::f16_bits_to_f32;
+use crate::dot::Isa;
 use crate::error::{KernelError, Result};
 use crate::pool::ThreadPool;
 
@@ -154,7 +155,7 @@ pub fn attention(a: &Attention<'_>, out: &mut [f32], pool: &ThreadPool) -> Resul
     let results: Vec<OnceLock<Partial>> = tasks.iter().map(|_| OnceLock::new()).collect();
     pool.run(tasks.len(), |i| {
         let mut scratch = Scratch::new(hd);
-        let partial = isa.run(a, &tasks[i], &tile_ranges, &mut scratch);
+        let partial = run_task(isa, a, &tasks[i], &tile_ranges, &mut scratch);
         // Each index runs exactly once, so the slot is empty.
         let _ = results[i].set(partial);
     });
@@ -239,74 +240,24 @@ impl Scratch {
     }
 }
 
-/// Which compiled copy of the kernel runs.
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-enum Isa {
-    Scalar,
-    #[cfg(target_arch = "x86_64")]
-    Avx2,
-    #[cfg(target_arch = "x86_64")]
-    Avx512,
-}
-
-impl Isa {
-    fn detected() -> Isa {
-        static DETECTED: std::sync::OnceLock<Isa> = std::sync::OnceLock::new();
-        *DETECTED.get_or_init(|| {
-            if std::env::var_os("ENGRAM_KERNELS_ISA").is_some_and(|v| v == "scalar") {
-                return Isa::Scalar;
-            }
-            #[cfg(target_arch = "x86_64")]
-            {
-                use std::arch::is_x86_feature_detected as has;
-                if has!("avx512f")
-                    && has!("avx512bw")
-                    && has!("avx512vl")
-                    && has!("fma")
-                    && has!("f16c")
-                {
-                    return Isa::Avx512;
-                }
-                if has!("avx2") && has!("fma") && has!("f16c") {
-                    return Isa::Avx2;
-                }
-            }
-            Isa::Scalar
-        })
-    }
-
-    #[cfg(test)]
-    fn available() -> Vec<Isa> {
-        let mut v = vec![Isa::Scalar];
+/// Runs one task with the copy of the kernel compiled for `isa` (the crate's one ISA choice,
+/// detected once; see `dot::Isa`).
+fn run_task(
+    isa: Isa,
+    a: &Attention<'_>,
+    t: &Task,
+    ranges: &[(i32, i32)],
+    s: &mut Scratch,
+) -> Partial {
+    match isa {
+        Isa::Scalar => task_kernel(a, t, ranges, s, convert_portable, |x, y, z| x * y + z),
+        // SAFETY: `Isa::Avx2` is only chosen on CPUs with AVX2, FMA and F16C.
         #[cfg(target_arch = "x86_64")]
-        {
-            use std::arch::is_x86_feature_detected as has;
-            if has!("avx2") && has!("fma") && has!("f16c") {
-                v.push(Isa::Avx2);
-            }
-            if has!("avx512f")
-                && has!("avx512bw")
-                && has!("avx512vl")
-                && has!("fma")
-                && has!("f16c")
-            {
-                v.push(Isa::Avx512);
-            }
-        }
-        v
-    }
-
-    fn run(self, a: &Attention<'_>, t: &Task, ranges: &[(i32, i32)], s: &mut Scratch) -> Partial {
-        match self {
-            Isa::Scalar => task_kernel(a, t, ranges, s, convert_portable, |x, y, z| x * y + z),
-            // SAFETY: `detected`/`available` only return these after checking the CPU has
-            // every feature the function enables.
-            #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 => unsafe { task_avx2(a, t, ranges, s) },
-            // SAFETY: as above.
-            #[cfg(target_arch = "x86_64")]
-            Isa::Avx512 => unsafe { task_avx512(a, t, ranges, s) },
-        }
+        Isa::Avx2 => unsafe { task_avx2(a, t, ranges, s) },
+        // SAFETY: `Isa::Avx512` is only chosen on CPUs with AVX-512 F/BW/VL (and VNNI) on top
+        // of everything `Avx2` needs.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => unsafe { task_avx512(a, t, ranges, s) },
     }
 }
 
@@ -762,7 +713,7 @@ mod tests {
                             t1: ranges.len(),
                         };
                         let mut sc = Scratch::new(c.hd);
-                        let p = isa.run(&a, &t, &ranges, &mut sc);
+                        let p = run_task(isa, &a, &t, &ranges, &mut sc);
                         for r in 0..group * (t.q1 - t.q0) {
                             let (qi, h) = (q0 + r / group, kvh * group + r % group);
                             for d in 0..c.hd {
