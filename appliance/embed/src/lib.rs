@@ -34,6 +34,8 @@
 
 mod config;
 mod embedder;
+#[cfg(test)]
+mod erf_ref;
 mod error;
 mod model;
 mod ops;

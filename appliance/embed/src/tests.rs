@@ -250,7 +250,7 @@ fn reference(t: &Tensors, ids: &[u32]) -> Vec<f64> {
             ln(&mut a, &g(&format!("{n}.weight")), &g(&format!("{n}.bias")));
             let up: Vec<f64> = linear(&a, &format!("{p}.intermediate.dense"))
                 .into_iter()
-                .map(|u| 0.5 * u * (1.0 + crate::ops::erf(u / 2f64.sqrt())))
+                .map(|u| 0.5 * u * (1.0 + crate::erf_ref::erf(u / 2f64.sqrt())))
                 .collect();
             let mut o = linear(&up, &format!("{p}.output.dense"));
             o.iter_mut().zip(&a).for_each(|(o, a)| *o += a);

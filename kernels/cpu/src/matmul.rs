@@ -122,6 +122,9 @@ fn matmul_on(
     if let (Some(fmt), true) = (gemm::fmt_of(w.ty), gemm::has_tiled(isa)) {
         return gemm::matmul_tiled(isa, fmt, w.data, w.rows, w.cols, x, n_tokens, out, pool);
     }
+    if w.ty == GgmlType::F32 && gemm::float::has_tiled(isa) {
+        return gemm::float::matmul(isa, w.data, w.rows, w.cols, x, n_tokens, out, pool);
+    }
     let dot = isa.dot_fn(w.ty).ok_or(KernelError::Unsupported {
         ty: w.ty,
         op: "matmul",
@@ -365,6 +368,43 @@ mod tests {
                     let mut single = vec![f32::NAN; rows];
                     matmul_on(isa, &w, &x[..cols], 1, &mut single, &pool, 0).unwrap();
                     prop_assert_eq!(&single[..], &out[..rows], "{:?} threads={}", isa, threads);
+                }
+            }
+        }
+
+        /// f32 weights (the tiled float kernels) over ragged shapes: every ISA agrees with the
+        /// f64 reference to float rounding, and a token's bits do not depend on the tile or the
+        /// thread count that computed it.
+        #[test]
+        fn f32_matmul_matches_reference(
+            rows in 1usize..11,
+            cols in 1usize..70,
+            n_tokens in 1usize..7,
+            ws in prop::collection::vec(-1.0f32..1.0, 10 * 69),
+            xs in prop::collection::vec(-2.0f32..2.0, 6 * 69),
+        ) {
+            let (w_f, x) = (&ws[..rows * cols], &xs[..n_tokens * cols]);
+            let data: Vec<u8> = w_f.iter().flat_map(|v| v.to_le_bytes()).collect();
+            let w = QMatrix::new(GgmlType::F32, rows, cols, &data).unwrap();
+            for threads in [1, 3] {
+                let pool = ThreadPool::new(threads).unwrap();
+                for isa in Isa::available() {
+                    let mut out = vec![f32::NAN; n_tokens * rows];
+                    matmul_on(isa, &w, x, n_tokens, &mut out, &pool, 0).unwrap();
+                    for t in 0..n_tokens {
+                        for r in 0..rows {
+                            let want: f64 = (0..cols)
+                                .map(|k| w_f[r * cols + k] as f64 * x[t * cols + k] as f64)
+                                .sum();
+                            let got = out[t * rows + r] as f64;
+                            prop_assert!((got - want).abs() <= 1e-5 * (1.0 + cols as f64),
+                                "{:?} ({}, {}): {} vs {}", isa, r, t, got, want);
+                        }
+                    }
+                    let mut single = vec![f32::NAN; rows];
+                    matmul_on(isa, &w, &x[(n_tokens - 1) * cols..], 1, &mut single, &pool, 0)
+                        .unwrap();
+                    prop_assert_eq!(&single[..], &out[(n_tokens - 1) * rows..], "{:?}", isa);
                 }
             }
         }

@@ -5,7 +5,8 @@
 //!   product the 1 x 1 case of the same kernel;
 //! - `avx512` (x86_64): AVX-512 VNNI (`vpdpbusd`) micro-kernels, tiles of up to 4 rows x 4
 //!   tokens;
-//! - `avx2` (x86_64): AVX2 + FMA (`vpmaddubsw`) micro-kernels, tiles of up to 2 rows x 4 tokens.
+//! - `avx2` (x86_64): AVX2 + FMA (`vpmaddubsw`) micro-kernels, tiles of up to 2 rows x 4 tokens;
+//! - `float`: f32 weights times f32 activations (no quantisation), AVX2 + FMA tiles.
 //!
 //! The scalar reference is `dot::scalar`; the property tests below check every ISA's tiled
 //! kernel against it over ragged shapes.
@@ -34,6 +35,7 @@
 mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
+pub(crate) mod float;
 
 use std::cell::RefCell;
 
@@ -286,6 +288,15 @@ unsafe impl Send for OutPtr {}
 unsafe impl Sync for OutPtr {}
 
 impl OutPtr {
+    /// The cells of `out`, `rows` per token.
+    pub(crate) fn new(out: &mut [f32], rows: usize) -> OutPtr {
+        OutPtr {
+            ptr: out.as_mut_ptr(),
+            rows,
+            len: out.len(),
+        }
+    }
+
     /// Writes `v` as the result of row `r`, token `t`.
     ///
     /// # Safety
@@ -526,6 +537,9 @@ fn dot_tiled(isa: Isa, fmt: u8, w: &[u8], xq: &[u8]) -> f32 {
 
 /// The `DotFn` of `isa`'s tiled kernel for `ty`, if there is one.
 pub(crate) fn dot_fn(isa: Isa, ty: GgmlType) -> Option<DotFn> {
+    if ty == GgmlType::F32 {
+        return float::dot_fn(isa);
+    }
     macro_rules! f {
         ($isa:expr, $fmt:expr) => {{
             fn dot(w: &[u8], x: &[u8]) -> f32 {
