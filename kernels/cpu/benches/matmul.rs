@@ -1,6 +1,7 @@
 //! `matmul` at the shapes of SmolLM2-135M (n_embd 576, n_ff 1536, 3 KV heads of 64, vocabulary
 //! 49152): Q4_1 layer matrices and the Q8_0 output head, 1 token (decode) and 512 tokens
-//! (prefill), on a 2-thread pool (the appliance's default profile).
+//! (prefill), on a 2-thread pool (the appliance's default profile). Also the K-quants of larger
+//! models (a 1024 x 1024 slice) and the f32 matrices of the all-MiniLM-L6-v2 embedder.
 //!
 //! Throughput is reported in elements (`rows * cols * tokens` multiply-adds); GFLOP/s is twice
 //! that. The ISA is chosen once per process, so compare ISAs with separate runs:
@@ -22,6 +23,11 @@ const DEFAULT_THREADS: usize = 2;
 
 /// Deterministic weights of type `ty` with sane scales.
 fn weights(ty: GgmlType, rows: usize, cols: usize) -> Vec<u8> {
+    if ty == GgmlType::F32 {
+        return (0..rows * cols)
+            .flat_map(|i| ((i * 7919 % 1000) as f32 / 500.0 - 1.0).to_le_bytes())
+            .collect();
+    }
     if ty == GgmlType::Q8_0 {
         let w: Vec<f32> = (0..rows * cols)
             .map(|i| (i * 7919 % 1000) as f32 / 500.0 - 1.0)
@@ -35,8 +41,10 @@ fn weights(ty: GgmlType, rows: usize, cols: usize) -> Vec<u8> {
         .map(|i| (i as u8).wrapping_mul(37) ^ 0x5a)
         .collect();
     for b in d.chunks_exact_mut(ts) {
-        b[0..2].copy_from_slice(&f16::from_f32(0.01).to_le_bytes());
-        if ty == GgmlType::Q4_1 {
+        // Q6_K keeps its scale at the end of the block.
+        let d_at = if ty == GgmlType::Q6K { 208 } else { 0 };
+        b[d_at..d_at + 2].copy_from_slice(&f16::from_f32(0.01).to_le_bytes());
+        if matches!(ty, GgmlType::Q4_1 | GgmlType::Q4K | GgmlType::Q5K) {
             b[2..4].copy_from_slice(&f16::from_f32(-0.05).to_le_bytes());
         }
     }
@@ -56,6 +64,11 @@ fn bench_matmul(c: &mut Criterion) {
         (GgmlType::Q4_1, 1536, 576, "ffn_gate/ffn_up"),
         (GgmlType::Q4_1, 576, 1536, "ffn_down"),
         (GgmlType::Q8_0, 49152, 576, "output"),
+        (GgmlType::Q4K, 1024, 1024, "7B-style slice"),
+        (GgmlType::Q5K, 1024, 1024, "7B-style slice"),
+        (GgmlType::Q6K, 1024, 1024, "7B-style slice"),
+        (GgmlType::F32, 1152, 384, "MiniLM attn_qkv"),
+        (GgmlType::F32, 1536, 384, "MiniLM ffn_up"),
     ];
     let mut g = c.benchmark_group(format!("matmul/{isa}/threads={threads}"));
     g.sample_size(10);

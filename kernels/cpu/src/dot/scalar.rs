@@ -108,7 +108,7 @@ pub(crate) fn q8_0_q8_0(w: &[u8], x: &[u8]) -> f32 {
 
 /// `sum(bsums[j] * mins[j / 2])`: the min term of Q4_K / Q5_K, from Q8_K's group sums.
 #[inline(always)]
-fn k4_min_term(xb: &[u8; Q8K_BYTES], mins: &[u8; 8]) -> i32 {
+pub(super) fn k4_min_term(xb: &[u8; Q8K_BYTES], mins: &[u8; 8]) -> i32 {
     let mut s = 0i32;
     for j in 0..16 {
         s += i16_at(xb, 260 + 2 * j) as i32 * mins[j / 2] as i32;
