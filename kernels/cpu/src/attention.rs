@@ -257,7 +257,7 @@ fn run_task(
         // SAFETY: `Isa::Avx512` is only chosen on CPUs with AVX-512 F/BW/VL (and VNNI) on top
         // of everything `Avx2` needs.
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 => unsafe { task_avx512(a, t, ranges, s) },
+        Isa::Avx512 | Isa::Avx512Bw => unsafe { task_avx512(a, t, ranges, s) },
     }
 }
 

@@ -7,7 +7,8 @@
 //!   `crate::gemm`, so a lone dot product and a matmul give the same bits.
 //!
 //! The choice is made once per process ([`Isa::detected`]) and cached; setting
-//! `ENGRAM_KERNELS_ISA=scalar` forces the reference kernels, `=avx2` caps the ISA at AVX2. Property tests below check every
+//! `ENGRAM_KERNELS_ISA=scalar` forces the reference kernels, `=avx2` caps the ISA at AVX2 and
+//! `=avx512bw` (on a VNNI CPU) uses the AVX-512 kernels without `vpdpbusd`. Property tests below check every
 //! implementation available on the test machine against the scalar one.
 
 #[cfg(target_arch = "x86_64")]
@@ -37,6 +38,10 @@ pub(crate) enum Isa {
     /// x86_64 AVX2 + FMA + F16C.
     #[cfg(target_arch = "x86_64")]
     Avx2,
+    /// x86_64 AVX-512 F/BW/VL without VNNI (Skylake-SP, Cascade Lake without DL Boost):
+    /// `vpmaddubsw` + `vpmaddwd` where `Avx512` has `vpdpbusd`, plus everything `Avx2` needs.
+    #[cfg(target_arch = "x86_64")]
+    Avx512Bw,
     /// x86_64 AVX-512 F/BW/VL with VNNI (`vpdpbusd`), plus everything `Avx2` needs.
     #[cfg(target_arch = "x86_64")]
     Avx512,
@@ -53,6 +58,8 @@ impl Isa {
                 Some("scalar") => Isa::Scalar,
                 #[cfg(target_arch = "x86_64")]
                 Some("avx2") if best != Isa::Scalar => Isa::Avx2,
+                #[cfg(target_arch = "x86_64")]
+                Some("avx512bw") if best == Isa::Avx512 => Isa::Avx512Bw,
                 _ => best,
             }
         })
@@ -67,8 +74,11 @@ impl Isa {
             use std::arch::is_x86_feature_detected as has;
             if has!("avx2") && has!("fma") && has!("f16c") {
                 v.push(Isa::Avx2);
-                if has!("avx512f") && has!("avx512bw") && has!("avx512vl") && has!("avx512vnni") {
-                    v.push(Isa::Avx512);
+                if has!("avx512f") && has!("avx512bw") && has!("avx512vl") {
+                    v.push(Isa::Avx512Bw);
+                    if has!("avx512vnni") {
+                        v.push(Isa::Avx512);
+                    }
                 }
             }
         }

@@ -1,9 +1,14 @@
-//! AVX-512 VNNI micro-kernels (x86_64): tiles of up to `R_MAX` rows x `T_MAX` tokens, one
-//! `vpdpbusd` per (row, token, block pair).
+//! AVX-512 micro-kernels (x86_64): tiles of up to `R_MAX` rows x `T_MAX` tokens, one
+//! `vpdpbusd` per (row, token, block pair) with VNNI, or `vpmaddubsw` + `vpmaddwd` without.
 //!
-//! Used only as `Isa::Avx512`, which `Isa::detected` / `Isa::available` return only after
+//! Every function below is written once, generic over `V` (VNNI or not), and inlined into two
+//! entry points with different `#[target_feature]` sets: `run_span::<true>` is used only as
+//! `Isa::Avx512`, which `Isa::detected` / `Isa::available` return only after
 //! `is_x86_feature_detected!` confirmed avx512f, avx512bw, avx512vl, avx512vnni, avx2, fma and
-//! f16c: the safe entry point below relies on it.
+//! f16c; `run_span::<false>` only as `Isa::Avx512Bw` (the same without avx512vnni). Without
+//! VNNI, Q8_0 takes the sign trick (`|w| * (x * sign w)`, at most 2 x 128 x 127 per i16 pair, so
+//! `vpmaddubsw` cannot saturate) on unbiased activations, and the Q4 formats multiply nibbles
+//! (at most 15 x 127 x 2). Both give the same exact lane sums as `vpdpbusd`.
 
 use std::arch::x86_64::*;
 
@@ -42,92 +47,217 @@ fn prefetch_rows(w: &[u8], start: usize, len: usize) {
     }
 }
 
-/// Computes `s` into `out` with the VNNI kernels.
-pub(super) fn run_span(s: &Span<'_>, out: OutPtr) {
-    // SAFETY: `Isa::Avx512` (the only caller's dispatch arm) is chosen only after runtime
-    // detection of every feature `run_span_vnni` enables.
-    unsafe { run_span_vnni(s, out) }
-}
-
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-fn run_span_vnni(s: &Span<'_>, out: OutPtr) {
-    match s.g.fmt {
-        Q4_0 => span_fmt::<Q4_0>(s, out),
-        Q4_1 => span_fmt::<Q4_1>(s, out),
-        _ => span_fmt::<Q8_0>(s, out),
+/// Computes `s` into `out` with the VNNI kernels (`V`) or the AVX-512BW ones.
+pub(super) fn run_span<const V: bool>(s: &Span<'_>, out: OutPtr) {
+    debug_assert_eq!(s.g.q8_bias, V && s.g.fmt == Q8_0);
+    if V {
+        // SAFETY: `Isa::Avx512` (the only dispatch arm with `V`) is chosen only after runtime
+        // detection of every feature `vnni::run` enables.
+        unsafe { vnni::run(s, out) }
+    } else {
+        // SAFETY: `Isa::Avx512Bw` (the only dispatch arm without `V`) is chosen only after
+        // runtime detection of every feature `bw::run` enables.
+        unsafe { bw::run(s, out) }
     }
 }
 
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-fn span_fmt<const F: u8>(s: &Span<'_>, out: OutPtr) {
-    let g = &s.g;
-    let ws = g.wstride();
-    let xs = g.xstride();
-    let direct = s.tokens.len() <= RAW_MAX_TOKENS;
-    with_wbuf(if direct { 0 } else { R_MAX * ws }, |wbuf| {
-        let mut r0 = s.rows.start;
-        while r0 < s.rows.end {
-            let nr = R_MAX.min(s.rows.end - r0);
-            if direct {
-                prefetch_rows(s.w, (r0 + PREFETCH_ROWS) * s.wrb, nr * s.wrb);
-            }
-            let row = |i: usize| &s.w[(r0 + i) * s.wrb..(r0 + i + 1) * s.wrb];
-            if !direct {
-                for i in 0..nr {
-                    unpack_row(g, row(i), &mut wbuf[i * ws..(i + 1) * ws]);
+/// The span driver and the register tile of one variant, compiled with `$features` (a
+/// `#[target_feature]` set applies to a whole function, so the VNNI and the AVX-512BW variants
+/// are two copies of the same source); `$v` says whether `vpdpbusd` may be used.
+macro_rules! variant {
+    ($name:ident, $features:literal, $v:literal) => {
+        mod $name {
+            use super::*;
+
+            /// Whether this variant has VNNI.
+            const V: bool = $v;
+
+            #[target_feature(enable = $features)]
+            pub(super) fn run(s: &Span<'_>, out: OutPtr) {
+                match s.g.fmt {
+                    Q4_0 => span_fmt::<Q4_0>(s, out),
+                    Q4_1 => span_fmt::<Q4_1>(s, out),
+                    _ => span_fmt::<Q8_0>(s, out),
                 }
             }
-            let unpacked = Unpacked {
-                w: &wbuf[..],
-                ws,
-                wf: g.wf,
-                np: g.np,
-            };
-            let mut t0 = s.tokens.start;
-            while t0 < s.tokens.end {
-                let nt = T_MAX.min(s.tokens.end - t0);
-                let x = &s.panel[t0 * xs..(t0 + nt) * xs];
-                macro_rules! tile {
-                    ($r:literal, $t:literal) => {{
-                        let acc = if direct {
-                            let raw = Raw::<F, $r>::new(std::array::from_fn(row), g.nb);
-                            tile::<F, $r, $t>(&raw, x, xs, g.np, g.nc)
+
+            #[inline]
+            #[target_feature(enable = $features)]
+            fn span_fmt<const F: u8>(s: &Span<'_>, out: OutPtr) {
+                let g = &s.g;
+                let ws = g.wstride();
+                let direct = s.tokens.len() <= RAW_MAX_TOKENS;
+                with_wbuf(if direct { 0 } else { R_MAX * ws }, |wbuf| {
+                    let mut r0 = s.rows.start;
+                    while r0 < s.rows.end {
+                        let nr = R_MAX.min(s.rows.end - r0);
+                        if direct {
+                            prefetch_rows(s.w, (r0 + PREFETCH_ROWS) * s.wrb, nr * s.wrb);
                         } else {
-                            tile::<F, $r, $t>(&unpacked, x, xs, g.np, g.nc)
-                        };
-                        for (i, row) in acc.iter().enumerate() {
-                            for (j, v) in row.iter().enumerate() {
-                                // SAFETY: this task owns rows `s.rows` x tokens `s.tokens`.
-                                unsafe { out.write(r0 + i, t0 + j, *v) };
+                            for i in 0..nr {
+                                let row = &s.w[(r0 + i) * s.wrb..(r0 + i + 1) * s.wrb];
+                                unpack_row(g, row, &mut wbuf[i * ws..(i + 1) * ws]);
                             }
                         }
-                    }};
-                }
-                match (nr, nt) {
-                    (4, 4) => tile!(4, 4),
-                    (4, 3) => tile!(4, 3),
-                    (4, 2) => tile!(4, 2),
-                    (4, _) => tile!(4, 1),
-                    (3, 4) => tile!(3, 4),
-                    (3, 3) => tile!(3, 3),
-                    (3, 2) => tile!(3, 2),
-                    (3, _) => tile!(3, 1),
-                    (2, 4) => tile!(2, 4),
-                    (2, 3) => tile!(2, 3),
-                    (2, 2) => tile!(2, 2),
-                    (2, _) => tile!(2, 1),
-                    (_, 4) => tile!(1, 4),
-                    (_, 3) => tile!(1, 3),
-                    (_, 2) => tile!(1, 2),
-                    (_, _) => tile!(1, 1),
-                }
-                t0 += nt;
+                        let unpacked = Unpacked {
+                            w: &wbuf[..],
+                            ws,
+                            wf: g.wf,
+                            np: g.np,
+                        };
+                        let src = if direct { None } else { Some(&unpacked) };
+                        let mut t0 = s.tokens.start;
+                        while t0 < s.tokens.end {
+                            let nt = T_MAX.min(s.tokens.end - t0);
+                            let at = (r0, t0);
+                            match (nr, nt) {
+                                (4, 4) => tile_out::<F, 4, 4>(s, src, at, out),
+                                (4, 3) => tile_out::<F, 4, 3>(s, src, at, out),
+                                (4, 2) => tile_out::<F, 4, 2>(s, src, at, out),
+                                (4, _) => tile_out::<F, 4, 1>(s, src, at, out),
+                                (3, 4) => tile_out::<F, 3, 4>(s, src, at, out),
+                                (3, 3) => tile_out::<F, 3, 3>(s, src, at, out),
+                                (3, 2) => tile_out::<F, 3, 2>(s, src, at, out),
+                                (3, _) => tile_out::<F, 3, 1>(s, src, at, out),
+                                (2, 4) => tile_out::<F, 2, 4>(s, src, at, out),
+                                (2, 3) => tile_out::<F, 2, 3>(s, src, at, out),
+                                (2, 2) => tile_out::<F, 2, 2>(s, src, at, out),
+                                (2, _) => tile_out::<F, 2, 1>(s, src, at, out),
+                                (_, 4) => tile_out::<F, 1, 4>(s, src, at, out),
+                                (_, 3) => tile_out::<F, 1, 3>(s, src, at, out),
+                                (_, 2) => tile_out::<F, 1, 2>(s, src, at, out),
+                                (_, _) => tile_out::<F, 1, 1>(s, src, at, out),
+                            }
+                            t0 += nt;
+                        }
+                        r0 += nr;
+                    }
+                });
             }
-            r0 += nr;
+
+            /// The `R x T` tile at rows `r0..`, tokens `t0..` (`at`), from the ggml blocks
+            /// (`unpacked` is `None`: decode) or the unpacked rows, written to `out`.
+            #[inline]
+            #[target_feature(enable = $features)]
+            fn tile_out<const F: u8, const R: usize, const T: usize>(
+                s: &Span<'_>,
+                unpacked: Option<&Unpacked<'_>>,
+                (r0, t0): (usize, usize),
+                out: OutPtr,
+            ) {
+                let (g, xs) = (&s.g, s.g.xstride());
+                let x = &s.panel[t0 * xs..(t0 + T) * xs];
+                let acc = match unpacked {
+                    None => {
+                        let row = |i: usize| &s.w[(r0 + i) * s.wrb..(r0 + i + 1) * s.wrb];
+                        let raw = Raw::<F, R>::new(std::array::from_fn(row), g.nb);
+                        tile::<F, R, T>(&raw, x, xs, g.np, g.nc)
+                    }
+                    Some(u) => tile::<F, R, T>(u, x, xs, g.np, g.nc),
+                };
+                for (i, row) in acc.iter().enumerate() {
+                    for (j, v) in row.iter().enumerate() {
+                        // SAFETY: this task owns rows `s.rows` x tokens `s.tokens`.
+                        unsafe { out.write(r0 + i, t0 + j, *v) };
+                    }
+                }
+            }
+
+            /// One tile: `R` weight rows from `w` times `T` packed tokens (`x`, stride `xs` chunks), `np`
+            /// block pairs and `nc` Q4_1 min chunks. Returns `[row][token]` dots.
+            ///
+            /// Per (row, token, pair): `acc += float(lanes) * (dw * dx)` with exact i32 lane sums; the
+            /// order of operations per pair does not depend on `R`, `T` or the source (see the module
+            /// docs).
+            // Indexing the [row][token] register tile by (r, t) reads like the math and unrolls fully.
+            #[allow(clippy::needless_range_loop)]
+            #[inline]
+            #[target_feature(enable = $features)]
+            fn tile<const F: u8, const R: usize, const T: usize>(
+                w: &impl WSrc,
+                x: &[Chunk],
+                xs: usize,
+                np: usize,
+                nc: usize,
+            ) -> [[f32; T]; R] {
+                let xf = if F == Q4_0 { 3 } else { 2 };
+                assert!(x.len() >= T * xs && xs >= np * xf + nc);
+                let zero = _mm512_setzero_si512();
+                let mut acc = [[_mm512_setzero_ps(); T]; R];
+                for k in 0..np {
+                    let mut xq = [zero; T];
+                    let mut xd = [_mm512_setzero_ps(); T];
+                    let mut xc = [zero; T];
+                    for t in 0..T {
+                        let b = t * xs + k * xf;
+                        xq[t] = ld(&x[b]);
+                        xd[t] = ldps(&x[b + 1]);
+                        if F == Q4_0 {
+                            xc[t] = ld(&x[b + 2]);
+                        }
+                    }
+                    for r in 0..R {
+                        let wq = w.q(r, k);
+                        let wd = w.d(r, k);
+                        let wc = if F == Q8_0 && V { w.c(wq, r, k) } else { zero };
+                        // Without VNNI, Q8_0 multiplies |w| by x with w's sign.
+                        let (wabs, wneg) = if F == Q8_0 && !V {
+                            (_mm512_abs_epi8(wq), _mm512_movepi8_mask(wq))
+                        } else {
+                            (zero, 0)
+                        };
+                        for t in 0..T {
+                            // Exact natural lane sums: Q4_0 (q - 8) * x = q * x - 8 * sum(x); Q8_0
+                            // (x + 128) * w - 128 * sum(w) = x * w.
+                            // SAFETY (the `true` arms): only the VNNI variant, whose
+                            // target features include avx512vnni, has `V`.
+                            #[allow(unused_unsafe)]
+                            let lanes = unsafe {
+                                match (F, V) {
+                                    (Q4_0, true) => _mm512_dpbusd_epi32(xc[t], wq, xq[t]),
+                                    (Q4_1, true) => _mm512_dpbusd_epi32(zero, wq, xq[t]),
+                                    (_, true) => _mm512_dpbusd_epi32(wc, xq[t], wq),
+                                    (Q4_0, false) => _mm512_add_epi32(xc[t], dot_bw(wq, xq[t])),
+                                    (Q4_1, false) => dot_bw(wq, xq[t]),
+                                    (_, false) => {
+                                        dot_bw(wabs, _mm512_mask_sub_epi8(xq[t], wneg, zero, xq[t]))
+                                    }
+                                }
+                            };
+                            let d = _mm512_mul_ps(wd, xd[t]);
+                            acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lanes), d, acc[r][t]);
+                        }
+                    }
+                }
+                if F == Q4_1 {
+                    for c in 0..nc {
+                        for r in 0..R {
+                            let m = w.m(r, c);
+                            for t in 0..T {
+                                let s = ldps(&x[t * xs + np * xf + c]);
+                                acc[r][t] = _mm512_fmadd_ps(m, s, acc[r][t]);
+                            }
+                        }
+                    }
+                }
+                let mut res = [[0f32; T]; R];
+                for r in 0..R {
+                    for t in 0..T {
+                        res[r][t] = hsum(acc[r][t]);
+                    }
+                }
+                res
+            }
         }
-    });
+    };
 }
+
+variant!(
+    vnni,
+    "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c",
+    true
+);
+variant!(bw, "avx512f,avx512bw,avx512vl,avx2,fma,f16c", false);
 
 /// Loads a chunk as 16 i32 / 64 i8 lanes.
 #[inline(always)]
@@ -146,7 +276,7 @@ fn ldps(c: &Chunk) -> __m512 {
 
 /// Sum of the 16 lanes in a fixed order (halves, then quarters, then pairs).
 #[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+#[target_feature(enable = "avx512f,avx2")]
 fn hsum(v: __m512) -> f32 {
     let lo = _mm512_castps512_ps256(v);
     let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v)));
@@ -359,72 +489,10 @@ impl<const F: u8, const R: usize> WSrc for Raw<'_, F, R> {
     }
 }
 
-/// One tile: `R` weight rows from `w` times `T` packed tokens (`x`, stride `xs` chunks), `np`
-/// block pairs and `nc` Q4_1 min chunks. Returns `[row][token]` dots.
-///
-/// Per (row, token, pair): `acc += float(lanes) * (dw * dx)` with exact i32 lane sums; the
-/// order of operations per pair does not depend on `R`, `T` or the source (see the module
-/// docs).
-// Indexing the [row][token] register tile by (r, t) reads like the math and unrolls fully.
-#[allow(clippy::needless_range_loop)]
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-fn tile<const F: u8, const R: usize, const T: usize>(
-    w: &impl WSrc,
-    x: &[Chunk],
-    xs: usize,
-    np: usize,
-    nc: usize,
-) -> [[f32; T]; R] {
-    let xf = if F == Q4_0 { 3 } else { 2 };
-    assert!(x.len() >= T * xs && xs >= np * xf + nc);
-    let zero = _mm512_setzero_si512();
-    let mut acc = [[_mm512_setzero_ps(); T]; R];
-    for k in 0..np {
-        let mut xq = [zero; T];
-        let mut xd = [_mm512_setzero_ps(); T];
-        let mut xc = [zero; T];
-        for t in 0..T {
-            let b = t * xs + k * xf;
-            xq[t] = ld(&x[b]);
-            xd[t] = ldps(&x[b + 1]);
-            if F == Q4_0 {
-                xc[t] = ld(&x[b + 2]);
-            }
-        }
-        for r in 0..R {
-            let wq = w.q(r, k);
-            let wd = w.d(r, k);
-            let wc = if F == Q8_0 { w.c(wq, r, k) } else { zero };
-            for t in 0..T {
-                // Exact natural lane sums: Q4_0 (q - 8) * x = q * x - 8 * sum(x); Q8_0
-                // (x + 128) * w - 128 * sum(w) = x * w.
-                let lanes = match F {
-                    Q4_0 => _mm512_dpbusd_epi32(xc[t], wq, xq[t]),
-                    Q4_1 => _mm512_dpbusd_epi32(zero, wq, xq[t]),
-                    _ => _mm512_dpbusd_epi32(wc, xq[t], wq),
-                };
-                let d = _mm512_mul_ps(wd, xd[t]);
-                acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lanes), d, acc[r][t]);
-            }
-        }
-    }
-    if F == Q4_1 {
-        for c in 0..nc {
-            for r in 0..R {
-                let m = w.m(r, c);
-                for t in 0..T {
-                    let s = ldps(&x[t * xs + np * xf + c]);
-                    acc[r][t] = _mm512_fmadd_ps(m, s, acc[r][t]);
-                }
-            }
-        }
-    }
-    let mut res = [[0f32; T]; R];
-    for r in 0..R {
-        for t in 0..T {
-            res[r][t] = hsum(acc[r][t]);
-        }
-    }
-    res
+/// `vpdpbusd` from zero without VNNI: `u8 x i8` products summed in fours into i32 lanes. Exact
+/// while no pair of products exceeds i16 (see the module docs).
+#[inline(always)]
+fn dot_bw(u: __m512i, s: __m512i) -> __m512i {
+    // SAFETY: AVX-512BW is enabled by the entry points this is inlined into.
+    unsafe { _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1)) }
 }

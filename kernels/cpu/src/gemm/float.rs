@@ -30,7 +30,7 @@ const TOKENS_PER_CHUNK: usize = 32;
 pub(crate) fn dot_fn(isa: Isa) -> Option<DotFn> {
     match isa {
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 => Some(dot_avx512),
+        Isa::Avx512 | Isa::Avx512Bw => Some(dot_avx512),
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 => Some(dot_avx2),
         _ => None,
@@ -56,8 +56,8 @@ fn dot_avx2(w: &[u8], x: &[u8]) -> f32 {
 fn dot_avx512(w: &[u8], x: &[u8]) -> f32 {
     let n = w.len().min(x.len()) / 4;
     let mut out = [0f32; 1];
-    // SAFETY: `dot_fn` hands this out only for `Isa::Avx512`, which `Isa::detected` returns only
-    // once AVX-512 F was detected; both slices hold `n` f32 values.
+    // SAFETY: `dot_fn` hands this out only for `Isa::Avx512` / `Avx512Bw`, which `Isa::detected`
+    // returns only once AVX-512 F was detected; both slices hold `n` f32 values.
     unsafe { tile_avx512::<1, 1>(w.as_ptr(), 0, x.as_ptr(), 0, n, &mut out, 1) };
     out[0]
 }
@@ -94,7 +94,9 @@ pub(crate) fn matmul(
         // in bounds of `w` and `x`; tasks own disjoint (row, token) cells of `out`.
         match isa {
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx512 => unsafe { block_avx512(wp, r0..r1, cols, xp, t0..t1, &optr) },
+            Isa::Avx512 | Isa::Avx512Bw => unsafe {
+                block_avx512(wp, r0..r1, cols, xp, t0..t1, &optr)
+            },
             #[cfg(target_arch = "x86_64")]
             Isa::Avx2 => unsafe { block_avx2(wp, r0..r1, cols, xp, t0..t1, &optr) },
             _ => unreachable!("no tiled f32 kernel for {isa:?}"),

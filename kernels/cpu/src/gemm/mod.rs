@@ -348,7 +348,9 @@ pub(crate) fn with_wbuf<R>(n: usize, f: impl FnOnce(&mut [Chunk]) -> R) -> R {
 fn run_span(isa: Isa, s: &Span<'_>, out: OutPtr) {
     match isa {
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 => avx512::run_span(s, out),
+        Isa::Avx512 => avx512::run_span::<true>(s, out),
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512Bw => avx512::run_span::<false>(s, out),
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 => avx2::run_span(s, out),
         Isa::Scalar => unreachable!("no tiled kernel for the scalar ISA"),
@@ -555,6 +557,12 @@ pub(crate) fn dot_fn(isa: Isa, ty: GgmlType) -> Option<DotFn> {
         (Isa::Avx512, Q4_1) => f!(Isa::Avx512, Q4_1),
         #[cfg(target_arch = "x86_64")]
         (Isa::Avx512, _) => f!(Isa::Avx512, Q8_0),
+        #[cfg(target_arch = "x86_64")]
+        (Isa::Avx512Bw, Q4_0) => f!(Isa::Avx512Bw, Q4_0),
+        #[cfg(target_arch = "x86_64")]
+        (Isa::Avx512Bw, Q4_1) => f!(Isa::Avx512Bw, Q4_1),
+        #[cfg(target_arch = "x86_64")]
+        (Isa::Avx512Bw, _) => f!(Isa::Avx512Bw, Q8_0),
         #[cfg(target_arch = "x86_64")]
         (Isa::Avx2, Q4_0) => f!(Isa::Avx2, Q4_0),
         #[cfg(target_arch = "x86_64")]
