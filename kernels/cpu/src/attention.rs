@@ -11,6 +11,7 @@
 
 use half::f16;
 
+use std::cell::RefCell;
 use std::sync::OnceLock;
 
 use crate::blocks::f16_bits_to_f32;
@@ -154,8 +155,11 @@ pub fn attention(a: &Attention<'_>, out: &mut [f32], pool: &ThreadPool) -> Resul
     let isa = Isa::detected();
     let results: Vec<OnceLock<Partial>> = tasks.iter().map(|_| OnceLock::new()).collect();
     pool.run(tasks.len(), |i| {
-        let mut scratch = Scratch::new(hd);
-        let partial = run_task(isa, a, &tasks[i], &tile_ranges, &mut scratch);
+        let partial = SCRATCH.with(|sc| {
+            let mut sc = sc.borrow_mut();
+            sc.fit(hd);
+            run_task(isa, a, &tasks[i], &tile_ranges, &mut sc)
+        });
         // Each index runs exactly once, so the slot is empty.
         let _ = results[i].set(partial);
     });
@@ -229,14 +233,36 @@ struct Scratch {
     qt: Vec<[f32; ROW_BLOCK]>,
 }
 
+thread_local! {
+    /// Each thread's scratch, kept across calls: a decode step runs a few small tasks per
+    /// layer, and allocating (and zeroing) 40 KiB per task cost as much as a task's work.
+    static SCRATCH: RefCell<Scratch> = const { RefCell::new(Scratch::EMPTY) };
+}
+
 impl Scratch {
+    const EMPTY: Scratch = Scratch {
+        kt: Vec::new(),
+        v: Vec::new(),
+        pos: Vec::new(),
+        qt: Vec::new(),
+    };
+
+    /// Buffers for `hd`-dimensional heads.
+    #[cfg(test)]
     fn new(hd: usize) -> Scratch {
-        Scratch {
-            kt: vec![0.0; hd * KV_TILE],
-            v: vec![0.0; KV_TILE * hd],
-            pos: vec![0; KV_TILE],
-            qt: vec![[0.0; ROW_BLOCK]; hd],
-        }
+        let mut s = Scratch::EMPTY;
+        s.fit(hd);
+        s
+    }
+
+    /// Sizes the buffers for `hd`-dimensional heads. Their contents are not reset: a task
+    /// writes every element it reads (the tile conversion fills `kt`, `v` and `pos`, the row
+    /// block fills `qt`).
+    fn fit(&mut self, hd: usize) {
+        self.kt.resize(hd * KV_TILE, 0.0);
+        self.v.resize(KV_TILE * hd, 0.0);
+        self.pos.resize(KV_TILE, 0);
+        self.qt.resize(hd, [0.0; ROW_BLOCK]);
     }
 }
 
