@@ -13,3 +13,5 @@ mod tokenizer_golden;
 mod engine_golden;
 // The BERT embedder against sentence-transformers' reference vectors.
 mod embed_golden;
+// Knowledge bases: ingest, delete, recovery, hybrid search and the `engram` kb commands.
+mod kb;

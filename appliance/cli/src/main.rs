@@ -1,6 +1,8 @@
 //! `engram`: the command line of the Engram appliance (tokenize, generate, chat, info).
 
 mod bench;
+mod eval;
+mod kb;
 
 use std::io::{BufRead, Write};
 use std::path::{Path, PathBuf};
@@ -38,6 +40,16 @@ enum Command {
     Info(ModelArgs),
     /// Measure prefill and decode speed, load time and peak memory.
     Bench(BenchArgs),
+    /// Add files and folders to a knowledge base collection.
+    Ingest(kb::IngestArgs),
+    /// Search a collection (hybrid BM25 + dense by default).
+    Search(kb::SearchArgs),
+    /// List or delete a collection's documents.
+    Docs(kb::DocsArgs),
+    /// List, create or delete collections.
+    Collections(kb::CollectionsArgs),
+    /// Measure retrieval quality on a BEIR-format data set.
+    Eval(eval::EvalArgs),
 }
 
 #[derive(Args)]
@@ -199,6 +211,11 @@ fn main() -> Result<()> {
         Command::Chat(a) => chat(a),
         Command::Info(a) => info(a),
         Command::Bench(a) => bench_cmd(a),
+        Command::Ingest(a) => kb::ingest(a),
+        Command::Search(a) => kb::search(a),
+        Command::Docs(a) => kb::docs(a),
+        Command::Collections(a) => kb::collections(a),
+        Command::Eval(a) => eval::eval(a),
     }
 }
 

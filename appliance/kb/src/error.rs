@@ -1,0 +1,110 @@
+//! The crate's error type: everything that can stop a knowledge-base operation.
+
+use std::path::PathBuf;
+
+/// Why a knowledge-base operation failed.
+///
+/// A document that cannot be parsed is not an error of the operation: ingestion records it as a
+/// failed document with its reason and goes on with the others.
+#[derive(Debug, thiserror::Error)]
+pub enum KbError {
+    /// A file or folder of the data directory could not be read or written.
+    #[error("{op} {path}: {source}")]
+    Io {
+        /// What was being done, e.g. "writing blob".
+        op: &'static str,
+        /// The file or folder.
+        path: PathBuf,
+        /// The OS error.
+        source: std::io::Error,
+    },
+
+    /// The sled catalog reported an error (I/O underneath, or its own corruption check).
+    #[error("catalog: {0}")]
+    Catalog(#[from] sled::Error),
+
+    /// Stored bytes do not decode, or contradict each other: the caller rebuilds what it can.
+    #[error("corrupted {what}: {comment}")]
+    Corrupted {
+        /// The record or file, e.g. "document 12" or "blob 3f2a...".
+        what: String,
+        /// What is wrong with it.
+        comment: String,
+    },
+
+    /// The catalog was written by a version of Engram whose schema this one does not read.
+    #[error("catalog schema version {found} is not supported (this build reads version {supported}); use the Engram release that wrote it")]
+    SchemaVersion {
+        /// The version stored in the catalog.
+        found: u32,
+        /// The version this build writes and reads.
+        supported: u32,
+    },
+
+    /// No collection has this name.
+    #[error("collection `{name}` does not exist (see `engram collections list`)")]
+    CollectionNotFound {
+        /// The name asked for.
+        name: String,
+    },
+
+    /// A collection with this name exists already.
+    #[error("collection `{name}` already exists")]
+    CollectionExists {
+        /// The name.
+        name: String,
+    },
+
+    /// No document with this id or name in the collection.
+    #[error("document `{doc}` is not in collection `{collection}` (see `engram docs list`)")]
+    DocumentNotFound {
+        /// The collection searched.
+        collection: String,
+        /// The id or name asked for.
+        doc: String,
+    },
+
+    /// A name, setting or metadata entry breaks a rule; `field` names it.
+    #[error("invalid {field}: {reason}")]
+    Invalid {
+        /// The offending field, e.g. "collection name" or "chunk_tokens".
+        field: String,
+        /// The rule it breaks, with the limit.
+        reason: String,
+    },
+
+    /// The embedder failed.
+    #[error("embedding: {0}")]
+    Embed(#[from] engram_embed::EmbedError),
+
+    /// A BM25 or vector index failed.
+    #[error("index: {0}")]
+    Index(#[from] engram_index::IndexError),
+}
+
+impl KbError {
+    pub(crate) fn io(op: &'static str, path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+        KbError::Io {
+            op,
+            path: path.into(),
+            source,
+        }
+    }
+
+    pub(crate) fn invalid(field: impl Into<String>, reason: impl Into<String>) -> Self {
+        KbError::Invalid {
+            field: field.into(),
+            reason: reason.into(),
+        }
+    }
+
+    pub(crate) fn corrupted(what: impl Into<String>, comment: impl Into<String>) -> Self {
+        KbError::Corrupted {
+            what: what.into(),
+            comment: comment.into(),
+        }
+    }
+}
+
+/// `Result` with [`KbError`].
+pub type Result<T> = std::result::Result<T, KbError>;

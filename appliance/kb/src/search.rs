@@ -1,0 +1,368 @@
+//! Hybrid search over one collection: BM25, dense vectors, or both fused (reciprocal-rank by
+//! default), with metadata filters and hits that carry everything a citation needs.
+//!
+//! # The dense side and languages the embedder does not know
+//!
+//! The default embedding model (all-MiniLM-L6-v2) has an English word-piece vocabulary: most
+//! Chinese characters become `[UNK]`, and the few it has (244) were barely trained, so a
+//! Chinese query's vector says next to nothing and the dense ranking is close to noise. Fusing
+//! noise with a good BM25 ranking only drags the good one down. Before a hybrid search the query
+//! is therefore tokenized with the embedder's own tokenizer and the share of "blind" word
+//! pieces measured ([`Models::blind`](crate::Models::blind): `[UNK]`, and single CJK characters
+//! when the vocabulary holds too few of them to read Chinese). The dense weight is kept whole up
+//! to [`BLIND_SHARE_FULL`], falls linearly to zero at [`BLIND_SHARE_NONE`], and when it is zero
+//! the dense search is skipped and the hybrid ranking is the BM25 ranking. An explicit
+//! [`SearchMode::Dense`] search is always run as asked. A multilingual embedder (few blind
+//! pieces) keeps its full weight.
+
+use std::collections::{HashMap, HashSet};
+use std::ops::Range;
+
+use engram_index::{fuse, Fused, Fusion, FusionMode, Hit};
+
+use crate::error::Result;
+use crate::kb::KnowledgeBase;
+use crate::records::{Collection, Document};
+
+/// Up to this share of blind word pieces the query keeps its full dense weight: a stray emoji
+/// or rare symbol in an English query does not matter.
+pub const BLIND_SHARE_FULL: f32 = 0.05;
+
+/// From this share of blind word pieces on, the dense side gets no weight: a quarter of the
+/// query unreadable means the vector mostly encodes what is left, e.g. the digits and
+/// punctuation of a Chinese question.
+pub const BLIND_SHARE_NONE: f32 = 0.25;
+
+/// Candidates each side retrieves before fusion (at least `k`): fusion needs more than the
+/// final `k` from each list, since a chunk ranked 30th by both can beat one ranked 1st by one.
+pub const DEFAULT_CANDIDATES: usize = 100;
+
+/// Reciprocal-rank fusion's usual constant (Cormack et al. 2009).
+pub const DEFAULT_RRF_K: f32 = 60.0;
+
+/// Which retriever(s) to run.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum SearchMode {
+    Bm25,
+    Dense,
+    #[default]
+    Hybrid,
+}
+
+impl SearchMode {
+    pub fn name(self) -> &'static str {
+        match self {
+            SearchMode::Bm25 => "bm25",
+            SearchMode::Dense => "dense",
+            SearchMode::Hybrid => "hybrid",
+        }
+    }
+}
+
+/// A search over one collection.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SearchRequest {
+    pub collection: String,
+    pub query: String,
+    pub mode: SearchMode,
+    /// Hits returned.
+    pub k: usize,
+    /// Candidates per side before fusion (raised to `k`).
+    pub candidates: usize,
+    /// How hybrid combines the two lists.
+    pub fusion: FusionMode,
+    pub bm25_weight: f32,
+    /// Before the unknown-token scaling above.
+    pub dense_weight: f32,
+    /// Only documents whose metadata has every one of these key/value pairs.
+    pub metadata: Vec<(String, String)>,
+}
+
+impl SearchRequest {
+    /// A hybrid RRF search for the top 10.
+    pub fn new(collection: impl Into<String>, query: impl Into<String>) -> SearchRequest {
+        SearchRequest {
+            collection: collection.into(),
+            query: query.into(),
+            mode: SearchMode::Hybrid,
+            k: 10,
+            candidates: DEFAULT_CANDIDATES,
+            fusion: FusionMode::Rrf { k: DEFAULT_RRF_K },
+            bm25_weight: 1.0,
+            dense_weight: 1.0,
+            metadata: Vec::new(),
+        }
+    }
+}
+
+/// How much the dense side can say about a query.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct DenseSignal {
+    /// Share of the query's word pieces (without `[CLS]`/`[SEP]`) that are blind.
+    pub blind_share: f32,
+    /// Factor applied to the dense weight in hybrid searches, 0 to 1.
+    pub scale: f32,
+}
+
+impl DenseSignal {
+    /// The scale for an unknown-token share (see the module docs).
+    pub fn from_blind_share(blind_share: f32) -> DenseSignal {
+        let scale = ((BLIND_SHARE_NONE - blind_share) / (BLIND_SHARE_NONE - BLIND_SHARE_FULL))
+            .clamp(0.0, 1.0);
+        DenseSignal { blind_share, scale }
+    }
+}
+
+/// Ranked candidates without their text: what [`KnowledgeBase::retrieve`] returns.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Retrieved {
+    /// Best first; `score` is the fused score (or the one side's score).
+    pub hits: Vec<Fused>,
+    pub signal: DenseSignal,
+    /// The dense weight used (0 when the dense side was skipped).
+    pub dense_weight: f32,
+    /// The query's vector, when the dense side ran.
+    pub query_vector: Option<Vec<f32>>,
+}
+
+/// One search hit, ready to cite.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SearchHit {
+    pub chunk_id: u64,
+    pub doc_id: u64,
+    pub doc_name: String,
+    pub doc_title: Option<String>,
+    /// The chunk's ordinal in its document.
+    pub ordinal: u32,
+    /// Span of the chunk in the document's text, in bytes and in chars.
+    pub bytes: Range<usize>,
+    pub chars: Range<usize>,
+    /// 1-based page (PDF).
+    pub page: Option<u32>,
+    pub text: String,
+    /// BM25 score, when BM25 retrieved the chunk.
+    pub bm25: Option<f32>,
+    /// Cosine similarity to the query, when the query was embedded.
+    pub dense: Option<f32>,
+    /// The score the hits are ranked by.
+    pub score: f32,
+    /// Byte ranges in `text` of the query's terms.
+    pub highlights: Vec<Range<usize>>,
+}
+
+/// The outcome of [`KnowledgeBase::search`].
+#[derive(Clone, Debug, PartialEq)]
+pub struct SearchResults {
+    pub hits: Vec<SearchHit>,
+    pub signal: DenseSignal,
+    pub dense_weight: f32,
+}
+
+impl KnowledgeBase {
+    /// How much signal the embedder's vector of `query` carries (see the module docs).
+    pub fn dense_signal(&self, query: &str) -> Result<DenseSignal> {
+        if self.models.blind.is_empty() {
+            return Ok(DenseSignal::from_blind_share(0.0));
+        }
+        let ids = self.models.embedder.tokenize(query)?;
+        // Drop [CLS] and [SEP].
+        let pieces = ids.get(1..ids.len().saturating_sub(1)).unwrap_or(&[]);
+        if pieces.is_empty() {
+            return Ok(DenseSignal::from_blind_share(0.0));
+        }
+        let blind = pieces
+            .iter()
+            .filter(|id| self.models.blind.contains(id))
+            .count();
+        Ok(DenseSignal::from_blind_share(
+            blind as f32 / pieces.len() as f32,
+        ))
+    }
+
+    /// The documents of `coll` matching every metadata pair (`None`: no filter).
+    fn metadata_filter(
+        &self,
+        coll: &Collection,
+        pairs: &[(String, String)],
+    ) -> Result<Option<HashSet<u64>>> {
+        let mut allowed: Option<HashSet<u64>> = None;
+        for (k, v) in pairs {
+            let docs = self.catalog.docs_with_meta(coll.id, k, v)?;
+            allowed = Some(match allowed {
+                None => docs,
+                Some(a) => a.intersection(&docs).copied().collect(),
+            });
+        }
+        Ok(allowed)
+    }
+
+    /// Ranked chunk ids and scores, without reading their text: the cheap half of
+    /// [`search`](Self::search), for evaluation.
+    pub fn retrieve(&self, req: &SearchRequest) -> Result<Retrieved> {
+        let coll = self.collection(&req.collection)?;
+        let idx = self.indexes(&coll)?;
+        let filter = self.metadata_filter(&coll, &req.metadata)?;
+        let signal = match req.mode {
+            SearchMode::Hybrid => self.dense_signal(&req.query)?,
+            _ => DenseSignal::from_blind_share(0.0),
+        };
+        let candidates = req.candidates.max(req.k);
+        let dense_weight = match req.mode {
+            SearchMode::Bm25 => 0.0,
+            SearchMode::Dense => 1.0,
+            SearchMode::Hybrid => req.dense_weight * signal.scale,
+        };
+        if filter.as_ref().is_some_and(HashSet::is_empty) {
+            return Ok(Retrieved {
+                hits: Vec::new(),
+                signal,
+                dense_weight,
+                query_vector: None,
+            });
+        }
+        let filter = filter.as_ref();
+        let bm25: Vec<Hit> = match req.mode {
+            SearchMode::Dense => Vec::new(),
+            _ => idx.bm25.search(&req.query, candidates, filter)?,
+        };
+        let (dense, query_vector) = if dense_weight > 0.0 {
+            let q = self.models.embedder.embed_one(&req.query)?;
+            (idx.vectors.search(&q, candidates, filter)?, Some(q))
+        } else {
+            (Vec::new(), None)
+        };
+        let mut hits = match req.mode {
+            SearchMode::Bm25 => bm25.iter().map(|h| single(h, true)).collect(),
+            SearchMode::Dense => dense.iter().map(|h| single(h, false)).collect(),
+            SearchMode::Hybrid if dense.is_empty() => {
+                bm25.iter().map(|h| single(h, true)).collect()
+            }
+            SearchMode::Hybrid => fuse(
+                &bm25,
+                &dense,
+                Fusion {
+                    mode: req.fusion,
+                    bm25_weight: req.bm25_weight,
+                    dense_weight,
+                },
+            ),
+        };
+        hits.truncate(req.k);
+        Ok(Retrieved {
+            hits,
+            signal,
+            dense_weight,
+            query_vector,
+        })
+    }
+
+    /// Searches a collection and returns the top `k` chunks with their documents, spans,
+    /// pages, scores and highlight ranges. A chunk that only BM25 found still gets its cosine
+    /// similarity (from its stored vector) when the query was embedded.
+    pub fn search(&self, req: &SearchRequest) -> Result<SearchResults> {
+        let r = self.retrieve(req)?;
+        let coll = self.collection(&req.collection)?;
+        let idx = self.indexes(&coll)?;
+        let mut docs: HashMap<u64, Document> = HashMap::new();
+        let mut hits = Vec::with_capacity(r.hits.len());
+        for f in &r.hits {
+            // An index entry the catalog no longer has (never expected) is skipped, not shown.
+            let Some(chunk) = self.catalog.chunk(f.chunk_id)? else {
+                continue;
+            };
+            let doc = match docs.entry(f.doc_id) {
+                std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+                std::collections::hash_map::Entry::Vacant(e) => {
+                    let Some(d) = self.catalog.document(f.doc_id)? else {
+                        continue;
+                    };
+                    e.insert(d)
+                }
+            };
+            let dense = match (f.dense, &r.query_vector) {
+                (Some(d), _) => Some(d),
+                (None, Some(q)) => self
+                    .catalog
+                    .embedding(chunk.id)?
+                    .map(|v| v.iter().zip(q).map(|(a, b)| a * b).sum()),
+                (None, None) => None,
+            };
+            hits.push(SearchHit {
+                chunk_id: chunk.id,
+                doc_id: doc.id,
+                doc_name: doc.name.clone(),
+                doc_title: doc.title.clone(),
+                ordinal: chunk.ordinal,
+                highlights: idx.bm25.highlight(&req.query, &chunk.text),
+                bytes: chunk.bytes,
+                chars: chunk.chars,
+                page: chunk.page,
+                text: chunk.text,
+                bm25: f.bm25,
+                dense,
+                score: f.score,
+            });
+        }
+        Ok(SearchResults {
+            hits,
+            signal: r.signal,
+            dense_weight: r.dense_weight,
+        })
+    }
+
+    /// Mean recall@k of the HNSW search against exact search, over these queries.
+    pub fn hnsw_recall(&self, collection: &str, queries: &[&str], k: usize) -> Result<f64> {
+        let coll = self.collection(collection)?;
+        let idx = self.indexes(&coll)?;
+        let mut sum = 0.0;
+        let mut n = 0;
+        for batch in queries.chunks(crate::kb::EMBED_BATCH) {
+            for q in self.models.embedder.embed(batch)? {
+                let exact: HashSet<u64> = idx
+                    .vectors
+                    .exact_search(&q, k, None)?
+                    .iter()
+                    .map(|h| h.chunk_id)
+                    .collect();
+                if exact.is_empty() {
+                    continue;
+                }
+                let found = idx
+                    .vectors
+                    .search(&q, k, None)?
+                    .iter()
+                    .filter(|h| exact.contains(&h.chunk_id))
+                    .count();
+                sum += found as f64 / exact.len() as f64;
+                n += 1;
+            }
+        }
+        Ok(if n == 0 { 1.0 } else { sum / n as f64 })
+    }
+}
+
+/// One side's hit as a fused candidate.
+fn single(h: &Hit, is_bm25: bool) -> Fused {
+    Fused {
+        chunk_id: h.chunk_id,
+        doc_id: h.doc_id,
+        bm25: is_bm25.then_some(h.score),
+        dense: (!is_bm25).then_some(h.score),
+        score: h.score,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dense_weight_falls_with_unknown_pieces() {
+        assert_eq!(DenseSignal::from_blind_share(0.0).scale, 1.0);
+        assert_eq!(DenseSignal::from_blind_share(BLIND_SHARE_FULL).scale, 1.0);
+        let mid = DenseSignal::from_blind_share((BLIND_SHARE_FULL + BLIND_SHARE_NONE) / 2.0).scale;
+        assert!((mid - 0.5).abs() < 1e-6, "{mid}");
+        assert_eq!(DenseSignal::from_blind_share(BLIND_SHARE_NONE).scale, 0.0);
+        assert_eq!(DenseSignal::from_blind_share(0.7).scale, 0.0);
+    }
+}
