@@ -9,7 +9,7 @@ use half::f16;
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
 use crate::kv::KvCache;
-use crate::ops::{rms_norm, rms_norm_in_place, swiglu, Rope};
+use crate::ops::{rms_norm, rms_norm_in_place, Rope};
 use crate::weights::{Matrix, Weights};
 
 /// Which positions of a forward call need logits.
@@ -222,7 +222,7 @@ impl Model {
                 n,
                 &mut [&mut s.gate, &mut s.up],
             )?;
-            swiglu(&mut s.gate, &s.up);
+            engram_kernels::swiglu(&mut s.gate, &s.up, &self.pool)?;
             self.matmul(&layer.w_down, &s.gate, n, &mut s.proj)?;
             add_assign(&mut s.x, &s.proj);
         }

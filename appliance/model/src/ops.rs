@@ -26,13 +26,6 @@ pub fn rms_norm_in_place(x: &mut [f32], weight: &[f32], eps: f32) {
     }
 }
 
-/// `gate = silu(gate) * up`, the SwiGLU activation.
-pub fn swiglu(gate: &mut [f32], up: &[f32]) {
-    for (g, &u) in gate.iter_mut().zip(up) {
-        *g = *g / (1.0 + (-*g).exp()) * u;
-    }
-}
-
 /// Rotary position embedding for one model: frequencies, scaling and pairing.
 #[derive(Debug, Clone)]
 pub struct Rope {

@@ -40,6 +40,7 @@
 
 #![warn(missing_docs)]
 
+mod act;
 mod attention;
 mod blocks;
 mod dequant;
@@ -51,6 +52,7 @@ mod matmul;
 mod pool;
 mod quantize;
 
+pub use act::swiglu;
 pub use attention::{attention, key_tile_index, Attention, KV_TILE, Q_TILE};
 pub use dequant::dequantize_row;
 pub use dot::{vec_dot, vec_dot_f32};
