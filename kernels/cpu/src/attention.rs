@@ -22,8 +22,10 @@ use crate::pool::ThreadPool;
 /// Cache slots per tile: 64 keys of up to 128 dims in f32 (32 KiB) plus the same of values fit
 /// in L2 next to the scores, and 64 lanes keep four AVX-512 accumulators busy per query row.
 pub const KV_TILE: usize = 64;
-/// Query rows computed together: 4 rows x 64 keys of scores are 16 AVX-512 registers (half of
-/// the register file), and each key row loaded from the tile then feeds 4 rows.
+/// Query rows computed together (at most): 4 rows x 64 keys of scores are 16 AVX-512 registers
+/// (half of the register file), and each key row loaded from the tile then feeds 4 rows. A GQA
+/// group of 3 (SmolLM2, and 6, 9, ...) takes blocks of 3 instead, so a decode step's 3 rows fill
+/// whole blocks; a row's arithmetic does not depend on the block size.
 const ROW_BLOCK: usize = 4;
 /// Output dimensions accumulated together: 4 rows x 64 dims, again 16 AVX-512 registers.
 const DIM_BLOCK: usize = 64;
@@ -275,15 +277,31 @@ fn run_task(
     ranges: &[(i32, i32)],
     s: &mut Scratch,
 ) -> Partial {
+    let group = a.n_head / a.n_head_kv;
+    if group % ROW_BLOCK != 0 && group % 3 == 0 {
+        run_task_rb::<3>(isa, a, t, ranges, s)
+    } else {
+        run_task_rb::<ROW_BLOCK>(isa, a, t, ranges, s)
+    }
+}
+
+/// [`run_task`] with row blocks of `RB` rows.
+fn run_task_rb<const RB: usize>(
+    isa: Isa,
+    a: &Attention<'_>,
+    t: &Task,
+    ranges: &[(i32, i32)],
+    s: &mut Scratch,
+) -> Partial {
     match isa {
-        Isa::Scalar => task_kernel(a, t, ranges, s, convert_portable, |x, y, z| x * y + z),
+        Isa::Scalar => task_kernel::<RB>(a, t, ranges, s, convert_portable, |x, y, z| x * y + z),
         // SAFETY: `Isa::Avx2` is only chosen on CPUs with AVX2, FMA and F16C.
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => unsafe { task_avx2(a, t, ranges, s) },
+        Isa::Avx2 => unsafe { task_avx2::<RB>(a, t, ranges, s) },
         // SAFETY: `Isa::Avx512` is only chosen on CPUs with AVX-512 F/BW/VL (and VNNI) on top
         // of everything `Avx2` needs.
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 | Isa::Avx512Bw => unsafe { task_avx512(a, t, ranges, s) },
+        Isa::Avx512 | Isa::Avx512Bw => unsafe { task_avx512::<RB>(a, t, ranges, s) },
     }
 }
 
@@ -293,8 +311,13 @@ fn run_task(
 /// The CPU must support AVX2 and FMA.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn task_avx2(a: &Attention<'_>, t: &Task, r: &[(i32, i32)], s: &mut Scratch) -> Partial {
-    task_kernel(
+unsafe fn task_avx2<const RB: usize>(
+    a: &Attention<'_>,
+    t: &Task,
+    r: &[(i32, i32)],
+    s: &mut Scratch,
+) -> Partial {
+    task_kernel::<RB>(
         a,
         t,
         r,
@@ -334,8 +357,13 @@ unsafe fn convert_f16c(src: &[f16], dst: &mut [f32]) {
 /// The CPU must support AVX-512 F, BW and VL, and FMA.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-unsafe fn task_avx512(a: &Attention<'_>, t: &Task, r: &[(i32, i32)], s: &mut Scratch) -> Partial {
-    task_kernel(
+unsafe fn task_avx512<const RB: usize>(
+    a: &Attention<'_>,
+    t: &Task,
+    r: &[(i32, i32)],
+    s: &mut Scratch,
+) -> Partial {
+    task_kernel::<RB>(
         a,
         t,
         r,
@@ -359,7 +387,7 @@ fn convert_portable(src: &[f16], dst: &mut [f32]) {
 /// One task, written as plain loops over fixed-width tiles so that each `#[target_feature]`
 /// copy above vectorises them for its instruction set.
 #[inline(always)]
-fn task_kernel(
+fn task_kernel<const RB: usize>(
     a: &Attention<'_>,
     t: &Task,
     ranges: &[(i32, i32)],
@@ -377,7 +405,7 @@ fn task_kernel(
     let mut l = vec![0.0f32; rows];
     // Whole row blocks, so the micro-kernel reads and writes every row of a block without
     // runtime row indices (which would keep its accumulators out of registers).
-    let mut o = vec![0.0f32; rows.div_ceil(ROW_BLOCK) * ROW_BLOCK * hd];
+    let mut o = vec![0.0f32; rows.div_ceil(RB) * RB * hd];
     let q_pos = &a.q_pos[t.q0..t.q1];
     let q_min = *q_pos.iter().min().expect("a task has queries");
     let q_max = *q_pos.iter().max().expect("a task has queries");
@@ -413,12 +441,12 @@ fn task_kernel(
             }
         }
 
-        // Query rows in blocks of ROW_BLOCK: each key or value row loaded from the tile feeds
-        // ROW_BLOCK rows of FMAs, with the scores and outputs of the block in registers.
-        for r0 in (0..rows).step_by(ROW_BLOCK) {
-            let nr = ROW_BLOCK.min(rows - r0);
-            let mut qrows: [&[f32]; ROW_BLOCK] = [&zeros[..]; ROW_BLOCK];
-            let mut qpos = [i32::MIN; ROW_BLOCK];
+        // Query rows in blocks of RB: each key or value row loaded from the tile feeds
+        // RB rows of FMAs, with the scores and outputs of the block in registers.
+        for r0 in (0..rows).step_by(RB) {
+            let nr = RB.min(rows - r0);
+            let mut qrows: [&[f32]; RB] = [&zeros[..]; RB];
+            let mut qpos = [i32::MIN; RB];
             for i in 0..nr {
                 let r = r0 + i;
                 let (qi, hg) = (t.q0 + r / group, r % group);
@@ -430,7 +458,7 @@ fn task_kernel(
                 continue;
             }
 
-            // The block's queries transposed, `[d][ROW_BLOCK]`, so the loop below reads them
+            // The block's queries transposed, `[d][RB]`, so the loop below reads them
             // with constant row indices.
             for (d, qd) in sc.qt.iter_mut().enumerate() {
                 for (x, q) in qd.iter_mut().zip(&qrows) {
@@ -438,7 +466,7 @@ fn task_kernel(
                 }
             }
             // Scores: s[i][j] = sum_d q_i[d] * kt[d][j].
-            let mut s = [[0.0f32; KV_TILE]; ROW_BLOCK];
+            let mut s = [[0.0f32; KV_TILE]; RB];
             for (krow, qd) in sc.kt.chunks_exact(KV_TILE).zip(&sc.qt) {
                 for (si, &q) in s.iter_mut().zip(qd) {
                     for (sj, &kj) in si.iter_mut().zip(krow) {
@@ -448,8 +476,8 @@ fn task_kernel(
             }
 
             // Mask, online softmax; s becomes the weights p (0 for rows or keys not seen).
-            let mut correction = [1.0f32; ROW_BLOCK];
-            for i in 0..ROW_BLOCK {
+            let mut correction = [1.0f32; RB];
+            for i in 0..RB {
                 let si = &mut s[i];
                 if i >= nr || qpos[i] < lo {
                     *si = [0.0; KV_TILE];
@@ -489,10 +517,10 @@ fn task_kernel(
             }
 
             // Outputs: o_i = o_i * correction_i + sum_j p_i[j] * v[j], DIM_BLOCK dims at a time.
-            let ob = &mut o[r0 * hd..(r0 + ROW_BLOCK) * hd];
+            let ob = &mut o[r0 * hd..(r0 + RB) * hd];
             if hd.is_multiple_of(DIM_BLOCK) {
                 for d0 in (0..hd).step_by(DIM_BLOCK) {
-                    let mut acc = [[0.0f32; DIM_BLOCK]; ROW_BLOCK];
+                    let mut acc = [[0.0f32; DIM_BLOCK]; RB];
                     for (i, acci) in acc.iter_mut().enumerate() {
                         let orow = &ob[i * hd + d0..i * hd + d0 + DIM_BLOCK];
                         for (x, &y) in acci.iter_mut().zip(orow) {
