@@ -278,7 +278,7 @@ fn run_task(
     s: &mut Scratch,
 ) -> Partial {
     let group = a.n_head / a.n_head_kv;
-    if group % ROW_BLOCK != 0 && group % 3 == 0 {
+    if !group.is_multiple_of(ROW_BLOCK) && group.is_multiple_of(3) {
         run_task_rb::<3>(isa, a, t, ranges, s)
     } else {
         run_task_rb::<ROW_BLOCK>(isa, a, t, ranges, s)
