@@ -188,6 +188,19 @@ fn quants_chunk<'a>(g: &Geom, k: usize, q: impl Fn(usize) -> &'a [u8]) -> Chunk 
     c
 }
 
+/// One value per block (`v(b)`, Q4_1's mins or Q8_1's sums) for blocks `16c..16c + 16`, as f32
+/// lanes (absent block: 0).
+fn per_block_chunk(g: &Geom, c: usize, v: impl Fn(usize) -> f32) -> Chunk {
+    let mut ch = Chunk::ZERO;
+    for l in 0..16 {
+        let b = 16 * c + l;
+        if b < g.nb {
+            ch.set_f32(l, v(b));
+        }
+    }
+    ch
+}
+
 /// i32 lanes `scale * (sum of the 4 signed bytes of each lane of c)`.
 fn lane_sums_chunk(c: &Chunk, scale: i32) -> Chunk {
     let mut out = Chunk::ZERO;
@@ -218,14 +231,7 @@ pub(crate) fn pack_token(g: &Geom, xq: &[u8], out: &mut [Chunk]) {
         out[base + 1] = scales_chunk(g, k, |b| f16_at(block(b), 0));
     }
     for c in 0..g.nc {
-        let mut ch = Chunk::ZERO;
-        for l in 0..16 {
-            let b = 16 * c + l;
-            if b < g.nb {
-                ch.set_f32(l, f16_at(block(b), 2));
-            }
-        }
-        out[g.np * g.xf + c] = ch;
+        out[g.np * g.xf + c] = per_block_chunk(g, c, |b| f16_at(block(b), 2));
     }
 }
 
@@ -262,14 +268,7 @@ pub(crate) fn unpack_row(g: &Geom, w: &[u8], out: &mut [Chunk]) {
         out[base + 1] = scales_chunk(g, k, |b| f16_at(block(b), 0));
     }
     for c in 0..g.nc {
-        let mut ch = Chunk::ZERO;
-        for l in 0..16 {
-            let b = 16 * c + l;
-            if b < g.nb {
-                ch.set_f32(l, f16_at(block(b), 2));
-            }
-        }
-        out[g.np * g.wf + c] = ch;
+        out[g.np * g.wf + c] = per_block_chunk(g, c, |b| f16_at(block(b), 2));
     }
 }
 
