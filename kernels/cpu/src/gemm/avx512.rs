@@ -12,6 +12,7 @@
 
 use std::arch::x86_64::*;
 
+use super::raw::{h16, ld16, Raw};
 use super::{unpack_row, with_wbuf, Chunk, OutPtr, Span, Q4_0, Q4_1, Q8_0};
 
 /// Rows per register tile. 4 x 4 accumulators (16 zmm) plus 4 activation quants, 4 activation
@@ -328,74 +329,6 @@ impl WSrc for Unpacked<'_> {
     fn m(&self, r: usize, c: usize) -> __m512 {
         ldps(&self.w[r * self.ws + self.np * self.wf + c])
     }
-}
-
-/// Rows in ggml layout (`rows[r]`, `nb` blocks of `BS` bytes, quants at `QO`), unpacked in
-/// registers on the fly. Built only by [`Raw::new`], which checks that every row holds `nb`
-/// blocks, so the hot path reads whole block pairs through raw pointers without per-load
-/// bounds checks; only the missing half of an odd last pair takes the checked path.
-struct Raw<'a, const F: u8, const R: usize> {
-    rows: [&'a [u8]; R],
-    nb: usize,
-}
-
-impl<'a, const F: u8, const R: usize> Raw<'a, F, R> {
-    const BS: usize = match F {
-        Q4_0 => 18,
-        Q4_1 => 20,
-        _ => 34,
-    };
-    const QO: usize = if F == Q4_1 { 4 } else { 2 };
-
-    /// # Panics
-    ///
-    /// If a row is shorter than `nb` blocks (the invariant the unchecked loads rely on).
-    #[inline(always)]
-    fn new(rows: [&'a [u8]; R], nb: usize) -> Self {
-        assert!(
-            rows.iter().all(|r| r.len() >= nb * Self::BS),
-            "weight row shorter than {nb} blocks"
-        );
-        Raw { rows, nb }
-    }
-
-    /// Block `b` of row `r`, or `None` past the end (the missing half of a last pair).
-    #[inline(always)]
-    fn block(&self, r: usize, b: usize) -> Option<&[u8]> {
-        (b < self.nb).then(|| &self.rows[r][b * Self::BS..(b + 1) * Self::BS])
-    }
-
-    /// Pointer to block `b` of row `r`: `BS` readable bytes when `b < nb` (see `new`).
-    #[inline(always)]
-    fn ptr(&self, r: usize, b: usize) -> *const u8 {
-        self.rows[r].as_ptr().wrapping_add(b * Self::BS)
-    }
-
-    /// Whether pair `k` has both blocks (every pair but the last of an odd block count).
-    #[inline(always)]
-    fn full(&self, k: usize) -> bool {
-        2 * k + 1 < self.nb
-    }
-}
-
-/// Loads 16 bytes (zeros for a missing block).
-#[inline(always)]
-fn ld16(b: Option<&[u8]>, off: usize) -> __m128i {
-    match b {
-        Some(b) => {
-            let v: &[u8; 16] = b[off..off + 16].try_into().expect("16 bytes in block");
-            // SAFETY: 16 readable bytes; `loadu` has no alignment requirement; SSE2 is baseline.
-            unsafe { _mm_loadu_si128(v.as_ptr().cast()) }
-        }
-        // SAFETY: SSE2 is baseline on x86_64.
-        None => unsafe { _mm_setzero_si128() },
-    }
-}
-
-/// The f16 bits at the start of `off` in block `b` (0 for a missing block).
-#[inline(always)]
-fn h16(b: Option<&[u8]>, off: usize) -> u16 {
-    b.map_or(0, |b| u16::from_le_bytes([b[off], b[off + 1]]))
 }
 
 impl<const F: u8, const R: usize> WSrc for Raw<'_, F, R> {

@@ -36,6 +36,8 @@ mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
 pub(crate) mod float;
+#[cfg(target_arch = "x86_64")]
+mod raw;
 
 use std::cell::RefCell;
 
