@@ -15,3 +15,5 @@ mod engine_golden;
 mod embed_golden;
 // Knowledge bases: ingest, delete, recovery, hybrid search and the `engram` kb commands.
 mod kb;
+// Compute for storage: fused prefill vs full, stored KV, tiers, prefix cache, gate, `ask`.
+mod fusion;

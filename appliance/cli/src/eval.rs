@@ -33,6 +33,8 @@ pub struct EvalArgs {
 enum EvalCommand {
     /// nDCG@10 and Recall@100 of bm25, dense and hybrid search on a BEIR folder.
     Retrieval(RetrievalArgs),
+    /// Fidelity and TTFT of fusion policies against full prefill (MuSiQue-shaped JSON).
+    Fusion(crate::fusion_eval::FusionArgs),
 }
 
 #[derive(Args)]
@@ -179,6 +181,7 @@ impl Drop for TempDir {
 pub fn eval(a: EvalArgs) -> Result<()> {
     match a.command {
         EvalCommand::Retrieval(r) => retrieval(r),
+        EvalCommand::Fusion(f) => crate::fusion_eval::run(f),
     }
 }
 

@@ -136,6 +136,12 @@ pub struct IngestArgs {
     meta: Vec<(String, String)>,
     #[command(flatten)]
     chunking: ChunkArgs,
+    /// Also compute and store every new chunk's LLM KV (compute for storage), so `engram ask`
+    /// loads it instead of recomputing it.
+    #[arg(long)]
+    kv: bool,
+    #[command(flatten)]
+    kv_tiers: crate::ask::KvArgs,
     /// Print the report as JSON on stdout.
     #[arg(long)]
     json: bool,
@@ -386,15 +392,65 @@ pub fn ingest(a: IngestArgs) -> Result<()> {
         });
     let report = kb.ingest(&a.collection, docs, &mut |p| bars.update(p))?;
     bars.finish();
+    let kv = if a.kv {
+        Some(kv_stage(&kb, &a, &report)?)
+    } else {
+        None
+    };
     if a.json {
-        println!("{}", report_json(&report, &unreadable));
+        let mut json = report_json(&report, &unreadable);
+        if let Some((computed, present, secs)) = kv {
+            json["kv"] = serde_json::json!({"computed": computed, "already_stored": present, "elapsed_s": secs});
+        }
+        println!("{json}");
     }
     print_summary(&a.collection, &report, &unreadable);
+    if let Some((computed, present, secs)) = kv {
+        eprintln!(
+            "chunk KV: {computed} computed and stored, {present} already stored ({secs:.1} s)"
+        );
+    }
     let failed = report.failures().count() + unreadable.len();
     if failed > 0 {
         bail!("{failed} of {} documents failed", files.len());
     }
     Ok(())
+}
+
+/// The chunk KV stage: every chunk of the documents just ingested (or found unchanged) gets its
+/// KV computed and stored unless a tier holds it. Returns (computed, present, seconds).
+fn kv_stage(
+    kb: &KnowledgeBase,
+    a: &IngestArgs,
+    report: &IngestReport,
+) -> Result<(usize, usize, f64)> {
+    let started = std::time::Instant::now();
+    let llm = crate::ask::Llm::load(&a.kb)?;
+    let store = llm.chunk_store(a.kv_tiers.open(&a.kb.data_dir())?, a.kv_tiers.dtype()?)?;
+    let docs: Vec<u64> = report
+        .docs
+        .iter()
+        .filter_map(|d| match d.outcome {
+            Outcome::Added { doc, .. }
+            | Outcome::Replaced { doc, .. }
+            | Outcome::Unchanged { doc } => Some(doc),
+            Outcome::Failed { .. } => None,
+        })
+        .collect();
+    let total: usize = docs
+        .iter()
+        .map(|&d| kb.chunks(d).map_or(0, |c| c.len()))
+        .sum();
+    let bar = ProgressBar::new(total as u64);
+    bar.set_style(
+        ProgressStyle::with_template("{prefix:>10} {bar:30} {pos}/{len} chunks {elapsed}")
+            .expect("valid template"),
+    );
+    bar.set_prefix("chunk KV");
+    let (computed, present) =
+        crate::ask::precompute_docs(kb, &llm, &store, &docs, |n| bar.set_position(n as u64))?;
+    bar.finish_and_clear();
+    Ok((computed, present, started.elapsed().as_secs_f64()))
 }
 
 fn report_json(r: &IngestReport, unreadable: &[(String, String)]) -> serde_json::Value {

@@ -1,7 +1,9 @@
 //! `engram`: the command line of the Engram appliance (tokenize, generate, chat, info).
 
+mod ask;
 mod bench;
 mod eval;
+mod fusion_eval;
 mod kb;
 
 use std::io::{BufRead, Write};
@@ -48,7 +50,9 @@ enum Command {
     Docs(kb::DocsArgs),
     /// List, create or delete collections.
     Collections(kb::CollectionsArgs),
-    /// Measure retrieval quality on a BEIR-format data set.
+    /// Answer a question from a collection: retrieval, fused chunk KV, streamed answer.
+    Ask(ask::AskArgs),
+    /// Measure retrieval quality (BEIR) or fusion fidelity and speed (MuSiQue).
     Eval(eval::EvalArgs),
 }
 
@@ -215,6 +219,7 @@ fn main() -> Result<()> {
         Command::Search(a) => kb::search(a),
         Command::Docs(a) => kb::docs(a),
         Command::Collections(a) => kb::collections(a),
+        Command::Ask(a) => ask::ask(a),
         Command::Eval(a) => eval::eval(a),
     }
 }

@@ -46,6 +46,18 @@ pub enum ModelError {
     CacheLayout { found: String, expected: String },
     #[error("position {position} is negative or beyond the model's limit")]
     BadPosition { position: i64 },
+    #[error("token {index} is to overwrite slot {slot}, which does not hold position {position}")]
+    OverwriteSlot {
+        index: usize,
+        slot: usize,
+        position: i32,
+    },
+    #[error("{overwrite} slots to overwrite given for {tokens} tokens")]
+    OverwriteCount { overwrite: usize, tokens: usize },
+    #[error("layer {layer} does not exist: the model has {n_layer} layers")]
+    BadLayer { layer: usize, n_layer: usize },
+    #[error("stored KV layout {found} does not match the cache's {expected}")]
+    StoredLayout { found: String, expected: String },
     #[error("invalid sampling parameter {name} = {value}: {reason}")]
     Sampling {
         name: &'static str,

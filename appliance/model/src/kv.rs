@@ -7,6 +7,7 @@ use engram_kernels::{key_tile_index, KV_TILE};
 
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
+use crate::ops::Rope;
 
 /// Keys and values of one sequence, for every layer.
 ///
@@ -165,5 +166,90 @@ impl KvCache {
     pub fn values(&self, layer: usize, head: usize, len: usize) -> &[f16] {
         let at = head * self.stride * self.head_dim;
         &self.v[layer][at..at + len * self.head_dim]
+    }
+
+    /// Number of layers, KV heads and head width this cache was made for.
+    pub fn shape(&self) -> (usize, usize, usize) {
+        (self.n_layer, self.n_head_kv, self.head_dim)
+    }
+
+    /// Appends tokens whose keys were stored before RoPE, rotating each to its position here
+    /// (chunk KV placed at its real positions in a fused prompt). `k(layer, head)` and
+    /// `v(layer, head)` give the tokens' `[n][head_dim]` keys and values, `n =
+    /// positions.len()`. Returns the first new slot.
+    pub fn append_prerope<'a>(
+        &mut self,
+        rope: &Rope,
+        positions: &[i32],
+        k: impl Fn(usize, usize) -> &'a [f16],
+        v: impl Fn(usize, usize) -> &'a [f16],
+    ) -> Result<usize> {
+        let (n, hd) = (positions.len(), self.head_dim);
+        for layer in 0..self.n_layer {
+            for head in 0..self.n_head_kv {
+                let (kl, vl) = (k(layer, head).len(), v(layer, head).len());
+                if kl != n * hd || vl != n * hd {
+                    return Err(ModelError::StoredLayout {
+                        found: format!("layer {layer} head {head}: {kl} keys, {vl} values"),
+                        expected: format!("{n} tokens x {hd} dims"),
+                    });
+                }
+            }
+        }
+        let first = self.append_slots(positions)?;
+        let pairs = rope.pairs();
+        let mut angles = Vec::with_capacity(n * pairs);
+        for &p in positions {
+            rope.angles(p, &mut angles);
+        }
+        let mut key = vec![0.0f32; hd];
+        for layer in 0..self.n_layer {
+            for head in 0..self.n_head_kv {
+                let base = head * self.stride * hd;
+                let (ks, vs) = (k(layer, head), v(layer, head));
+                let keys = &mut self.k[layer][base..base + self.stride * hd];
+                for t in 0..n {
+                    for (dst, src) in key.iter_mut().zip(&ks[t * hd..(t + 1) * hd]) {
+                        *dst = src.to_f32();
+                    }
+                    rope.rotate(&mut key, &angles[t * pairs..(t + 1) * pairs]);
+                    for (d, &x) in key.iter().enumerate() {
+                        keys[key_tile_index(first + t, d, hd)] = f16::from_f32(x);
+                    }
+                }
+                let at = base + first * hd;
+                self.v[layer][at..at + n * hd].copy_from_slice(vs);
+            }
+        }
+        Ok(first)
+    }
+
+    /// Appends copies of `src`'s slots `range` (keys, values and positions as they are): how a
+    /// cached prefix is reused.
+    pub fn append_from(&mut self, src: &KvCache, range: std::ops::Range<usize>) -> Result<usize> {
+        if src.shape() != self.shape() {
+            return Err(ModelError::CacheLayout {
+                found: src.layout_string(),
+                expected: self.layout_string(),
+            });
+        }
+        let range = range.start..range.end.min(src.len);
+        let first = self.append_slots(&src.positions[range.clone()])?;
+        let hd = self.head_dim;
+        for layer in 0..self.n_layer {
+            for head in 0..self.n_head_kv {
+                let (sb, db) = (head * src.stride * hd, head * self.stride * hd);
+                for (i, slot) in range.clone().enumerate() {
+                    for d in 0..hd {
+                        self.k[layer][db + key_tile_index(first + i, d, hd)] =
+                            src.k[layer][sb + key_tile_index(slot, d, hd)];
+                    }
+                }
+                let n = range.len();
+                self.v[layer][db + first * hd..db + (first + n) * hd]
+                    .copy_from_slice(&src.v[layer][sb + range.start * hd..sb + range.end * hd]);
+            }
+        }
+        Ok(first)
     }
 }

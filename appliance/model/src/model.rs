@@ -31,6 +31,32 @@ pub struct Model {
     threads: usize,
     /// The kernels' worker pool (`threads` threads), shared by every matmul of this model.
     pool: Arc<engram_kernels::ThreadPool>,
+    /// [`Model::fingerprint`], computed on first use.
+    fingerprint: std::sync::OnceLock<[u8; 16]>,
+}
+
+/// CacheBlend's selection step for [`Model::forward_blend`].
+pub struct Blend<'a> {
+    /// The layer whose value deviation chooses the rows recomputed in the later layers
+    /// (CacheBlend uses layer 1: layer 0 attends almost only to each token itself).
+    pub check_layer: usize,
+    /// Given each row's squared value deviation (infinite for appended rows), returns the rows
+    /// to keep, as indices in any order. The last row is always kept.
+    pub select: &'a mut dyn FnMut(&[f32]) -> Vec<usize>,
+}
+
+/// Receives, per layer, the call's fresh keys before RoPE and values (`[tokens][kv_width]`).
+pub type LayerObserver<'f> = dyn FnMut(usize, &[f32], &[f32]) + 'f;
+
+/// One forward call, as the public entry points describe it.
+struct Call<'a, 'f> {
+    tokens: &'a [u32],
+    positions: &'a [i32],
+    /// Slots of the first `overwrite.len()` tokens (already cached); the rest are appended.
+    overwrite: &'a [usize],
+    logits: Logits,
+    observer: Option<&'f mut LayerObserver<'f>>,
+    blend: Option<Blend<'f>>,
 }
 
 /// Per-call scratch buffers, sized for the call's tokens.
@@ -64,6 +90,7 @@ impl Model {
             rope,
             threads: threads.max(1),
             pool: Arc::new(engram_kernels::ThreadPool::new(threads)?),
+            fingerprint: std::sync::OnceLock::new(),
         })
     }
 
@@ -81,6 +108,44 @@ impl Model {
     /// moves an already-rotated one.
     pub fn rope(&self) -> &Rope {
         &self.rope
+    }
+
+    /// A stable 128-bit identity of the model's computation: xxh3-128 over the configuration
+    /// (architecture, shapes, RoPE settings) and every tensor's name, type, shape and bytes.
+    /// Stored KV carries it, so KV computed by other weights is never reused. Hashing runs once,
+    /// on first use, at memory speed (about 10 ms for the 100 MB default model, seconds for a
+    /// 70B one).
+    pub fn fingerprint(&self) -> [u8; 16] {
+        *self.fingerprint.get_or_init(|| {
+            let mut h = xxhash_rust::xxh3::Xxh3::new();
+            let c = &self.cfg;
+            h.update(
+                format!(
+                    "engram-model-fingerprint-v1|{}|{} {} {} {} {} {} {} {}|{} {} {} {:?} {:?}",
+                    c.arch.name(),
+                    c.n_layer,
+                    c.n_embd,
+                    c.n_ff,
+                    c.n_head,
+                    c.n_head_kv,
+                    c.head_dim,
+                    c.head_dim_v,
+                    c.vocab_size,
+                    c.rms_eps,
+                    c.rope_base,
+                    c.rope_dims,
+                    c.rope_style,
+                    c.rope_scaling,
+                )
+                .as_bytes(),
+            );
+            let file = &self.weights.file;
+            for t in file.tensors() {
+                h.update(format!("|{}:{:?}:{:?}|", t.name, t.ty, t.dims).as_bytes());
+                h.update(file.tensor_data(t));
+            }
+            h.digest128().to_le_bytes()
+        })
     }
 
     /// Number of compute threads.
@@ -111,6 +176,103 @@ impl Model {
         kv: &mut KvCache,
         logits: Logits,
     ) -> Result<Vec<f32>> {
+        self.check_call(tokens, positions, kv)?;
+        if tokens.is_empty() {
+            return Ok(Vec::new());
+        }
+        let call = Call {
+            tokens,
+            positions,
+            overwrite: &[],
+            logits,
+            observer: None,
+            blend: None,
+        };
+        self.run(call, kv).map(|(logits, _)| logits)
+    }
+
+    /// [`Model::forward`] that also hands `observer` every layer's fresh keys before RoPE and
+    /// values (`[tokens][kv_width]` each, f32): how chunk KV is captured for storage.
+    pub fn forward_observed(
+        &self,
+        tokens: &[u32],
+        positions: &[i32],
+        kv: &mut KvCache,
+        logits: Logits,
+        observer: &mut LayerObserver<'_>,
+    ) -> Result<Vec<f32>> {
+        self.check_call(tokens, positions, kv)?;
+        if tokens.is_empty() {
+            return Ok(Vec::new());
+        }
+        let call = Call {
+            tokens,
+            positions,
+            overwrite: &[],
+            logits,
+            observer: Some(observer),
+            blend: None,
+        };
+        self.run(call, kv).map(|(logits, _)| logits)
+    }
+
+    /// Selective recomputation (CacheBlend): the first `overwrite.len()` tokens already sit in
+    /// the cache with stored keys and values at those slots (and at their positions); the rest
+    /// are appended. Every token runs through the layers up to and including
+    /// `blend.check_layer`, whose fresh keys and values replace the stored ones; there the
+    /// squared deviation of each token's fresh values from its stored ones goes to
+    /// `blend.select`, and only the tokens it keeps (plus every appended token, and always the
+    /// last) run through the later layers, overwriting their slots. Masking stays by position,
+    /// so each recomputed token sees exactly the tokens before it.
+    ///
+    /// Returns the logits asked for (of kept tokens only) and the kept token indices. On error
+    /// the overwritten slots may hold a mix of stored and fresh values: discard the cache.
+    pub fn forward_blend(
+        &self,
+        tokens: &[u32],
+        positions: &[i32],
+        overwrite: &[usize],
+        kv: &mut KvCache,
+        blend: Blend<'_>,
+        logits: Logits,
+    ) -> Result<(Vec<f32>, Vec<usize>)> {
+        self.check_call(tokens, positions, kv)?;
+        if overwrite.len() > tokens.len() {
+            return Err(ModelError::OverwriteCount {
+                overwrite: overwrite.len(),
+                tokens: tokens.len(),
+            });
+        }
+        for (i, &slot) in overwrite.iter().enumerate() {
+            if kv.positions().get(slot) != Some(&positions[i]) {
+                return Err(ModelError::OverwriteSlot {
+                    index: i,
+                    slot,
+                    position: positions[i],
+                });
+            }
+        }
+        if tokens.is_empty() {
+            return Ok((Vec::new(), Vec::new()));
+        }
+        if blend.check_layer >= self.cfg.n_layer {
+            return Err(ModelError::BadLayer {
+                layer: blend.check_layer,
+                n_layer: self.cfg.n_layer,
+            });
+        }
+        let call = Call {
+            tokens,
+            positions,
+            overwrite,
+            logits,
+            observer: None,
+            blend: Some(blend),
+        };
+        self.run(call, kv)
+    }
+
+    fn check_call(&self, tokens: &[u32], positions: &[i32], kv: &KvCache) -> Result<()> {
         let cfg = &self.cfg;
         if tokens.len() != positions.len() {
             return Err(ModelError::PositionCount {
@@ -127,13 +289,13 @@ impl Model {
         if let Some(&p) = positions.iter().find(|&&p| p < 0) {
             return Err(ModelError::BadPosition { position: p.into() });
         }
-        kv.check_layout(cfg)?;
-        let n = tokens.len();
-        if n == 0 {
-            return Ok(Vec::new());
-        }
-        let first_slot = kv.append_slots(positions)?;
-        let result = self.forward_slots(tokens, positions, kv, first_slot, logits);
+        kv.check_layout(cfg)
+    }
+
+    /// Appends the call's new slots, runs it, and on error forgets the appended slots again.
+    fn run(&self, call: Call<'_, '_>, kv: &mut KvCache) -> Result<(Vec<f32>, Vec<usize>)> {
+        let first_slot = kv.append_slots(&call.positions[call.overwrite.len()..])?;
+        let result = self.run_slots(call, kv, first_slot);
         if result.is_err() {
             // Leave no half-written slots behind.
             kv.truncate(first_slot);
@@ -141,16 +303,30 @@ impl Model {
         result
     }
 
-    fn forward_slots(
+    fn run_slots(
         &self,
-        tokens: &[u32],
-        positions: &[i32],
+        call: Call<'_, '_>,
         kv: &mut KvCache,
         first_slot: usize,
-        logits: Logits,
-    ) -> Result<Vec<f32>> {
+    ) -> Result<(Vec<f32>, Vec<usize>)> {
+        let Call {
+            tokens,
+            positions,
+            overwrite,
+            logits,
+            mut observer,
+            mut blend,
+        } = call;
         let cfg = &self.cfg;
-        let n = tokens.len();
+        let mut n = tokens.len();
+        // Destination slot, position and original index of each row still running.
+        let mut slots: Vec<usize> = overwrite
+            .iter()
+            .copied()
+            .chain(first_slot..first_slot + (n - overwrite.len()))
+            .collect();
+        let mut positions: Vec<i32> = positions.to_vec();
+        let mut kept: Vec<usize> = (0..n).collect();
 
         let (d, qw, kvw, ff) = (cfg.n_embd, cfg.q_width(), cfg.kv_width(), cfg.n_ff);
         let mut s = Scratch {
@@ -168,24 +344,34 @@ impl Model {
             self.weights.embed(tok, &mut s.x[t * d..(t + 1) * d])?;
         }
         let mut angles = Vec::with_capacity(n * self.rope.pairs());
-        for &p in positions {
+        for &p in &positions {
             self.rope.angles(p, &mut angles);
         }
         let pairs = self.rope.pairs();
+        let mut k_raw = if observer.is_some() {
+            vec![0.0; n * kvw]
+        } else {
+            Vec::new()
+        };
 
         for (li, layer) in self.weights.layers.iter().enumerate() {
             // Attention block.
-            rms_norm(&s.x, &layer.attn_norm, cfg.rms_eps, &mut s.h);
+            rms_norm(
+                &s.x[..n * d],
+                &layer.attn_norm,
+                cfg.rms_eps,
+                &mut s.h[..n * d],
+            );
             self.matmul_many(
                 &[&layer.wq, &layer.wk, &layer.wv],
-                &s.h,
+                &s.h[..n * d],
                 n,
-                &mut [&mut s.q, &mut s.k, &mut s.v],
+                &mut [&mut s.q[..n * qw], &mut s.k[..n * kvw], &mut s.v[..n * kvw]],
             )?;
             for (buf, bias) in [
-                (&mut s.q, &layer.bq),
-                (&mut s.k, &layer.bk),
-                (&mut s.v, &layer.bv),
+                (&mut s.q[..n * qw], &layer.bq),
+                (&mut s.k[..n * kvw], &layer.bk),
+                (&mut s.v[..n * kvw], &layer.bv),
             ] {
                 if let Some(b) = bias {
                     for row in buf.chunks_exact_mut(b.len()) {
@@ -194,50 +380,111 @@ impl Model {
                 }
             }
             if let Some(w) = &layer.q_norm {
-                rms_norm_in_place(&mut s.q, w, cfg.rms_eps);
+                rms_norm_in_place(&mut s.q[..n * qw], w, cfg.rms_eps);
             }
             if let Some(w) = &layer.k_norm {
-                rms_norm_in_place(&mut s.k, w, cfg.rms_eps);
+                rms_norm_in_place(&mut s.k[..n * kvw], w, cfg.rms_eps);
             }
+            if let Some(obs) = observer.as_deref_mut() {
+                k_raw[..n * kvw].copy_from_slice(&s.k[..n * kvw]);
+                obs(li, &k_raw[..n * kvw], &s.v[..n * kvw]);
+            }
+            // CacheBlend's check layer: how far each row's fresh values are from its stored ones
+            // (appended rows have none and always continue).
+            let deviation: Option<Vec<f32>> = match &blend {
+                Some(b) if b.check_layer == li => {
+                    Some(self.value_deviation(kv, li, &slots[..n], overwrite.len(), &s.v))
+                }
+                _ => None,
+            };
             for t in 0..n {
                 let a = &angles[t * pairs..(t + 1) * pairs];
                 self.rope.rotate(&mut s.q[t * qw..(t + 1) * qw], a);
                 self.rope.rotate(&mut s.k[t * kvw..(t + 1) * kvw], a);
                 kv.write(
                     li,
-                    first_slot + t,
+                    slots[t],
                     &s.k[t * kvw..(t + 1) * kvw],
                     &s.v[t * kvw..(t + 1) * kvw],
                 );
             }
-            self.attention(li, kv, positions, &s.q, &mut s.attn)?;
-            self.matmul(&layer.wo, &s.attn, n, &mut s.proj)?;
-            add_assign(&mut s.x, &s.proj);
+            if let (Some(dev), Some(b)) = (deviation, blend.as_mut()) {
+                let keep = select_rows(&dev, &mut *b.select);
+                compact_rows(&keep, &mut s.q, qw);
+                compact_rows(&keep, &mut s.x, d);
+                compact_rows(&keep, &mut angles, pairs);
+                slots = keep.iter().map(|&r| slots[r]).collect();
+                positions = keep.iter().map(|&r| positions[r]).collect();
+                kept = keep.iter().map(|&r| kept[r]).collect();
+                n = keep.len();
+            }
+            self.attention(li, kv, &positions, &s.q[..n * qw], &mut s.attn[..n * qw])?;
+            self.matmul(&layer.wo, &s.attn[..n * qw], n, &mut s.proj[..n * d])?;
+            add_assign(&mut s.x[..n * d], &s.proj[..n * d]);
 
             // Feed-forward block.
-            rms_norm(&s.x, &layer.ffn_norm, cfg.rms_eps, &mut s.h);
+            rms_norm(
+                &s.x[..n * d],
+                &layer.ffn_norm,
+                cfg.rms_eps,
+                &mut s.h[..n * d],
+            );
             self.matmul_many(
                 &[&layer.w_gate, &layer.w_up],
-                &s.h,
+                &s.h[..n * d],
                 n,
-                &mut [&mut s.gate, &mut s.up],
+                &mut [&mut s.gate[..n * ff], &mut s.up[..n * ff]],
             )?;
-            engram_kernels::swiglu(&mut s.gate, &s.up, &self.pool)?;
-            self.matmul(&layer.w_down, &s.gate, n, &mut s.proj)?;
-            add_assign(&mut s.x, &s.proj);
+            engram_kernels::swiglu(&mut s.gate[..n * ff], &s.up[..n * ff], &self.pool)?;
+            self.matmul(&layer.w_down, &s.gate[..n * ff], n, &mut s.proj[..n * d])?;
+            add_assign(&mut s.x[..n * d], &s.proj[..n * d]);
         }
 
         let rows: &[f32] = match logits {
-            Logits::None => return Ok(Vec::new()),
-            Logits::Last => &s.x[(n - 1) * d..],
-            Logits::All => &s.x,
+            Logits::None => return Ok((Vec::new(), kept)),
+            Logits::Last => &s.x[(n - 1) * d..n * d],
+            Logits::All => &s.x[..n * d],
         };
         let m = rows.len() / d;
         let mut normed = vec![0.0; rows.len()];
         rms_norm(rows, &self.weights.output_norm, cfg.rms_eps, &mut normed);
         let mut out = vec![0.0; m * cfg.vocab_size];
         self.matmul(&self.weights.output, &normed, m, &mut out)?;
-        Ok(out)
+        Ok((out, kept))
+    }
+
+    /// Sum over every KV head of the squared difference between each row's fresh values and
+    /// the values stored in its slot of layer `li`; rows past `n_overwrite` (appended, nothing
+    /// stored) get infinity so that they are always kept.
+    fn value_deviation(
+        &self,
+        kv: &KvCache,
+        li: usize,
+        slots: &[usize],
+        n_overwrite: usize,
+        v: &[f32],
+    ) -> Vec<f32> {
+        let (hd, kvw) = (self.cfg.head_dim, self.cfg.kv_width());
+        slots
+            .iter()
+            .enumerate()
+            .map(|(t, &slot)| {
+                if t >= n_overwrite {
+                    return f32::INFINITY;
+                }
+                (0..self.cfg.n_head_kv)
+                    .map(|h| {
+                        let stored = &kv.values(li, h, slot + 1)[slot * hd..(slot + 1) * hd];
+                        let fresh = &v[t * kvw + h * hd..t * kvw + (h + 1) * hd];
+                        stored
+                            .iter()
+                            .zip(fresh)
+                            .map(|(a, b)| (a.to_f32() - b).powi(2))
+                            .sum::<f32>()
+                    })
+                    .sum()
+            })
+            .collect()
     }
 
     fn matmul(&self, w: &Matrix, x: &[f32], n: usize, out: &mut [f32]) -> Result<()> {
@@ -287,6 +534,27 @@ impl Model {
         };
         engram_kernels::attention(&a, out, &self.pool)?;
         Ok(())
+    }
+}
+
+/// The rows `select` keeps plus every appended row and the last one, sorted.
+fn select_rows(deviation: &[f32], select: &mut dyn FnMut(&[f32]) -> Vec<usize>) -> Vec<usize> {
+    let n = deviation.len();
+    let mut keep: Vec<usize> = select(deviation).into_iter().filter(|&r| r < n).collect();
+    // Appended rows (nothing stored, infinite deviation) and the last row always continue.
+    keep.extend((0..n).filter(|&r| deviation[r].is_infinite()));
+    keep.push(n - 1);
+    keep.sort_unstable();
+    keep.dedup();
+    keep
+}
+
+/// Moves the rows listed in `keep` (sorted) to the front of `buf`, rows of `width` values.
+fn compact_rows<T: Copy>(keep: &[usize], buf: &mut [T], width: usize) {
+    for (i, &r) in keep.iter().enumerate() {
+        if i != r {
+            buf.copy_within(r * width..(r + 1) * width, i * width);
+        }
     }
 }
 

@@ -1370,3 +1370,330 @@ fn qwen3_requires_its_q_and_k_norms() {
         );
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Fusion building blocks: captured pre-RoPE KV, placing it, selective recomputation.
+// ---------------------------------------------------------------------------------------------
+
+/// One sequence's keys before RoPE and values, `[layer][head][token][dim]`, as f16: what the
+/// chunk store keeps.
+struct Captured {
+    n: usize,
+    k: Vec<f16>,
+    v: Vec<f16>,
+}
+
+impl Captured {
+    fn head(
+        &self,
+        side: &[f16],
+        model: &Model,
+        layer: usize,
+        head: usize,
+    ) -> std::ops::Range<usize> {
+        let _ = side;
+        let cfg = model.config();
+        let per_head = self.n * cfg.head_dim;
+        let at = (layer * cfg.n_head_kv + head) * per_head;
+        at..at + per_head
+    }
+}
+
+/// Runs `seq` at `start..` on its own and captures every layer's pre-RoPE keys and values.
+fn capture(model: &Model, seq: &[u32], start: i32) -> Captured {
+    let cfg = model.config();
+    let (n, hd, kvh) = (seq.len(), cfg.head_dim, cfg.n_head_kv);
+    let mut k = vec![f16::ZERO; cfg.n_layer * kvh * n * hd];
+    let mut v = k.clone();
+    let mut kv = model.new_cache(n);
+    model
+        .forward_observed(
+            seq,
+            &positions(start..start + n as i32),
+            &mut kv,
+            Logits::None,
+            &mut |layer, ks, vs| {
+                for t in 0..n {
+                    for h in 0..kvh {
+                        for d in 0..hd {
+                            let dst = ((layer * kvh + h) * n + t) * hd + d;
+                            let src = t * kvh * hd + h * hd + d;
+                            k[dst] = f16::from_f32(ks[src]);
+                            v[dst] = f16::from_f32(vs[src]);
+                        }
+                    }
+                }
+            },
+        )
+        .expect("capture");
+    Captured { n, k, v }
+}
+
+/// Appends `c` to `kv` at `start..`, rotated there.
+fn place(model: &Model, kv: &mut KvCache, c: &Captured, start: i32) -> usize {
+    kv.append_prerope(
+        model.rope(),
+        &positions(start..start + c.n as i32),
+        |l, h| &c.k[c.head(&c.k, model, l, h)],
+        |l, h| &c.v[c.head(&c.v, model, l, h)],
+    )
+    .expect("place")
+}
+
+/// Stored pre-RoPE keys rotated to a new position equal the keys computed there, in every
+/// layer (not just layer 0: deeper keys depend on the context only through relative
+/// positions, which the shift preserves). Values equal too.
+#[test]
+fn stored_prerope_kv_placed_at_a_position_equals_computing_it_there() {
+    const AT: i32 = 29;
+    for spec in all_specs()
+        .into_iter()
+        .filter(|s| s.storage == Storage::F32)
+    {
+        let model = Tiny::build(&spec).model();
+        let cfg = model.config().clone();
+        let seq = tokens(spec.seed + 23, 7, spec.vocab);
+        let captured = capture(&model, &seq, 0);
+        let mut placed = model.new_cache(seq.len());
+        place(&model, &mut placed, &captured, AT);
+        let mut computed = model.new_cache(seq.len());
+        model
+            .forward(
+                &seq,
+                &positions(AT..AT + seq.len() as i32),
+                &mut computed,
+                Logits::None,
+            )
+            .expect("forward");
+        assert_eq!(placed.positions(), computed.positions());
+        for layer in 0..cfg.n_layer {
+            for h in 0..cfg.n_head_kv {
+                for slot in 0..seq.len() {
+                    let expected: Vec<f64> = computed
+                        .key(layer, h, slot)
+                        .into_iter()
+                        .map(f64::from)
+                        .collect();
+                    assert_keys_close(
+                        &format!("{}: layer {layer} head {h} slot {slot}", spec.label()),
+                        &placed.key(layer, h, slot),
+                        &expected,
+                    );
+                }
+                let (a, b) = (
+                    placed.values(layer, h, seq.len()),
+                    computed.values(layer, h, seq.len()),
+                );
+                let scale = b.iter().fold(0.0f32, |m, x| m.max(x.to_f32().abs()));
+                for (x, y) in a.iter().zip(b) {
+                    assert!((x.to_f32() - y.to_f32()).abs() <= TOL_KEY as f32 * scale);
+                }
+            }
+        }
+    }
+}
+
+/// Two "chunks" stored on their own, placed one after the other, then a question appended:
+/// the cache and token layout fusion builds.
+struct Fused {
+    kv: KvCache,
+    seq: Vec<u32>,
+    chunk_len: usize,
+}
+
+fn fused_layout(model: &Model, spec: &Spec) -> Fused {
+    let chunk_len = 5;
+    let seq = tokens(spec.seed + 31, 2 * chunk_len + 3, spec.vocab);
+    let mut kv = model.new_cache(seq.len() + 4);
+    for c in 0..2 {
+        let chunk = &seq[c * chunk_len..(c + 1) * chunk_len];
+        let captured = capture(model, chunk, 0);
+        place(model, &mut kv, &captured, (c * chunk_len) as i32);
+    }
+    Fused { kv, seq, chunk_len }
+}
+
+/// Selective recomputation that keeps every row is full prefill: same logits, same cache.
+#[test]
+fn blend_recomputing_every_token_equals_full_prefill() {
+    for spec in all_specs() {
+        let model = Tiny::build(&spec).model();
+        let Fused {
+            mut kv,
+            seq,
+            chunk_len,
+        } = fused_layout(&model, &spec);
+        let n_ctx = 2 * chunk_len;
+        let full = full_pass(&model, &seq);
+        let slots: Vec<usize> = (0..n_ctx).collect();
+        let (logits, kept) = model
+            .forward_blend(
+                &seq,
+                &positions(0..seq.len() as i32),
+                &slots,
+                &mut kv,
+                crate::Blend {
+                    check_layer: 1,
+                    select: &mut |dev| (0..dev.len()).collect(),
+                },
+                Logits::All,
+            )
+            .expect("blend");
+        assert_eq!(kept, (0..seq.len()).collect::<Vec<_>>());
+        assert_close(
+            &format!("{}: blend keeping all", spec.label()),
+            &logits,
+            &rows(&full, spec.vocab),
+            TOL_SAME,
+        );
+    }
+}
+
+/// The deviation handed to `select` is zero for rows whose stored values are what full prefill
+/// computes, positive for rows stored out of context, infinite for appended rows; and keeping
+/// only some rows changes the result (the dropped rows really use their stored values).
+#[test]
+fn blend_deviation_separates_stale_rows_and_selection_matters() {
+    for mut spec in all_specs()
+        .into_iter()
+        .filter(|s| s.storage == Storage::F32)
+    {
+        // A layer after the check layer, where dropped rows keep their stored KV.
+        spec.n_layer = 3;
+        let model = Tiny::build(&spec).model();
+        let Fused {
+            mut kv,
+            seq,
+            chunk_len,
+        } = fused_layout(&model, &spec);
+        let n_ctx = 2 * chunk_len;
+        let full = full_pass(&model, &seq);
+        let before = kv.clone();
+        let mut seen = Vec::new();
+        let slots: Vec<usize> = (0..n_ctx).collect();
+        let (logits, kept) = model
+            .forward_blend(
+                &seq,
+                &positions(0..seq.len() as i32),
+                &slots,
+                &mut kv,
+                crate::Blend {
+                    check_layer: 1,
+                    select: &mut |dev| {
+                        seen = dev.to_vec();
+                        Vec::new()
+                    },
+                },
+                Logits::Last,
+            )
+            .expect("blend");
+        let label = spec.label();
+        assert_eq!(seen.len(), seq.len());
+        // The first chunk starts the sequence, so its stored KV is exact.
+        assert!(
+            seen[..chunk_len].iter().all(|&d| d < 1e-4),
+            "{label}: {seen:?}"
+        );
+        assert!(
+            seen[chunk_len..n_ctx].iter().all(|&d| d > 1e-4),
+            "{label}: {seen:?}"
+        );
+        assert!(seen[n_ctx..].iter().all(|d| d.is_infinite()), "{label}");
+        assert_eq!(kept, (n_ctx..seq.len()).collect::<Vec<_>>());
+        let last = rows(&full[(seq.len() - 1) * spec.vocab..], spec.vocab);
+        assert!(
+            compare(&logits, &last).relative > 100.0 * TOL_SAME,
+            "{label}: reusing stale chunk KV gave full prefill's logits"
+        );
+        // After the check layer, dropped context rows still hold their stored keys.
+        assert_eq!(
+            kv.key(2, 0, chunk_len),
+            before.key(2, 0, chunk_len),
+            "{label}"
+        );
+        assert_ne!(
+            kv.key(1, 0, chunk_len),
+            before.key(1, 0, chunk_len),
+            "{label}"
+        );
+    }
+}
+
+#[test]
+fn blend_rejects_bad_slots_and_layers() {
+    let spec = Spec::new("llama");
+    let model = Tiny::build(&spec).model();
+    let Fused { mut kv, seq, .. } = fused_layout(&model, &spec);
+    let mut all = |dev: &[f32]| (0..dev.len()).collect::<Vec<_>>();
+    let err = model
+        .forward_blend(
+            &seq[..3],
+            &[0, 1, 2],
+            &[0, 2],
+            &mut kv,
+            crate::Blend {
+                check_layer: 1,
+                select: &mut all,
+            },
+            Logits::Last,
+        )
+        .unwrap_err();
+    assert!(matches!(
+        err,
+        ModelError::OverwriteSlot {
+            index: 1,
+            slot: 2,
+            position: 1
+        }
+    ));
+    let err = model
+        .forward_blend(
+            &seq[..1],
+            &[0],
+            &[0],
+            &mut kv,
+            crate::Blend {
+                check_layer: spec.n_layer,
+                select: &mut all,
+            },
+            Logits::Last,
+        )
+        .unwrap_err();
+    assert!(matches!(err, ModelError::BadLayer { .. }));
+}
+
+/// A cached prefix copied into a fresh cache, then the rest computed: full prefill's logits.
+#[test]
+fn copied_prefix_then_rest_equals_full_prefill() {
+    for spec in all_specs() {
+        let model = Tiny::build(&spec).model();
+        let seq = tokens(spec.seed + 37, SEQ_LEN, spec.vocab);
+        let full = full_pass(&model, &seq);
+        let split = 5;
+        let mut prefix = model.new_cache(split);
+        model
+            .forward(
+                &seq[..split],
+                &positions(0..split as i32),
+                &mut prefix,
+                Logits::None,
+            )
+            .expect("prefix");
+        let mut kv = model.new_cache(SEQ_LEN);
+        kv.append_from(&prefix, 0..split).expect("copy");
+        let rest = model
+            .forward(
+                &seq[split..],
+                &positions(split as i32..SEQ_LEN as i32),
+                &mut kv,
+                Logits::All,
+            )
+            .expect("rest");
+        assert_close(
+            &format!("{}: copied prefix", spec.label()),
+            &rest,
+            &rows(&full[split * spec.vocab..], spec.vocab),
+            TOL_SAME,
+        );
+    }
+}

@@ -1,0 +1,385 @@
+//! `engram ask`: retrieve, fuse the chunks' stored KV, stream the answer with citations and
+//! stage timings. Also the chunk KV stage of `engram ingest --kv` and the tier options both
+//! share.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::{Context, Result};
+use clap::Args;
+use engram_fusion::{
+    chunk_tokens, fused_prefill, rag_frame, rag_prompt, ChunkStore, FidelityGate, GateLimits,
+    GateReport, Policy, DEFAULT_POLICY, DEFAULT_SYSTEM,
+};
+use engram_kb::{KnowledgeBase, SearchRequest};
+use engram_kvstore::{DramTier, IoMode, KvDtype, KvStore, NvmeOptions, NvmeTier};
+use engram_model::{Logits, Model, Sampler, SamplingParams};
+use engram_tokenizer::{ChatTemplate, Detokenizer, Tokenizer};
+
+use crate::kb::KbArgs;
+
+/// Where chunk KV is kept.
+#[derive(Args, Clone, Debug)]
+pub struct KvArgs {
+    /// NVMe tier directory [default: <data dir>/kv]
+    #[arg(long)]
+    pub kv_dir: Option<PathBuf>,
+    /// DRAM tier budget in MiB (0 disables the tier).
+    #[arg(long, default_value_t = 1024)]
+    pub kv_dram_mib: u64,
+    /// NVMe tier budget in GiB (0 disables the tier).
+    #[arg(long, default_value_t = 64)]
+    pub kv_nvme_gib: u64,
+    /// Stored element type: f16, or int8 (half the bytes, per-token scales).
+    #[arg(long, default_value = "f16", value_parser = ["f16", "int8"])]
+    pub kv_dtype: String,
+}
+
+impl KvArgs {
+    /// Opens the tiers.
+    pub fn open(&self, data_dir: &Path) -> Result<KvStore> {
+        let dram = (self.kv_dram_mib > 0).then(|| DramTier::new(self.kv_dram_mib << 20));
+        let nvme = if self.kv_nvme_gib > 0 {
+            let dir = self.kv_dir.clone().unwrap_or_else(|| data_dir.join("kv"));
+            Some(
+                NvmeTier::open(
+                    &dir,
+                    NvmeOptions {
+                        budget_bytes: self.kv_nvme_gib << 30,
+                        io: IoMode::Auto,
+                        direct: true,
+                    },
+                )
+                .with_context(|| format!("opening the KV tier in {}", dir.display()))?,
+            )
+        } else {
+            None
+        };
+        Ok(KvStore::new(dram, nvme))
+    }
+
+    pub fn dtype(&self) -> Result<KvDtype> {
+        Ok(KvDtype::parse(&self.kv_dtype)?)
+    }
+}
+
+#[derive(Args)]
+pub struct AskArgs {
+    /// The question.
+    question: String,
+    /// The collection to answer from.
+    #[arg(long)]
+    collection: String,
+    /// Chunks retrieved into the prompt.
+    #[arg(long, default_value_t = 5)]
+    k: usize,
+    /// Fusion policy: full, reuse, boundary:N or deviation:R.
+    #[arg(long, default_value_t = DEFAULT_POLICY.name())]
+    policy: String,
+    /// Most tokens generated.
+    #[arg(long, default_value_t = 256)]
+    max_tokens: usize,
+    /// Sampling temperature (0 = greedy).
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f32,
+    /// Print one JSON object (answer, citations, timings) instead of streaming.
+    #[arg(long)]
+    json: bool,
+    /// Fidelity gate: largest mean KL (nats) of fused vs full prefill on the built-in check
+    /// before fusion is disabled for the model.
+    #[arg(long, default_value_t = engram_fusion::GATE_MAX_KL)]
+    gate_max_kl: f64,
+    #[command(flatten)]
+    kv: KvArgs,
+    #[command(flatten)]
+    kb: KbArgs,
+}
+
+/// The LLM with its tokenizer and template, for the fusion commands.
+pub struct Llm {
+    pub model: Model,
+    pub tokenizer: Tokenizer,
+    pub template: Option<ChatTemplate>,
+}
+
+impl Llm {
+    pub fn load(kb: &KbArgs) -> Result<Llm> {
+        let path = kb.model.clone().unwrap_or_else(crate::default_model_path);
+        let threads = kb.threads.unwrap_or_else(|| {
+            std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get)
+        });
+        let model =
+            Model::load(&path, threads).with_context(|| format!("loading {}", path.display()))?;
+        let meta = model.gguf().metadata();
+        let tokenizer = Tokenizer::from_gguf(meta).context("building the tokenizer")?;
+        let template = ChatTemplate::from_gguf(meta).context("parsing the chat template")?;
+        Ok(Llm {
+            model,
+            tokenizer,
+            template,
+        })
+    }
+
+    pub fn chunk_store(&self, store: KvStore, dtype: KvDtype) -> Result<ChunkStore> {
+        let frame = rag_frame(&self.tokenizer, self.template.as_ref())?;
+        Ok(ChunkStore::new(Arc::new(store), &self.model, frame, dtype))
+    }
+}
+
+/// The fidelity gate's verdict for this model, frame and policy under `limits`. The
+/// measurement runs once per model (about a second) and is recorded in `dir`; later starts
+/// read it back and apply the limits in force.
+pub fn gate(
+    llm: &Llm,
+    store: &ChunkStore,
+    policy: Policy,
+    limits: GateLimits,
+    dir: &Path,
+) -> Result<GateReport> {
+    let fp: String = llm
+        .model
+        .fingerprint()
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    let frame = xxhash_rust::xxh3::xxh3_64(
+        &store
+            .frame()
+            .iter()
+            .flat_map(|t| t.to_le_bytes())
+            .collect::<Vec<u8>>(),
+    );
+    let path = dir.join(format!(
+        "gate-{fp}-{frame:016x}-{}.json",
+        policy.name().replace(':', "_")
+    ));
+    let recorded = std::fs::read(&path)
+        .ok()
+        .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok())
+        .and_then(|v| {
+            Some((
+                v["mean_kl"].as_f64()?,
+                v["max_kl"].as_f64()?,
+                v["agreement"].as_f64()?,
+            ))
+        });
+    let (mean_kl, max_kl, agreement) = match recorded {
+        Some(m) => m,
+        None => {
+            let r = FidelityGate::check(
+                &llm.model,
+                &llm.tokenizer,
+                llm.template.as_ref(),
+                store.frame().to_vec(),
+                policy,
+            )?;
+            std::fs::create_dir_all(dir).ok();
+            let tmp = path.with_extension("tmp");
+            if std::fs::write(&tmp, serde_json::to_vec(&r)?).is_ok() {
+                let _ = std::fs::rename(&tmp, &path);
+            }
+            (r.mean_kl, r.max_kl, r.agreement)
+        }
+    };
+    let reason = if mean_kl > limits.max_mean_kl {
+        Some(format!(
+            "mean KL divergence from full prefill {mean_kl:.3} nats exceeds {}",
+            limits.max_mean_kl
+        ))
+    } else if agreement < limits.min_agreement {
+        Some(format!(
+            "greedy agreement with full prefill {agreement:.2} is below {}",
+            limits.min_agreement
+        ))
+    } else {
+        None
+    };
+    Ok(GateReport {
+        policy: policy.name(),
+        passed: reason.is_none(),
+        mean_kl,
+        max_kl,
+        agreement,
+        reason,
+    })
+}
+
+/// The KV stage of ingestion: computes and stores the KV of every chunk of `docs` that no tier
+/// holds yet. Returns (computed, already stored).
+pub fn precompute_docs(
+    kb: &KnowledgeBase,
+    llm: &Llm,
+    store: &ChunkStore,
+    docs: &[u64],
+    mut progress: impl FnMut(usize),
+) -> Result<(usize, usize)> {
+    let (mut computed, mut present) = (0, 0);
+    for &doc in docs {
+        for chunk in kb.chunks(doc)? {
+            let ids = chunk_tokens(&llm.tokenizer, &chunk.text)?;
+            if store.ensure(&llm.model, &ids)? {
+                computed += 1;
+            } else {
+                present += 1;
+            }
+            progress(computed + present);
+        }
+    }
+    Ok((computed, present))
+}
+
+pub fn ask(a: AskArgs) -> Result<()> {
+    let started = Instant::now();
+    let kb = a.kb.open()?;
+    let t = Instant::now();
+    let mut req = SearchRequest::new(&a.collection, &a.question);
+    req.k = a.k;
+    let hits = kb.search(&req)?.hits;
+    let retrieve = t.elapsed();
+
+    let llm = Llm::load(&a.kb)?;
+    let data_dir = a.kb.data_dir();
+    let store = llm.chunk_store(a.kv.open(&data_dir)?, a.kv.dtype()?)?;
+    let mut policy: Policy = a.policy.parse()?;
+    let mut fusion_disabled = None;
+    if policy != Policy::Full {
+        let limits = GateLimits {
+            max_mean_kl: a.gate_max_kl,
+            ..GateLimits::default()
+        };
+        let report = gate(&llm, &store, policy, limits, &data_dir.join("kv"))?;
+        if !report.passed {
+            eprintln!(
+                "fusion disabled for this model ({}); using full prefill",
+                report.reason.as_deref().unwrap_or("fidelity gate failed")
+            );
+            policy = Policy::Full;
+            fusion_disabled = report.reason;
+        }
+    }
+
+    let chunks: Vec<Vec<u32>> = hits
+        .iter()
+        .map(|h| chunk_tokens(&llm.tokenizer, &h.text))
+        .collect::<engram_tokenizer::Result<_>>()?;
+    let prompt = rag_prompt(
+        &llm.tokenizer,
+        llm.template.as_ref(),
+        DEFAULT_SYSTEM,
+        chunks,
+        &a.question,
+    )?;
+    let mut kv = llm.model.new_cache(prompt.len() + a.max_tokens + 1);
+    let done = fused_prefill(&llm.model, &store, None, &prompt, policy, &mut kv)?;
+
+    let mut sampler = Sampler::new(SamplingParams {
+        temperature: a.temperature,
+        ..SamplingParams::default()
+    })?;
+    let mut history = prompt.tokens();
+    let mut detok = Detokenizer::new(&llm.tokenizer, true);
+    let mut answer = String::new();
+    let mut logits = done.logits;
+    let decode_start = Instant::now();
+    let mut first_token = None;
+    let mut generated = 0;
+    let stdout = std::io::stdout();
+    for (i, pos) in (done.next_position..).take(a.max_tokens).enumerate() {
+        let id = sampler.sample(&logits, &history);
+        first_token.get_or_insert_with(|| started.elapsed());
+        if llm.tokenizer.is_eog(id) {
+            break;
+        }
+        generated += 1;
+        history.push(id);
+        let piece = detok.push(id);
+        if !a.json {
+            let mut out = stdout.lock();
+            write!(out, "{piece}")?;
+            out.flush()?;
+        }
+        answer.push_str(&piece);
+        if i + 1 < a.max_tokens {
+            logits = llm.model.forward(&[id], &[pos], &mut kv, Logits::Last)?;
+        }
+    }
+    let tail = detok.finish();
+    answer.push_str(&tail);
+    let decode = decode_start.elapsed();
+    let s = &done.stats;
+    let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
+    let citations: Vec<serde_json::Value> = hits
+        .iter()
+        .enumerate()
+        .map(|(i, h)| {
+            serde_json::json!({
+                "n": i + 1,
+                "doc_id": h.doc_id,
+                "doc_name": h.doc_name,
+                "chunk_id": h.chunk_id,
+                "chars": [h.chars.start, h.chars.end],
+                "page": h.page,
+                "score": h.score,
+            })
+        })
+        .collect();
+    let timings = serde_json::json!({
+        "retrieve_ms": ms(retrieve),
+        "kv_load_ms": ms(s.kv_read_time + s.kv_decode_time + s.kv_place_time),
+        "kv_chunks": {"dram": s.chunks_from_dram, "nvme": s.chunks_from_nvme, "computed": s.chunks_computed},
+        "kv_bytes": s.kv_bytes_read,
+        "recompute_ms": ms(s.recompute_time),
+        "recomputed_tokens": s.recomputed_chunk_tokens,
+        "question_prefill_ms": ms(s.suffix_time),
+        "prefill_total_ms": ms(s.total_time),
+        "first_token_ms": first_token.map_or(0.0, ms),
+        "decode_ms": ms(decode),
+        "generated_tokens": generated,
+    });
+    if a.json {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&serde_json::json!({
+                "answer": answer.trim(),
+                "policy": policy.name(),
+                "fusion_disabled": fusion_disabled,
+                "prompt_tokens": prompt.len(),
+                "citations": citations,
+                "timings": timings,
+            }))?
+        );
+        return Ok(());
+    }
+    println!("{tail}");
+    println!();
+    for (i, h) in hits.iter().enumerate() {
+        let page = h.page.map(|p| format!(", page {p}")).unwrap_or_default();
+        println!(
+            "[{}] {} (chunk {}, chars {}..{}{page})",
+            i + 1,
+            h.doc_name,
+            h.ordinal,
+            h.chars.start,
+            h.chars.end
+        );
+    }
+    eprintln!(
+        "\npolicy {} | retrieve {:.0} ms | KV load {:.0} ms ({} DRAM, {} NVMe, {} computed) | \
+         recompute {:.0} ms ({} tokens) | question {:.0} ms | first token {:.0} ms | decode {:.0} ms ({} tokens)",
+        policy.name(),
+        ms(retrieve),
+        ms(s.kv_read_time + s.kv_decode_time + s.kv_place_time),
+        s.chunks_from_dram,
+        s.chunks_from_nvme,
+        s.chunks_computed,
+        ms(s.recompute_time),
+        s.recomputed_chunk_tokens,
+        ms(s.suffix_time),
+        first_token.map_or(0.0, ms),
+        ms(decode),
+        generated,
+    );
+    Ok(())
+}

@@ -1,0 +1,413 @@
+//! `engram eval fusion`: fidelity and speed of each fusion policy against full prefill on
+//! identical token ids, over a MuSiQue-shaped file (question, answers, ctxs[{title, text}]).
+//!
+//! Per question, each passage becomes one chunk whose KV is computed and stored in a
+//! temporary tier (DRAM, or an NVMe directory read with O_DIRECT), then every policy prefills
+//! the same prompt; `full` is the reference for first-token agreement, answer F1 and the KL
+//! divergence at the last prompt position.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use engram_fusion::{
+    bos_frame, chunk_tokens, fused_prefill, kl_divergence, rag_frame, rag_prompt, ChunkStore,
+    FuseStats, Policy, PrefixCache, DEFAULT_SYSTEM,
+};
+use engram_kvstore::{DramTier, IoMode, KvDtype, KvStore, NvmeOptions, NvmeTier};
+use engram_model::{argmax, Logits};
+use serde::Deserialize;
+
+use crate::ModelArgs;
+
+/// Policies compared when `--policies` is not given.
+const DEFAULT_POLICIES: &str = "full,reuse,boundary:16,deviation:0.15";
+
+#[derive(Args)]
+pub struct FusionArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// MuSiQue-shaped JSON: `[{"question", "answers": [..], "ctxs": [{"title", "text"}]}]`.
+    #[arg(long)]
+    data: PathBuf,
+    /// Evaluate only the first N questions.
+    #[arg(long)]
+    limit: Option<usize>,
+    /// Comma-separated policies; `full` is always run (it is the reference).
+    #[arg(long, default_value = DEFAULT_POLICIES)]
+    policies: String,
+    /// Where the chunk KV is served from.
+    #[arg(long, default_value = "dram", value_parser = ["dram", "nvme"])]
+    tier: String,
+    /// Directory of the NVMe tier [default: a temporary folder next to the data dir's temp].
+    #[arg(long)]
+    nvme_dir: Option<PathBuf>,
+    /// Stored element type.
+    #[arg(long, default_value = "f16", value_parser = ["f16", "int8"])]
+    kv_dtype: String,
+    /// Frame chunks are computed in: `prefix` (the RAG prompt's prefix, the default),
+    /// `bos` (the model's BOS token) or `none`.
+    #[arg(long, default_value = "prefix", value_parser = ["prefix", "bos", "none"])]
+    frame: String,
+    /// Greedy tokens generated per policy for answer F1.
+    #[arg(long, default_value_t = 32)]
+    answer_tokens: usize,
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Deserialize)]
+struct Example {
+    question: String,
+    answers: Vec<String>,
+    ctxs: Vec<Ctx>,
+}
+
+#[derive(Deserialize)]
+struct Ctx {
+    #[serde(default)]
+    title: String,
+    text: String,
+}
+
+/// Accumulated results of one policy.
+#[derive(Default)]
+struct Tally {
+    first_token_agree: usize,
+    answer_f1: Vec<f64>,
+    kl: Vec<f64>,
+    gold_f1: Vec<f64>,
+    recompute_fraction: Vec<f64>,
+    ttft_ms: Vec<f64>,
+    kv_load_ms: Vec<f64>,
+    recompute_ms: Vec<f64>,
+    n: usize,
+}
+
+pub fn run(a: FusionArgs) -> Result<()> {
+    let mut policies: Vec<Policy> = vec![Policy::Full];
+    for p in a.policies.split(',').filter(|p| !p.trim().is_empty()) {
+        let p: Policy = p.parse()?;
+        if !policies.contains(&p) {
+            policies.push(p);
+        }
+    }
+    let text = std::fs::read_to_string(&a.data)
+        .with_context(|| format!("reading {}", a.data.display()))?;
+    let mut examples: Vec<Example> = serde_json::from_str(&text)
+        .with_context(|| format!("{}: not a list of question/answers/ctxs", a.data.display()))?;
+    if let Some(n) = a.limit {
+        examples.truncate(n);
+    }
+    if examples.is_empty() {
+        bail!("{}: no questions", a.data.display());
+    }
+    let loaded = a.model.load()?;
+    let (model, tokenizer) = (&loaded.model, &loaded.tokenizer);
+    let dtype = KvDtype::parse(&a.kv_dtype)?;
+    let frame = match a.frame.as_str() {
+        "prefix" => {
+            let mut f = rag_frame(tokenizer, loaded.template.as_ref())?;
+            if let Ok(t) = std::env::var("ENGRAM_EXP_FILLER") {
+                f.extend(chunk_tokens(tokenizer, &t)?);
+            }
+            f
+        }
+        "bos" => bos_frame(tokenizer.bos_id()),
+        _ => Vec::new(),
+    };
+
+    let tmp_dir = a.nvme_dir.clone().unwrap_or_else(|| {
+        std::env::temp_dir().join(format!("engram-fusion-eval-{}", std::process::id()))
+    });
+    let store = match a.tier.as_str() {
+        "dram" => KvStore::new(Some(DramTier::new(8 << 30)), None),
+        _ => {
+            let nvme = NvmeTier::open(
+                &tmp_dir,
+                NvmeOptions {
+                    budget_bytes: 16 << 30,
+                    io: IoMode::Auto,
+                    direct: true,
+                },
+            )?;
+            eprintln!(
+                "NVMe tier at {} ({}, O_DIRECT)",
+                tmp_dir.display(),
+                nvme.io_mode()
+            );
+            KvStore::new(None, Some(nvme))
+        }
+    };
+    let chunks = ChunkStore::new(Arc::new(store), model, frame, dtype);
+    let prefixes = PrefixCache::new(256 << 20);
+
+    let mut tallies: BTreeMap<String, Tally> = BTreeMap::new();
+    let order: Vec<String> = policies.iter().map(Policy::name).collect();
+    for (qi, ex) in examples.iter().enumerate() {
+        let chunk_ids: Vec<Vec<u32>> = ex
+            .ctxs
+            .iter()
+            .map(|c| {
+                let t = if c.title.is_empty() {
+                    c.text.clone()
+                } else {
+                    format!("{}\n{}", c.title, c.text)
+                };
+                chunk_tokens(tokenizer, &t)
+            })
+            .collect::<engram_tokenizer::Result<_>>()?;
+        // Ingestion: every chunk's KV computed and stored (not part of TTFT).
+        for c in &chunk_ids {
+            chunks.ensure(model, c)?;
+        }
+        let prompt = rag_prompt(
+            tokenizer,
+            loaded.template.as_ref(),
+            DEFAULT_SYSTEM,
+            chunk_ids.clone(),
+            &ex.question,
+        )?;
+        let mut kv = model.new_cache(prompt.len() + a.answer_tokens + 1);
+        let mut reference: Option<(u32, Vec<f32>, String)> = None;
+        for &policy in &policies {
+            let done = fused_prefill(model, &chunks, Some(&prefixes), &prompt, policy, &mut kv)?;
+            let first = argmax(&done.logits);
+            let answer = greedy_answer(
+                &loaded,
+                &mut kv,
+                done.logits.clone(),
+                done.next_position,
+                a.answer_tokens,
+            )?;
+            let t = tallies.entry(policy.name()).or_default();
+            let (ref_first, ref_logits, ref_answer) = reference
+                .get_or_insert_with(|| (first, done.logits.clone(), answer.clone()))
+                .clone();
+            t.n += 1;
+            t.first_token_agree += usize::from(first == ref_first);
+            t.kl.push(kl_divergence(&ref_logits, &done.logits));
+            t.answer_f1.push(token_f1(&answer, &ref_answer));
+            let short = answer.lines().next().unwrap_or("").to_owned();
+            t.gold_f1.push(
+                ex.answers
+                    .iter()
+                    .map(|g| token_f1(&short, g))
+                    .fold(0.0, f64::max),
+            );
+            let s: &FuseStats = &done.stats;
+            t.recompute_fraction.push(s.recompute_fraction());
+            t.ttft_ms.push(ms(s.total_time));
+            t.kv_load_ms
+                .push(ms(s.kv_read_time + s.kv_decode_time + s.kv_place_time));
+            t.recompute_ms.push(ms(s.recompute_time + s.suffix_time));
+            if s.chunks_computed > 0 && policy != Policy::Full {
+                eprintln!(
+                    "question {qi}: {} chunks had no stored KV and were computed",
+                    s.chunks_computed
+                );
+            }
+        }
+        for c in &chunk_ids {
+            chunks.store().remove(&chunks.key(c))?;
+        }
+        eprintln!(
+            "[{}/{}] {} tokens; TTFT ms: {}",
+            qi + 1,
+            examples.len(),
+            prompt.len(),
+            order
+                .iter()
+                .map(|p| format!(
+                    "{p} {:.0}",
+                    tallies[p].ttft_ms.last().copied().unwrap_or(0.0)
+                ))
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+    }
+    if a.tier == "nvme" && a.nvme_dir.is_none() {
+        let _ = std::fs::remove_dir_all(&tmp_dir);
+    }
+
+    let full_ttft = median(&tallies["full"].ttft_ms);
+    let mut out = serde_json::Map::new();
+    for name in &order {
+        let t = &tallies[name];
+        let ttft = median(&t.ttft_ms);
+        out.insert(
+            name.clone(),
+            serde_json::json!({
+                "first_token_agreement": t.first_token_agree as f64 / t.n as f64,
+                "answer_f1_vs_full": mean(&t.answer_f1),
+                "kl_mean": mean(&t.kl),
+                "gold_f1": mean(&t.gold_f1),
+                "recompute_fraction": mean(&t.recompute_fraction),
+                "ttft_ms_median": ttft,
+                "ttft_ratio_vs_full": ttft / full_ttft,
+                "ttft_speedup_vs_full": full_ttft / ttft,
+                "kv_load_ms_median": median(&t.kv_load_ms),
+                "compute_ms_median": median(&t.recompute_ms),
+                "questions": t.n,
+            }),
+        );
+    }
+    let report = serde_json::json!({
+        "policies": out,
+        "config": {
+            "data": a.data.display().to_string(),
+            "questions": examples.len(),
+            "tier": a.tier,
+            "kv_dtype": a.kv_dtype,
+            "frame": a.frame,
+            "threads": model.threads(),
+            "answer_tokens": a.answer_tokens,
+        },
+    });
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+        return Ok(());
+    }
+    println!(
+        "{} questions, KV from {} ({}), frame {}, {} threads",
+        examples.len(),
+        a.tier,
+        a.kv_dtype,
+        a.frame,
+        model.threads()
+    );
+    println!(
+        "{:<16} {:>8} {:>8} {:>9} {:>8} {:>9} {:>10} {:>8} {:>9}",
+        "policy", "1st-tok", "F1/full", "KL", "gold F1", "recomp", "TTFT ms", "speedup", "KV ms"
+    );
+    for name in &order {
+        let v = &report["policies"][name];
+        println!(
+            "{:<16} {:>8.3} {:>8.3} {:>9.4} {:>8.3} {:>9.3} {:>10.1} {:>7.1}x {:>9.1}",
+            name,
+            v["first_token_agreement"].as_f64().unwrap_or(0.0),
+            v["answer_f1_vs_full"].as_f64().unwrap_or(0.0),
+            v["kl_mean"].as_f64().unwrap_or(0.0),
+            v["gold_f1"].as_f64().unwrap_or(0.0),
+            v["recompute_fraction"].as_f64().unwrap_or(0.0),
+            v["ttft_ms_median"].as_f64().unwrap_or(0.0),
+            v["ttft_speedup_vs_full"].as_f64().unwrap_or(0.0),
+            v["kv_load_ms_median"].as_f64().unwrap_or(0.0),
+        );
+    }
+    Ok(())
+}
+
+/// Greedy answer text of up to `n` tokens, stopping at an end-of-generation token.
+fn greedy_answer(
+    loaded: &crate::Loaded,
+    kv: &mut engram_model::KvCache,
+    mut logits: Vec<f32>,
+    mut pos: i32,
+    n: usize,
+) -> Result<String> {
+    let mut ids = Vec::with_capacity(n);
+    for i in 0..n {
+        let id = argmax(&logits);
+        if loaded.tokenizer.is_eog(id) {
+            break;
+        }
+        ids.push(id);
+        if i + 1 < n {
+            logits = loaded.model.forward(&[id], &[pos], kv, Logits::Last)?;
+            pos += 1;
+        }
+    }
+    Ok(loaded.tokenizer.decode(&ids, true))
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+fn mean(v: &[f64]) -> f64 {
+    if v.is_empty() {
+        return 0.0;
+    }
+    v.iter().sum::<f64>() / v.len() as f64
+}
+
+fn median(v: &[f64]) -> f64 {
+    if v.is_empty() {
+        return 0.0;
+    }
+    let mut s = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    let m = s.len() / 2;
+    if s.len() % 2 == 1 {
+        s[m]
+    } else {
+        (s[m - 1] + s[m]) / 2.0
+    }
+}
+
+/// SQuAD's answer normalisation: lower case, no punctuation, no articles, single spaces.
+fn normalize(s: &str) -> Vec<String> {
+    let lowered: String = s
+        .to_lowercase()
+        .chars()
+        .map(|c| {
+            if c.is_alphanumeric() || c.is_whitespace() {
+                c
+            } else {
+                ' '
+            }
+        })
+        .collect();
+    lowered
+        .split_whitespace()
+        .filter(|w| !matches!(*w, "a" | "an" | "the"))
+        .map(str::to_owned)
+        .collect()
+}
+
+/// SQuAD token F1 between a prediction and a reference (1 when both are empty).
+pub fn token_f1(prediction: &str, reference: &str) -> f64 {
+    let (p, r) = (normalize(prediction), normalize(reference));
+    if p.is_empty() || r.is_empty() {
+        return f64::from(u8::from(p == r));
+    }
+    let mut counts: std::collections::HashMap<&str, i64> = std::collections::HashMap::new();
+    for w in &r {
+        *counts.entry(w).or_default() += 1;
+    }
+    let mut common = 0;
+    for w in &p {
+        if let Some(c) = counts.get_mut(w.as_str()) {
+            if *c > 0 {
+                *c -= 1;
+                common += 1;
+            }
+        }
+    }
+    if common == 0 {
+        return 0.0;
+    }
+    let precision = common as f64 / p.len() as f64;
+    let recall = common as f64 / r.len() as f64;
+    2.0 * precision * recall / (precision + recall)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn f1_follows_squad() {
+        assert_eq!(token_f1("The Exeter College", "exeter college"), 1.0);
+        assert_eq!(token_f1("", ""), 1.0);
+        assert_eq!(token_f1("paris", ""), 0.0);
+        let f = token_f1("exeter college oxford", "exeter college");
+        assert!((f - 0.8).abs() < 1e-9);
+        assert_eq!(median(&[3.0, 1.0, 2.0]), 2.0);
+    }
+}

@@ -1,0 +1,246 @@
+//! Chunk KV precompute and the model-bound view of the KV store: compute a chunk's KV in the
+//! fixed frame, store it, fetch and verify it.
+//!
+//! **The frame.** A chunk is prefilled on its own, after `frame` tokens (by default the RAG
+//! prompt's prefix, see [`crate::rag_frame`]), at positions `0..frame.len() + n`. The frame's
+//! own KV is not stored. What is stored is each chunk token's key before RoPE and its value,
+//! for every layer, so fusion can rotate the keys to any position. The frame tokens are bound
+//! into the store fingerprint: KV computed in another frame (or by other weights) never
+//! matches.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use engram_kvstore::{
+    BlobKey, ChunkKv, KvDtype, KvLayout, KvStore, KvTier, ModelFingerprint, TierKind,
+};
+use engram_model::{Logits, Model};
+use half::f16;
+
+use crate::error::Result;
+
+/// The minimal frame: the BOS token when the model has one. A chunk computed on its own turns
+/// its first token into an attention sink (a token that soaks up attention mass); with a BOS
+/// in front, the BOS plays that role, as the real prompt's first token does at question time.
+/// `engram eval fusion --frame bos|none|prefix` compares it with the other frames.
+pub fn bos_frame(bos: Option<u32>) -> Vec<u32> {
+    bos.into_iter().collect()
+}
+
+/// Counters of the chunk store, cumulative since start.
+#[derive(Debug, Default)]
+pub struct ChunkCounters {
+    /// Chunks whose KV was computed (ingestion, or a miss at question time).
+    pub precomputed: AtomicU64,
+    /// Blobs found but rejected (checksum, fingerprint, token or layout mismatch).
+    pub rejected: AtomicU64,
+    /// Chunks with no stored KV at question time.
+    pub missing: AtomicU64,
+    /// Puts that no tier accepted (full or failing disk): the KV is used but not kept.
+    pub put_failed: AtomicU64,
+}
+
+/// Where one chunk's KV came from at question time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Source {
+    Tier(TierKind),
+    /// Not stored (or rejected): computed now.
+    Computed,
+}
+
+/// One fetched chunk.
+pub struct Fetched {
+    pub kv: ChunkKv,
+    pub source: Source,
+    /// Stored bytes read (0 when computed).
+    pub bytes: u64,
+}
+
+/// Timings of a fetch.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct FetchTimes {
+    /// Reading the blobs from the tiers.
+    pub read: Duration,
+    /// Verifying and decoding them.
+    pub decode: Duration,
+    /// Computing the chunks that were missing or rejected.
+    pub compute: Duration,
+}
+
+/// The KV store as one model sees it: keys bound to the model and frame, layouts checked.
+pub struct ChunkStore {
+    store: Arc<KvStore>,
+    fingerprint: ModelFingerprint,
+    dtype: KvDtype,
+    frame: Vec<u32>,
+    pub counters: ChunkCounters,
+}
+
+impl ChunkStore {
+    /// A view of `store` for `model`, computing chunks after `frame` and storing `dtype`.
+    pub fn new(store: Arc<KvStore>, model: &Model, frame: Vec<u32>, dtype: KvDtype) -> ChunkStore {
+        let mut h = xxhash_rust::xxh3::Xxh3::new();
+        h.update(b"engram-chunk-kv-frame-v1");
+        h.update(&model.fingerprint());
+        for t in &frame {
+            h.update(&t.to_le_bytes());
+        }
+        ChunkStore {
+            store,
+            fingerprint: ModelFingerprint(h.digest128().to_le_bytes()),
+            dtype,
+            frame,
+            counters: ChunkCounters::default(),
+        }
+    }
+
+    /// The tiers underneath.
+    pub fn store(&self) -> &KvStore {
+        &self.store
+    }
+
+    /// The frame chunks are computed in.
+    pub fn frame(&self) -> &[u32] {
+        &self.frame
+    }
+
+    /// The stored element type.
+    pub fn dtype(&self) -> KvDtype {
+        self.dtype
+    }
+
+    /// The key a chunk's KV is stored under.
+    pub fn key(&self, tokens: &[u32]) -> BlobKey {
+        BlobKey::new(&self.fingerprint, self.dtype, tokens)
+    }
+
+    /// Computes `tokens`' KV in the frame.
+    pub fn precompute(&self, model: &Model, tokens: &[u32]) -> Result<ChunkKv> {
+        let kv = precompute(model, &self.frame, tokens)?;
+        self.counters.precomputed.fetch_add(1, Ordering::Relaxed);
+        Ok(kv)
+    }
+
+    /// Stores a chunk's KV. Returns whether a tier kept it; a failure is counted, not fatal
+    /// (the chunk is recomputed when next needed).
+    pub fn put(&self, kv: &ChunkKv) -> bool {
+        let bytes = engram_kvstore::encode(kv, &self.fingerprint, self.dtype);
+        let stored = self.store.put(&self.key(&kv.tokens), &bytes).stored();
+        if !stored {
+            self.counters.put_failed.fetch_add(1, Ordering::Relaxed);
+        }
+        stored
+    }
+
+    /// Ingestion: computes and stores the chunk's KV unless a tier already holds it. Returns
+    /// whether it was computed.
+    pub fn ensure(&self, model: &Model, tokens: &[u32]) -> Result<bool> {
+        let key = self.key(tokens);
+        let held = self.store.dram().is_some_and(|t| t.contains(&key))
+            || self.store.nvme().is_some_and(|t| t.contains(&key));
+        if held {
+            return Ok(false);
+        }
+        let kv = self.precompute(model, tokens)?;
+        self.put(&kv);
+        Ok(true)
+    }
+
+    /// Question time: every chunk's KV, from the tiers in one batch, verified; a chunk that is
+    /// missing or whose blob is rejected is computed now (and stored again).
+    pub fn fetch(&self, model: &Model, chunks: &[&[u32]]) -> Result<(Vec<Fetched>, FetchTimes)> {
+        let cfg = model.config();
+        let mut times = FetchTimes::default();
+        let keys: Vec<BlobKey> = chunks.iter().map(|c| self.key(c)).collect();
+        let t = Instant::now();
+        let found = self.store.get_many(&keys);
+        times.read = t.elapsed();
+        let mut out = Vec::with_capacity(chunks.len());
+        for ((tokens, key), hit) in chunks.iter().zip(&keys).zip(found) {
+            let expected = KvLayout {
+                n_layer: cfg.n_layer,
+                n_head_kv: cfg.n_head_kv,
+                head_dim: cfg.head_dim,
+                n_tokens: tokens.len(),
+            };
+            if let Some((bytes, tier)) = hit {
+                let t = Instant::now();
+                match engram_kvstore::decode(&bytes, &self.fingerprint, tokens, &expected) {
+                    Ok(kv) => {
+                        times.decode += t.elapsed();
+                        out.push(Fetched {
+                            kv,
+                            source: Source::Tier(tier),
+                            bytes: bytes.len() as u64,
+                        });
+                        continue;
+                    }
+                    Err(e) => {
+                        times.decode += t.elapsed();
+                        self.counters.rejected.fetch_add(1, Ordering::Relaxed);
+                        self.store.report_corrupt(key);
+                        eprintln!("chunk KV {key} rejected, recomputing: {e}");
+                    }
+                }
+            } else {
+                self.counters.missing.fetch_add(1, Ordering::Relaxed);
+            }
+            let t = Instant::now();
+            let kv = self.precompute(model, tokens)?;
+            let bytes = engram_kvstore::encode(&kv, &self.fingerprint, self.dtype);
+            if !self.store.put(key, &bytes).stored() {
+                self.counters.put_failed.fetch_add(1, Ordering::Relaxed);
+            }
+            // Serve what a later request will read back (int8 rounding included), so an
+            // answer does not depend on whether the chunk was stored before.
+            let kv = engram_kvstore::decode(&bytes, &self.fingerprint, tokens, &expected)?;
+            times.compute += t.elapsed();
+            out.push(Fetched {
+                kv,
+                source: Source::Computed,
+                bytes: 0,
+            });
+        }
+        Ok((out, times))
+    }
+}
+
+/// Prefills `frame ++ tokens` at positions `0..` and returns the chunk tokens' keys before
+/// RoPE and values, `[layer][head][token][dim]`.
+pub fn precompute(model: &Model, frame: &[u32], tokens: &[u32]) -> Result<ChunkKv> {
+    let cfg = model.config();
+    let (f, n, hd, heads) = (frame.len(), tokens.len(), cfg.head_dim, cfg.n_head_kv);
+    let layout = KvLayout {
+        n_layer: cfg.n_layer,
+        n_head_kv: heads,
+        head_dim: hd,
+        n_tokens: n,
+    };
+    let mut k = vec![f16::ZERO; layout.values_per_side()];
+    let mut v = k.clone();
+    let all: Vec<u32> = frame.iter().chain(tokens).copied().collect();
+    let positions: Vec<i32> = (0..all.len() as i32).collect();
+    let mut cache = model.new_cache(all.len());
+    let kvw = heads * hd;
+    let mut observe = |layer: usize, ks: &[f32], vs: &[f32]| {
+        for h in 0..heads {
+            let base = (layer * heads + h) * n * hd;
+            for t in 0..n {
+                let src = (f + t) * kvw + h * hd;
+                let dst = base + t * hd;
+                for d in 0..hd {
+                    k[dst + d] = f16::from_f32(ks[src + d]);
+                    v[dst + d] = f16::from_f32(vs[src + d]);
+                }
+            }
+        }
+    };
+    model.forward_observed(&all, &positions, &mut cache, Logits::None, &mut observe)?;
+    Ok(ChunkKv {
+        layout,
+        tokens: tokens.to_vec(),
+        k,
+        v,
+    })
+}

@@ -1,0 +1,349 @@
+//! Fused prefill: a prompt assembled from segments (prefix, stored chunks, suffix), each chunk's
+//! stored KV placed at its real positions by token ids, the tokens the policy names recomputed
+//! under an exact causal mask, then the suffix prefilled over the fused cache.
+
+use std::time::{Duration, Instant};
+
+use engram_model::{Blend, KvCache, Logits, Model, PREFILL_CHUNK};
+
+use crate::chunks::{ChunkStore, FetchTimes, Source};
+use crate::error::{FusionError, Result};
+use crate::policy::{Policy, CHECK_LAYER};
+use crate::prefix::PrefixCache;
+
+/// A prompt as segments of token ids. The concatenation `prefix ++ chunks.. ++ suffix` is the
+/// prompt full prefill would run; chunks are never re-tokenized from text.
+#[derive(Debug, Clone, Default)]
+pub struct FusedPrompt {
+    /// Exact, cacheable start (chat template and system prompt).
+    pub prefix: Vec<u32>,
+    /// The retrieved chunks' token ids, in prompt order.
+    pub chunks: Vec<Vec<u32>>,
+    /// The question and the generation prompt.
+    pub suffix: Vec<u32>,
+}
+
+impl FusedPrompt {
+    /// Every token id in prompt order.
+    pub fn tokens(&self) -> Vec<u32> {
+        let mut all = self.prefix.clone();
+        for c in &self.chunks {
+            all.extend_from_slice(c);
+        }
+        all.extend_from_slice(&self.suffix);
+        all
+    }
+
+    /// Number of tokens.
+    pub fn len(&self) -> usize {
+        self.prefix.len() + self.chunks.iter().map(Vec::len).sum::<usize>() + self.suffix.len()
+    }
+
+    /// Whether there are no tokens.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Number of chunk tokens.
+    pub fn chunk_tokens(&self) -> usize {
+        self.chunks.iter().map(Vec::len).sum()
+    }
+}
+
+/// What a fused prefill did and how long each stage took.
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct FuseStats {
+    pub policy: String,
+    pub prompt_tokens: usize,
+    pub prefix_tokens: usize,
+    /// Prefix tokens served by the prefix cache.
+    pub prefix_cached_tokens: usize,
+    pub chunk_tokens: usize,
+    /// Chunk tokens run through every layer.
+    pub recomputed_chunk_tokens: usize,
+    pub suffix_tokens: usize,
+    pub chunks_from_dram: usize,
+    pub chunks_from_nvme: usize,
+    /// Chunks with no usable stored KV, computed during the request.
+    pub chunks_computed: usize,
+    pub kv_bytes_read: u64,
+    #[serde(serialize_with = "ms")]
+    pub prefix_time: Duration,
+    /// Reading the chunk KV from the tiers.
+    #[serde(serialize_with = "ms")]
+    pub kv_read_time: Duration,
+    /// Verifying and decoding it.
+    #[serde(serialize_with = "ms")]
+    pub kv_decode_time: Duration,
+    /// Computing missing chunks.
+    #[serde(serialize_with = "ms")]
+    pub kv_compute_time: Duration,
+    /// Rotating and copying it into the cache.
+    #[serde(serialize_with = "ms")]
+    pub kv_place_time: Duration,
+    /// Recomputing chunk tokens.
+    #[serde(serialize_with = "ms")]
+    pub recompute_time: Duration,
+    /// Prefilling the suffix (question).
+    #[serde(serialize_with = "ms")]
+    pub suffix_time: Duration,
+    #[serde(serialize_with = "ms")]
+    pub total_time: Duration,
+}
+
+fn ms<S: serde::Serializer>(d: &Duration, s: S) -> std::result::Result<S::Ok, S::Error> {
+    s.serialize_f64(d.as_secs_f64() * 1e3)
+}
+
+impl FuseStats {
+    /// Share of the non-prefix prompt run through every layer: recomputed chunk tokens plus
+    /// the suffix, over chunk plus suffix tokens (1 for `full`).
+    pub fn recompute_fraction(&self) -> f64 {
+        let all = self.chunk_tokens + self.suffix_tokens;
+        if all == 0 {
+            return 0.0;
+        }
+        (self.recomputed_chunk_tokens + self.suffix_tokens) as f64 / all as f64
+    }
+}
+
+/// The result of a fused prefill: the cache holds the whole prompt, ready to decode.
+pub struct Prefilled {
+    /// Logits at the last prompt position.
+    pub logits: Vec<f32>,
+    /// Position of the first generated token.
+    pub next_position: i32,
+    pub stats: FuseStats,
+}
+
+/// Prefills `prompt` into `kv` (cleared first) under `policy`. `store` serves chunk KV (not
+/// used by `full`); `prefixes`, when given, serves and keeps the prefix's exact KV.
+pub fn fused_prefill(
+    model: &Model,
+    store: &ChunkStore,
+    prefixes: Option<&PrefixCache>,
+    prompt: &FusedPrompt,
+    policy: Policy,
+    kv: &mut KvCache,
+) -> Result<Prefilled> {
+    let start = Instant::now();
+    if prompt.suffix.is_empty() {
+        return Err(FusionError::EmptySuffix);
+    }
+    if let Some(index) = prompt.chunks.iter().position(Vec::is_empty) {
+        return Err(FusionError::EmptyChunk { index });
+    }
+    let context = model.config().context_length;
+    if prompt.len() > context {
+        return Err(FusionError::TooLong {
+            tokens: prompt.len(),
+            context,
+        });
+    }
+    let mut stats = FuseStats {
+        policy: policy.name(),
+        prompt_tokens: prompt.len(),
+        prefix_tokens: prompt.prefix.len(),
+        chunk_tokens: prompt.chunk_tokens(),
+        suffix_tokens: prompt.suffix.len(),
+        ..FuseStats::default()
+    };
+    kv.clear();
+
+    // The prefix: exact, from the prefix cache when possible.
+    let t = Instant::now();
+    stats.prefix_cached_tokens = prefill_prefix(model, prefixes, &prompt.prefix, kv)?;
+    stats.prefix_time = t.elapsed();
+
+    // Where each chunk starts.
+    let mut starts = Vec::with_capacity(prompt.chunks.len());
+    let mut pos = prompt.prefix.len();
+    for c in &prompt.chunks {
+        starts.push(pos);
+        pos += c.len();
+    }
+    let suffix_pos: Vec<i32> = (pos..pos + prompt.suffix.len()).map(|p| p as i32).collect();
+
+    let logits = if policy == Policy::Full {
+        let t = Instant::now();
+        let mut rest: Vec<u32> = prompt.chunks.concat();
+        let n_chunk = rest.len();
+        rest.extend_from_slice(&prompt.suffix);
+        let logits = prefill_run(model, kv, &rest, prompt.prefix.len())?;
+        stats.recomputed_chunk_tokens = n_chunk;
+        // One pass: attribute it by token share.
+        let all = t.elapsed();
+        let share = n_chunk as f64 / rest.len() as f64;
+        stats.recompute_time = all.mul_f64(share);
+        stats.suffix_time = all - stats.recompute_time;
+        logits
+    } else {
+        let refs: Vec<&[u32]> = prompt.chunks.iter().map(Vec::as_slice).collect();
+        let (fetched, times) = store.fetch(model, &refs)?;
+        let FetchTimes {
+            read,
+            decode,
+            compute,
+        } = times;
+        stats.kv_read_time = read;
+        stats.kv_decode_time = decode;
+        stats.kv_compute_time = compute;
+        for f in &fetched {
+            stats.kv_bytes_read += f.bytes;
+            match f.source {
+                Source::Tier(engram_kvstore::TierKind::Dram) => stats.chunks_from_dram += 1,
+                Source::Tier(engram_kvstore::TierKind::Nvme) => stats.chunks_from_nvme += 1,
+                Source::Computed => stats.chunks_computed += 1,
+            }
+        }
+        // How many leading tokens of each chunk are recomputed rather than placed. The first
+        // chunk's stored KV is exact when the prompt's prefix is the frame it was computed in.
+        let exact_start = |i: usize| i == 0 && prompt.prefix == store.frame();
+        let skip: Vec<usize> = prompt
+            .chunks
+            .iter()
+            .enumerate()
+            .map(|(i, c)| match policy {
+                Policy::Boundary(n) if !exact_start(i) => n.min(c.len()),
+                _ => 0,
+            })
+            .collect();
+
+        let t = Instant::now();
+        let mut chunk_slots = Vec::with_capacity(prompt.chunk_tokens());
+        for ((f, &s), &at) in fetched.iter().zip(&skip).zip(&starts) {
+            let c = &f.kv;
+            let hd = c.layout.head_dim;
+            let n = c.layout.n_tokens;
+            let positions: Vec<i32> = ((at + s)..(at + n)).map(|p| p as i32).collect();
+            let first = kv.append_prerope(
+                model.rope(),
+                &positions,
+                |l, h| &c.k_head(l, h)[s * hd..],
+                |l, h| &c.v_head(l, h)[s * hd..],
+            )?;
+            chunk_slots.extend(first..first + positions.len());
+        }
+        stats.kv_place_time = t.elapsed();
+
+        match policy {
+            Policy::Boundary(_) => {
+                let t = Instant::now();
+                let mut tokens = Vec::new();
+                let mut positions = Vec::new();
+                for ((c, &s), &at) in prompt.chunks.iter().zip(&skip).zip(&starts) {
+                    tokens.extend_from_slice(&c[..s]);
+                    positions.extend((at..at + s).map(|p| p as i32));
+                }
+                stats.recomputed_chunk_tokens = tokens.len();
+                for (tk, ps) in tokens
+                    .chunks(PREFILL_CHUNK)
+                    .zip(positions.chunks(PREFILL_CHUNK))
+                {
+                    model.forward(tk, ps, kv, Logits::None)?;
+                }
+                stats.recompute_time = t.elapsed();
+                let t = Instant::now();
+                let logits = model.forward(&prompt.suffix, &suffix_pos, kv, Logits::Last)?;
+                stats.suffix_time = t.elapsed();
+                logits
+            }
+            Policy::Reuse => {
+                let t = Instant::now();
+                let logits = model.forward(&prompt.suffix, &suffix_pos, kv, Logits::Last)?;
+                stats.suffix_time = t.elapsed();
+                logits
+            }
+            Policy::Deviation(r) => {
+                let t = Instant::now();
+                let mut tokens: Vec<u32> = prompt.chunks.concat();
+                let mut positions: Vec<i32> =
+                    (prompt.prefix.len()..pos).map(|p| p as i32).collect();
+                let n_ctx = tokens.len();
+                tokens.extend_from_slice(&prompt.suffix);
+                positions.extend_from_slice(&suffix_pos);
+                let budget = ((r as f64) * n_ctx as f64).ceil() as usize;
+                let mut select = |dev: &[f32]| top_rows(&dev[..n_ctx.min(dev.len())], budget);
+                let (logits, kept) = model.forward_blend(
+                    &tokens,
+                    &positions,
+                    &chunk_slots,
+                    kv,
+                    Blend {
+                        check_layer: CHECK_LAYER.min(model.config().n_layer - 1),
+                        select: &mut select,
+                    },
+                    Logits::Last,
+                )?;
+                stats.recomputed_chunk_tokens = kept.iter().filter(|&&r| r < n_ctx).count();
+                stats.recompute_time = t.elapsed();
+                logits
+            }
+            Policy::Full => unreachable!("handled above"),
+        }
+    };
+    stats.total_time = start.elapsed();
+    Ok(Prefilled {
+        logits,
+        next_position: prompt.len() as i32,
+        stats,
+    })
+}
+
+/// Indices of the `k` largest values.
+fn top_rows(dev: &[f32], k: usize) -> Vec<usize> {
+    let mut idx: Vec<usize> = (0..dev.len()).collect();
+    let k = k.min(idx.len());
+    if k == 0 {
+        return Vec::new();
+    }
+    idx.select_nth_unstable_by(k - 1, |&a, &b| dev[b].total_cmp(&dev[a]));
+    idx.truncate(k);
+    idx
+}
+
+/// Runs `tokens` at positions `start..` in pieces of [`PREFILL_CHUNK`], returning the last
+/// position's logits.
+fn prefill_run(model: &Model, kv: &mut KvCache, tokens: &[u32], start: usize) -> Result<Vec<f32>> {
+    let mut logits = Vec::new();
+    let mut pos = start;
+    let n_pieces = tokens.len().div_ceil(PREFILL_CHUNK);
+    for (i, piece) in tokens.chunks(PREFILL_CHUNK).enumerate() {
+        let positions: Vec<i32> = (pos..pos + piece.len()).map(|p| p as i32).collect();
+        let want = if i + 1 == n_pieces {
+            Logits::Last
+        } else {
+            Logits::None
+        };
+        logits = model.forward(piece, &positions, kv, want)?;
+        pos += piece.len();
+    }
+    Ok(logits)
+}
+
+/// Fills `kv` (empty) with the prefix's exact KV, from `prefixes` as far as it has it; caches
+/// the whole prefix afterwards. Returns how many tokens came from the cache.
+fn prefill_prefix(
+    model: &Model,
+    prefixes: Option<&PrefixCache>,
+    prefix: &[u32],
+    kv: &mut KvCache,
+) -> Result<usize> {
+    if prefix.is_empty() {
+        return Ok(0);
+    }
+    let hit = prefixes.and_then(|p| p.lookup(prefix));
+    let cached = hit.as_ref().map_or(0, |h| h.len);
+    if let Some(h) = &hit {
+        kv.append_from(&h.entry.kv, 0..h.len)?;
+    }
+    if cached < prefix.len() {
+        prefill_run(model, kv, &prefix[cached..], cached)?;
+        if let Some(p) = prefixes {
+            let mut own = model.new_cache(prefix.len());
+            own.append_from(kv, 0..prefix.len())?;
+            p.insert(prefix, own);
+        }
+    }
+    Ok(cached)
+}

@@ -1,0 +1,31 @@
+//! Compute for storage (以存换算): chunk KV computed once at ingestion and stored, then at
+//! question time loaded, placed at its positions and fused with a few recomputed tokens.
+//!
+//! - [`chunks`](ChunkStore): precompute a chunk's KV in a fixed frame, store and fetch it
+//!   through the tiers of `engram-kvstore`, verified against the model and the token ids.
+//! - [`fused_prefill`]: assemble prefix, chunks and suffix in the cache under a [`Policy`]
+//!   (`full`, `reuse`, `boundary:N`, `deviation:R`).
+//! - [`PrefixCache`]: exact KV of shared prompt prefixes.
+//! - [`gate`](FidelityGate): the per-model self-check that decides whether fusion is used.
+#![forbid(unsafe_code)]
+
+mod chunks;
+mod error;
+mod fuse;
+mod gate;
+mod policy;
+mod prefix;
+mod prompt;
+
+pub use chunks::{bos_frame, precompute, ChunkCounters, ChunkStore, FetchTimes, Fetched, Source};
+pub use error::{FusionError, Result};
+pub use fuse::{fused_prefill, FuseStats, FusedPrompt, Prefilled};
+pub use gate::{
+    greedy, kl_divergence, FidelityGate, GateLimits, GateReport, GATE_MAX_KL, GATE_MIN_AGREEMENT,
+    GATE_TOKENS,
+};
+pub use policy::{Policy, CHECK_LAYER, DEFAULT_POLICY};
+pub use prefix::{PrefixCache, PrefixEntry, PrefixHit, BLOCK};
+pub use prompt::{
+    chunk_text, chunk_tokens, rag_frame, rag_prompt, DEFAULT_SYSTEM, QUESTION_INSTRUCTION,
+};

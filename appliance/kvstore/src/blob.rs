@@ -1,0 +1,716 @@
+//! The KV blob: one chunk's KV as a versioned, checksummed byte string, and its content address.
+//!
+//! All integers are little-endian; the blob ends with the xxh3-64 of all its preceding bytes.
+//! Nothing is padded. (`docs/formats/kv-blob.md` has the full description.)
+//!
+//! ```text
+//! offset
+//!      0 +------------------------------------------+
+//!        | magic "ENGRAMKV"                     [8] |
+//!      8 | format version  u32  (= 1)               |
+//!     12 | dtype u8 (0 f16, 1 int8) | reserved [3]=0|
+//!     16 | model fingerprint                   [16] |
+//!     32 | token fingerprint (xxh3-128 of ids) [16] |
+//!     48 | n_layer u32 | n_head_kv u32              |
+//!     56 | head_dim u32 | n_tokens u32              |
+//!     64 | token ids: n_tokens x u32                |
+//!        +------------------------------------------+
+//!        | f16 payload:                             |
+//!        |   K [layer][head][token][dim] x f16      |
+//!        |   V [layer][head][token][dim] x f16      |
+//!        | or int8 payload:                         |
+//!        |   K scales [layer][head][token] x f32    |
+//!        |   K values [layer][head][token][dim] x i8|
+//!        |   V scales, V values (same shapes)       |
+//!        +------------------------------------------+
+//!        | xxh3-64 of everything above  u64         |
+//!        +------------------------------------------+
+//! ```
+//!
+//! [`decode`] trusts nothing before the checksum has passed: it checks the length can hold a
+//! header, the magic, the checksum, the version, then the header fields against the limits and
+//! the length the header implies against the real one (with checked arithmetic, before any
+//! allocation), and only then compares model, layout and tokens with what the caller expects.
+
+use std::fmt;
+
+use half::f16;
+use xxhash_rust::xxh3::{xxh3_128, xxh3_64, Xxh3};
+
+use crate::error::{KvStoreError, Result};
+use crate::layout::{hex, ChunkKv, KvDtype, KvLayout, ModelFingerprint};
+
+/// First bytes of every blob.
+pub const MAGIC: [u8; 8] = *b"ENGRAMKV";
+/// Version of the blob layout; part of every [`BlobKey`], so a new version never reads old
+/// blobs by mistake: their keys differ and they age out of the tiers.
+pub const FORMAT_VERSION: u32 = 1;
+/// Bytes before the token ids.
+pub const HEADER_LEN: usize = 64;
+/// The trailing xxh3-64.
+pub const CHECKSUM_LEN: usize = 8;
+/// Largest value of an int8 code; the scale maps `max|x|` to it (symmetric, so -127..=127 and
+/// -128 is never written).
+const INT8_MAX: f32 = 127.0;
+
+/// Content address of a blob: xxh3-128 over (format version, model fingerprint, dtype, token
+/// ids), all little-endian.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct BlobKey(pub [u8; 16]);
+
+impl BlobKey {
+    /// The key of the blob `encode(kv, model, dtype)` makes for a chunk with these `tokens`.
+    pub fn new(model: &ModelFingerprint, dtype: KvDtype, tokens: &[u32]) -> BlobKey {
+        let mut h = Xxh3::new();
+        h.update(&FORMAT_VERSION.to_le_bytes());
+        h.update(&model.0);
+        h.update(&[dtype.code()]);
+        for block in tokens.chunks(1024) {
+            let bytes: Vec<u8> = block.iter().flat_map(|t| t.to_le_bytes()).collect();
+            h.update(&bytes);
+        }
+        BlobKey(h.digest128().to_le_bytes())
+    }
+
+    /// 32 lowercase hex digits (the NVMe tier's file name).
+    pub fn to_hex(&self) -> String {
+        hex(&self.0)
+    }
+
+    /// Parses 32 hex digits (either case); `None` for anything else.
+    pub fn from_hex(s: &str) -> Option<BlobKey> {
+        let s = s.as_bytes();
+        if s.len() != 32 {
+            return None;
+        }
+        let mut out = [0u8; 16];
+        for (o, pair) in out.iter_mut().zip(s.chunks_exact(2)) {
+            let hi = (pair[0] as char).to_digit(16)?;
+            let lo = (pair[1] as char).to_digit(16)?;
+            *o = (hi * 16 + lo) as u8;
+        }
+        Some(BlobKey(out))
+    }
+}
+
+impl fmt::Display for BlobKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.to_hex())
+    }
+}
+
+/// xxh3-128 of the token ids, little-endian: the header's token fingerprint.
+pub fn token_fingerprint(tokens: &[u32]) -> [u8; 16] {
+    let bytes: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
+    xxh3_128(&bytes).to_le_bytes()
+}
+
+/// A blob's header, as [`inspect`] reads it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BlobInfo {
+    pub version: u32,
+    pub dtype: KvDtype,
+    pub model: ModelFingerprint,
+    pub layout: KvLayout,
+    pub tokens_fp: [u8; 16],
+}
+
+/// Bytes of a blob with this layout and dtype; `None` if that overflows `u64`.
+pub fn encoded_len(layout: &KvLayout, dtype: KvDtype) -> Option<u64> {
+    let rows = (layout.n_layer as u64)
+        .checked_mul(layout.n_head_kv as u64)?
+        .checked_mul(layout.n_tokens as u64)?;
+    let values = rows.checked_mul(layout.head_dim as u64)?;
+    let side = match dtype {
+        KvDtype::F16 => values.checked_mul(2)?,
+        KvDtype::Int8 => rows.checked_mul(4)?.checked_add(values)?,
+    };
+    (HEADER_LEN as u64 + CHECKSUM_LEN as u64)
+        .checked_add((layout.n_tokens as u64).checked_mul(4)?)?
+        .checked_add(side.checked_mul(2)?)
+}
+
+/// Serializes one chunk's KV.
+///
+/// # Panics
+/// If the chunk's buffers disagree with its layout or the layout is above the format limits
+/// (see [`try_encode`] for the checked version).
+pub fn encode(kv: &ChunkKv, model: &ModelFingerprint, dtype: KvDtype) -> Vec<u8> {
+    try_encode(kv, model, dtype).unwrap_or_else(|e| panic!("cannot encode chunk KV: {e}"))
+}
+
+/// [`encode`], returning `BadChunk` or `TooLarge` instead of panicking.
+pub fn try_encode(kv: &ChunkKv, model: &ModelFingerprint, dtype: KvDtype) -> Result<Vec<u8>> {
+    kv.check()?;
+    let l = &kv.layout;
+    let len = encoded_len(l, dtype).expect("limits keep the length far below u64::MAX");
+    let mut b = Vec::with_capacity(usize::try_from(len).map_err(|_| KvStoreError::TooLarge {
+        what: "blob length",
+        value: len,
+        limit: usize::MAX as u64,
+    })?);
+    b.extend_from_slice(&MAGIC);
+    b.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
+    b.push(dtype.code());
+    b.extend_from_slice(&[0; 3]);
+    b.extend_from_slice(&model.0);
+    b.extend_from_slice(&token_fingerprint(&kv.tokens));
+    for dim in [l.n_layer, l.n_head_kv, l.head_dim, l.n_tokens] {
+        b.extend_from_slice(&(dim as u32).to_le_bytes());
+    }
+    b.extend(kv.tokens.iter().flat_map(|t| t.to_le_bytes()));
+    for side in [&kv.k, &kv.v] {
+        match dtype {
+            KvDtype::F16 => b.extend(side.iter().flat_map(|x| x.to_le_bytes())),
+            KvDtype::Int8 => quantize_side(&mut b, side, l.head_dim),
+        }
+    }
+    let sum = xxh3_64(&b);
+    b.extend_from_slice(&sum.to_le_bytes());
+    debug_assert_eq!(b.len() as u64, len);
+    Ok(b)
+}
+
+/// Appends one side's scales, then its codes.
+fn quantize_side(b: &mut Vec<u8>, side: &[f16], head_dim: usize) {
+    let scales: Vec<f32> = side
+        .chunks_exact(head_dim)
+        .map(|row| {
+            let amax = row
+                .iter()
+                .map(|x| x.to_f32().abs())
+                .filter(|a| a.is_finite())
+                .fold(0.0f32, f32::max);
+            amax / INT8_MAX
+        })
+        .collect();
+    b.extend(scales.iter().flat_map(|s| s.to_le_bytes()));
+    for (row, &scale) in side.chunks_exact(head_dim).zip(&scales) {
+        if scale == 0.0 {
+            b.extend(std::iter::repeat_n(0u8, head_dim));
+            continue;
+        }
+        // `as i8` saturates and maps NaN to 0; the clamp keeps -128 unused.
+        b.extend(
+            row.iter()
+                .map(|x| (x.to_f32() / scale).round().clamp(-INT8_MAX, INT8_MAX) as i8 as u8),
+        );
+    }
+}
+
+/// A blob whose framing, header and sizes have been verified.
+struct Parsed<'a> {
+    info: BlobInfo,
+    tokens: &'a [u8],
+    payload: &'a [u8],
+}
+
+/// Verifies length, magic, checksum, version, header fields and the length the header implies,
+/// in that order.
+fn parse(bytes: &[u8]) -> Result<Parsed<'_>> {
+    if bytes.len() < HEADER_LEN + CHECKSUM_LEN {
+        return Err(KvStoreError::corrupted(format!(
+            "blob is {} bytes, shorter than the {} of header and checksum",
+            bytes.len(),
+            HEADER_LEN + CHECKSUM_LEN
+        )));
+    }
+    if bytes[..8] != MAGIC {
+        return Err(KvStoreError::corrupted("bad magic (not an ENGRAMKV blob)"));
+    }
+    let (body, sum) = bytes.split_at(bytes.len() - CHECKSUM_LEN);
+    if xxh3_64(body) != u64::from_le_bytes(sum.try_into().expect("8 bytes")) {
+        return Err(KvStoreError::corrupted("checksum mismatch"));
+    }
+    let u32_at = |at: usize| u32::from_le_bytes(body[at..at + 4].try_into().expect("4 bytes"));
+    let version = u32_at(8);
+    if version != FORMAT_VERSION {
+        return Err(KvStoreError::UnsupportedVersion {
+            found: version,
+            supported: FORMAT_VERSION,
+        });
+    }
+    let dtype = KvDtype::from_code(body[12])
+        .ok_or_else(|| KvStoreError::corrupted(format!("unknown dtype code {}", body[12])))?;
+    if body[13..16] != [0; 3] {
+        return Err(KvStoreError::corrupted(
+            "reserved header bytes are not zero",
+        ));
+    }
+    let model = ModelFingerprint(body[16..32].try_into().expect("16 bytes"));
+    let tokens_fp: [u8; 16] = body[32..48].try_into().expect("16 bytes");
+    let layout = KvLayout {
+        n_layer: u32_at(48) as usize,
+        n_head_kv: u32_at(52) as usize,
+        head_dim: u32_at(56) as usize,
+        n_tokens: u32_at(60) as usize,
+    };
+    layout
+        .check_limits()
+        .map_err(|e| KvStoreError::corrupted(format!("header layout: {e}")))?;
+    let expected = encoded_len(&layout, dtype);
+    if expected != Some(bytes.len() as u64) {
+        return Err(KvStoreError::corrupted(format!(
+            "header says {layout} ({dtype}) = {} bytes, blob is {} bytes",
+            expected.map_or("overflowing".to_string(), |n| n.to_string()),
+            bytes.len()
+        )));
+    }
+    let (tokens, payload) = body[HEADER_LEN..].split_at(layout.n_tokens * 4);
+    Ok(Parsed {
+        info: BlobInfo {
+            version,
+            dtype,
+            model,
+            layout,
+            tokens_fp,
+        },
+        tokens,
+        payload,
+    })
+}
+
+/// Reads only the header (for listing and inspection) after verifying the checksum and sizes.
+pub fn inspect(bytes: &[u8]) -> Result<BlobInfo> {
+    parse(bytes).map(|p| p.info)
+}
+
+/// Verifies a blob and returns its KV (int8 dequantized to f16).
+///
+/// In order: framing and checksum (before trusting any field), version, header limits, the
+/// header's implied length against the real one; then the model fingerprint (`ModelMismatch`),
+/// the layout's `n_layer`, `n_head_kv` and `head_dim` against `expected` (`LayoutMismatch`),
+/// and the stored token ids against `tokens` (`TokenMismatch`). `expected.n_tokens` is not
+/// consulted: `tokens.len()` is the chunk's length.
+pub fn decode(
+    bytes: &[u8],
+    model: &ModelFingerprint,
+    tokens: &[u32],
+    expected: &KvLayout,
+) -> Result<ChunkKv> {
+    let Parsed {
+        info,
+        tokens: token_bytes,
+        payload,
+    } = parse(bytes)?;
+    if info.model != *model {
+        return Err(KvStoreError::ModelMismatch {
+            found: info.model,
+            expected: *model,
+        });
+    }
+    let l = info.layout;
+    if (l.n_layer, l.n_head_kv, l.head_dim)
+        != (expected.n_layer, expected.n_head_kv, expected.head_dim)
+    {
+        return Err(KvStoreError::LayoutMismatch {
+            found: l,
+            expected: KvLayout {
+                n_tokens: tokens.len(),
+                ..*expected
+            },
+        });
+    }
+    let stored: Vec<u32> = token_bytes
+        .chunks_exact(4)
+        .map(|c| u32::from_le_bytes(c.try_into().expect("4 bytes")))
+        .collect();
+    if token_fingerprint(&stored) != info.tokens_fp {
+        return Err(KvStoreError::corrupted(
+            "token fingerprint disagrees with the stored token ids",
+        ));
+    }
+    if stored != tokens {
+        return Err(KvStoreError::TokenMismatch {
+            stored_tokens: stored.len(),
+            expected_tokens: tokens.len(),
+        });
+    }
+    let n = l.values_per_side();
+    let (k, v) = match info.dtype {
+        KvDtype::F16 => {
+            let (kb, vb) = payload.split_at(n * 2);
+            (f16_side(kb), f16_side(vb))
+        }
+        KvDtype::Int8 => {
+            let (kb, vb) = payload.split_at(l.rows_per_side() * 4 + n);
+            (
+                dequantize_side(kb, l.head_dim),
+                dequantize_side(vb, l.head_dim),
+            )
+        }
+    };
+    Ok(ChunkKv {
+        layout: l,
+        tokens: stored,
+        k,
+        v,
+    })
+}
+
+fn f16_side(bytes: &[u8]) -> Vec<f16> {
+    bytes
+        .chunks_exact(2)
+        .map(|c| f16::from_le_bytes([c[0], c[1]]))
+        .collect()
+}
+
+/// One side of an int8 payload: all scales, then all codes.
+fn dequantize_side(bytes: &[u8], head_dim: usize) -> Vec<f16> {
+    let rows = bytes.len() / (4 + head_dim);
+    let (scales, codes) = bytes.split_at(rows * 4);
+    let mut out = Vec::with_capacity(codes.len());
+    for (scale, row) in scales.chunks_exact(4).zip(codes.chunks_exact(head_dim)) {
+        let scale = f32::from_le_bytes(scale.try_into().expect("4 bytes"));
+        out.extend(
+            row.iter()
+                .map(|&q| f16::from_f32(f32::from(q as i8) * scale)),
+        );
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+
+    use super::*;
+
+    const MODEL: ModelFingerprint = ModelFingerprint([7; 16]);
+
+    fn chunk(layout: KvLayout, seed: u32) -> ChunkKv {
+        let n = layout.values_per_side();
+        let val = |i: usize, s: f32| {
+            let x = ((i as u32).wrapping_mul(2654435761).wrapping_add(seed) >> 16) as f32;
+            f16::from_f32((x / 65536.0 - 0.5) * s)
+        };
+        ChunkKv {
+            layout,
+            tokens: (0..layout.n_tokens as u32).map(|t| t * 31 + seed).collect(),
+            k: (0..n).map(|i| val(i, 8.0)).collect(),
+            v: (0..n).map(|i| val(i + n, 0.25)).collect(),
+        }
+    }
+
+    fn small() -> KvLayout {
+        KvLayout {
+            n_layer: 2,
+            n_head_kv: 2,
+            head_dim: 4,
+            n_tokens: 3,
+        }
+    }
+
+    fn bits(v: &[f16]) -> Vec<u16> {
+        v.iter().map(|x| x.to_bits()).collect()
+    }
+
+    /// Rewrites the trailing checksum so a tampered header gets past the checksum check.
+    fn reseal(b: &mut [u8]) {
+        let n = b.len() - CHECKSUM_LEN;
+        let sum = xxh3_64(&b[..n]);
+        b[n..].copy_from_slice(&sum.to_le_bytes());
+    }
+
+    #[test]
+    fn f16_round_trip_is_exact() {
+        let kv = chunk(small(), 1);
+        let b = encode(&kv, &MODEL, KvDtype::F16);
+        assert_eq!(
+            b.len() as u64,
+            encoded_len(&kv.layout, KvDtype::F16).unwrap()
+        );
+        let back = decode(&b, &MODEL, &kv.tokens, &kv.layout).unwrap();
+        assert_eq!(bits(&back.k), bits(&kv.k));
+        assert_eq!(bits(&back.v), bits(&kv.v));
+        assert_eq!(back.tokens, kv.tokens);
+        assert_eq!(back.layout, kv.layout);
+    }
+
+    fn assert_int8_close(orig: &[f16], back: &[f16], head_dim: usize) {
+        for (row, brow) in orig.chunks(head_dim).zip(back.chunks(head_dim)) {
+            let amax = row.iter().map(|x| x.to_f32().abs()).fold(0.0, f32::max);
+            let step = amax / 127.0;
+            for (x, y) in row.iter().zip(brow) {
+                let (x, y) = (x.to_f32(), y.to_f32());
+                let tol = step * 0.5 * (1.0 + 1e-5) + y.abs() * (1.0 / 2048.0) + 1e-7;
+                assert!((x - y).abs() <= tol, "{x} vs {y} (step {step})");
+            }
+        }
+    }
+
+    #[test]
+    fn int8_round_trip_within_half_a_step() {
+        let l = KvLayout {
+            n_layer: 3,
+            n_head_kv: 2,
+            head_dim: 16,
+            n_tokens: 9,
+        };
+        let mut kv = chunk(l, 5);
+        // An all-zero row must come back as zeros (scale 0).
+        kv.k[..16].fill(f16::ZERO);
+        let b = encode(&kv, &MODEL, KvDtype::Int8);
+        assert_eq!(b.len() as u64, encoded_len(&l, KvDtype::Int8).unwrap());
+        let back = decode(&b, &MODEL, &kv.tokens, &l).unwrap();
+        assert_int8_close(&kv.k, &back.k, 16);
+        assert_int8_close(&kv.v, &back.v, 16);
+        assert!(back.k[..16].iter().all(|x| x.to_f32() == 0.0));
+        assert_eq!(inspect(&b).unwrap().dtype, KvDtype::Int8);
+    }
+
+    #[test]
+    fn int8_survives_non_finite_values() {
+        let l = KvLayout {
+            n_layer: 1,
+            n_head_kv: 1,
+            head_dim: 4,
+            n_tokens: 1,
+        };
+        let mut kv = chunk(l, 1);
+        kv.k = vec![
+            f16::NAN,
+            f16::INFINITY,
+            f16::NEG_INFINITY,
+            f16::from_f32(1.0),
+        ];
+        let b = encode(&kv, &MODEL, KvDtype::Int8);
+        let back = decode(&b, &MODEL, &kv.tokens, &l).unwrap();
+        let got: Vec<f32> = back.k.iter().map(|x| x.to_f32()).collect();
+        assert_eq!(got, vec![0.0, 1.0, -1.0, 1.0]);
+    }
+
+    #[test]
+    fn every_flipped_byte_is_rejected() {
+        for dtype in [KvDtype::F16, KvDtype::Int8] {
+            let kv = chunk(small(), 2);
+            let b = encode(&kv, &MODEL, dtype);
+            for i in 0..b.len() {
+                for mask in [0x01, 0x80] {
+                    let mut c = b.clone();
+                    c[i] ^= mask;
+                    let e = decode(&c, &MODEL, &kv.tokens, &kv.layout).unwrap_err();
+                    assert!(e.is_corrupt(), "{dtype} byte {i}: {e}");
+                    assert!(inspect(&c).is_err(), "{dtype} byte {i}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn every_truncation_is_rejected() {
+        let kv = chunk(small(), 3);
+        let b = encode(&kv, &MODEL, KvDtype::F16);
+        for n in 0..b.len() {
+            let e = decode(&b[..n], &MODEL, &kv.tokens, &kv.layout).unwrap_err();
+            assert!(matches!(e, KvStoreError::Corrupted { .. }), "len {n}: {e}");
+        }
+        let mut longer = b.clone();
+        longer.push(0);
+        assert!(decode(&longer, &MODEL, &kv.tokens, &kv.layout)
+            .unwrap_err()
+            .is_corrupt());
+    }
+
+    #[test]
+    fn mismatches_are_named() {
+        let kv = chunk(small(), 4);
+        let b = encode(&kv, &MODEL, KvDtype::F16);
+        let other = ModelFingerprint([8; 16]);
+        let e = decode(&b, &other, &kv.tokens, &kv.layout).unwrap_err();
+        assert!(matches!(e, KvStoreError::ModelMismatch { .. }), "{e}");
+        assert!(!e.is_corrupt());
+
+        let mut wrong = kv.tokens.clone();
+        wrong[1] += 1;
+        let e = decode(&b, &MODEL, &wrong, &kv.layout).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                KvStoreError::TokenMismatch {
+                    stored_tokens: 3,
+                    expected_tokens: 3
+                }
+            ),
+            "{e}"
+        );
+        let e = decode(&b, &MODEL, &kv.tokens[..2], &kv.layout).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                KvStoreError::TokenMismatch {
+                    stored_tokens: 3,
+                    expected_tokens: 2
+                }
+            ),
+            "{e}"
+        );
+
+        for l in [
+            KvLayout {
+                n_layer: 3,
+                ..small()
+            },
+            KvLayout {
+                n_head_kv: 1,
+                ..small()
+            },
+            KvLayout {
+                head_dim: 8,
+                ..small()
+            },
+        ] {
+            let e = decode(&b, &MODEL, &kv.tokens, &l).unwrap_err();
+            assert!(matches!(e, KvStoreError::LayoutMismatch { .. }), "{e}");
+        }
+    }
+
+    #[test]
+    fn hostile_header_is_rejected_before_allocating() {
+        let kv = chunk(small(), 5);
+        let b = encode(&kv, &MODEL, KvDtype::F16);
+        // Claimed sizes within and beyond the limits, each with a valid checksum.
+        for (at, value) in [
+            (60, MAX_TOKENS_U32),
+            (60, u32::MAX),
+            (48, u32::MAX),
+            (52, 1024),
+            (56, 0),
+        ] {
+            let mut c = b.clone();
+            c[at..at + 4].copy_from_slice(&value.to_le_bytes());
+            reseal(&mut c);
+            let e = decode(&c, &MODEL, &kv.tokens, &kv.layout).unwrap_err();
+            assert!(
+                matches!(e, KvStoreError::Corrupted { .. }),
+                "{at}={value}: {e}"
+            );
+            assert!(inspect(&c).is_err());
+        }
+        let mut c = b.clone();
+        c[8] = 2;
+        reseal(&mut c);
+        assert!(matches!(
+            inspect(&c),
+            Err(KvStoreError::UnsupportedVersion {
+                found: 2,
+                supported: 1
+            })
+        ));
+        let mut c = b.clone();
+        c[12] = 9;
+        reseal(&mut c);
+        assert!(inspect(&c).unwrap_err().to_string().contains("dtype"));
+        let mut c = b.clone();
+        c[14] = 1;
+        reseal(&mut c);
+        assert!(inspect(&c).unwrap_err().to_string().contains("reserved"));
+        // A token fingerprint that disagrees with the ids is corruption, not a token mismatch.
+        let mut c = b.clone();
+        c[40] ^= 1;
+        reseal(&mut c);
+        let e = decode(&c, &MODEL, &kv.tokens, &kv.layout).unwrap_err();
+        assert!(e.is_corrupt(), "{e}");
+    }
+
+    const MAX_TOKENS_U32: u32 = crate::layout::MAX_TOKENS as u32;
+
+    #[test]
+    fn smollm2_chunk_sizes_match_the_format_page() {
+        let l = KvLayout {
+            n_layer: 30,
+            n_head_kv: 3,
+            head_dim: 64,
+            n_tokens: 256,
+        };
+        assert_eq!(encoded_len(&l, KvDtype::F16), Some(5_899_336));
+        assert_eq!(encoded_len(&l, KvDtype::Int8), Some(3_134_536));
+    }
+
+    #[test]
+    fn inspect_reads_the_header() {
+        let kv = chunk(small(), 6);
+        let b = encode(&kv, &MODEL, KvDtype::F16);
+        let info = inspect(&b).unwrap();
+        assert_eq!(
+            info,
+            BlobInfo {
+                version: FORMAT_VERSION,
+                dtype: KvDtype::F16,
+                model: MODEL,
+                layout: kv.layout,
+                tokens_fp: token_fingerprint(&kv.tokens),
+            }
+        );
+    }
+
+    #[test]
+    fn try_encode_refuses_inconsistent_chunks() {
+        let mut kv = chunk(small(), 7);
+        kv.v.pop();
+        let e = try_encode(&kv, &MODEL, KvDtype::F16).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                KvStoreError::BadChunk {
+                    what: "V values",
+                    ..
+                }
+            ),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn blob_keys_are_stable_and_distinct() {
+        let t = [1u32, 2, 3];
+        let a = BlobKey::new(&MODEL, KvDtype::F16, &t);
+        assert_eq!(a, BlobKey::new(&MODEL, KvDtype::F16, &t));
+        assert_ne!(a, BlobKey::new(&MODEL, KvDtype::Int8, &t));
+        assert_ne!(
+            a,
+            BlobKey::new(&ModelFingerprint([0; 16]), KvDtype::F16, &t)
+        );
+        assert_ne!(a, BlobKey::new(&MODEL, KvDtype::F16, &[1, 2]));
+        assert_eq!(a.to_hex().len(), 32);
+        assert_eq!(a.to_string(), a.to_hex());
+        assert_eq!(BlobKey::from_hex(&a.to_hex()), Some(a));
+        assert_eq!(BlobKey::from_hex(&a.to_hex().to_uppercase()), Some(a));
+        assert_eq!(BlobKey::from_hex("xyz"), None);
+        assert_eq!(BlobKey::from_hex(&"g".repeat(32)), None);
+        // Pinned: a change here orphans every stored blob; bump FORMAT_VERSION instead.
+        let pinned = BlobKey::new(&ModelFingerprint([0; 16]), KvDtype::F16, &[1, 2, 3]);
+        assert_eq!(pinned.to_hex(), "3976928b66241aa19a4f130670b7e076");
+    }
+
+    fn layouts() -> impl Strategy<Value = KvLayout> {
+        (1usize..4, 1usize..4, 1usize..17, 0usize..12).prop_map(|(a, b, c, d)| KvLayout {
+            n_layer: a,
+            n_head_kv: b,
+            head_dim: c,
+            n_tokens: d,
+        })
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(64))]
+
+        #[test]
+        fn random_layouts_round_trip(l in layouts(), seed in any::<u32>(), int8 in any::<bool>()) {
+            let kv = chunk(l, seed);
+            let dtype = if int8 { KvDtype::Int8 } else { KvDtype::F16 };
+            let b = encode(&kv, &MODEL, dtype);
+            prop_assert_eq!(b.len() as u64, encoded_len(&l, dtype).unwrap());
+            prop_assert_eq!(inspect(&b).unwrap().layout, l);
+            let back = decode(&b, &MODEL, &kv.tokens, &l).unwrap();
+            prop_assert_eq!(&back.tokens, &kv.tokens);
+            if int8 {
+                assert_int8_close(&kv.k, &back.k, l.head_dim);
+                assert_int8_close(&kv.v, &back.v, l.head_dim);
+            } else {
+                prop_assert_eq!(bits(&back.k), bits(&kv.k));
+                prop_assert_eq!(bits(&back.v), bits(&kv.v));
+            }
+        }
+    }
+}

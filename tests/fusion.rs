@@ -1,0 +1,466 @@
+//! Compute for storage on the real default model: fused prefill against full prefill, stored
+//! KV placed by RoPE, rejected blobs, a full NVMe tier, the prefix cache, the fidelity gate,
+//! and `engram ingest --kv` / `ask` / `eval fusion` end to end.
+
+use std::path::Path;
+use std::sync::{Arc, OnceLock};
+
+use engram_fusion::{
+    chunk_tokens, fused_prefill, kl_divergence, rag_frame, rag_prompt, ChunkStore, FidelityGate,
+    FusedPrompt, Policy, PrefixCache, Source, DEFAULT_POLICY, DEFAULT_SYSTEM,
+};
+use engram_kvstore::{DramTier, IoMode, KvDtype, KvStore, NvmeOptions, NvmeTier};
+use engram_model::{Logits, Model};
+use engram_tokenizer::{ChatTemplate, Tokenizer};
+
+use crate::common::{default_llm, engram_bin, models_dir, temp_dir};
+
+/// Logits of two routes that do the same arithmetic up to batch composition (which tokens
+/// share a matmul call) and f16 rounding of placed keys: measured below 0.05 on this model;
+/// 0.25 still tells any real difference apart (reusing stale KV moves them by several units).
+const TOL_SAME_LOGITS: f32 = 0.25;
+
+struct Llm {
+    model: Model,
+    tokenizer: Tokenizer,
+    template: Option<ChatTemplate>,
+}
+
+fn llm() -> &'static Llm {
+    static LLM: OnceLock<Llm> = OnceLock::new();
+    LLM.get_or_init(|| {
+        let model = Model::load(default_llm(), 2).expect("loading the default LLM");
+        let meta = model.gguf().metadata();
+        let tokenizer = Tokenizer::from_gguf(meta).expect("tokenizer");
+        let template = ChatTemplate::from_gguf(meta).expect("template");
+        Llm {
+            model,
+            tokenizer,
+            template,
+        }
+    })
+}
+
+const PASSAGES: [&str; 3] = [
+    "The Rhine rises in the Swiss Alps and flows north through Germany and the Netherlands into the North Sea. Basel, Strasbourg and Cologne stand on its banks.",
+    "Ada Lovelace wrote the first published program for Charles Babbage's Analytical Engine in 1843, a method for computing Bernoulli numbers.",
+    "The Eiffel Tower was completed in 1889 for the World's Fair in Paris. At 330 metres it was the tallest man-made structure for four decades.",
+];
+
+fn prompt(l: &Llm, question: &str) -> FusedPrompt {
+    let chunks = PASSAGES
+        .iter()
+        .map(|p| chunk_tokens(&l.tokenizer, p).expect("tokenize"))
+        .collect();
+    rag_prompt(
+        &l.tokenizer,
+        l.template.as_ref(),
+        DEFAULT_SYSTEM,
+        chunks,
+        question,
+    )
+    .expect("prompt")
+}
+
+fn dram_store(l: &Llm) -> ChunkStore {
+    ChunkStore::new(
+        Arc::new(KvStore::new(Some(DramTier::new(256 << 20)), None)),
+        &l.model,
+        rag_frame(&l.tokenizer, l.template.as_ref()).expect("frame"),
+        KvDtype::F16,
+    )
+}
+
+fn run(l: &Llm, store: &ChunkStore, p: &FusedPrompt, policy: Policy) -> engram_fusion::Prefilled {
+    let mut kv = l.model.new_cache(p.len() + 8);
+    fused_prefill(&l.model, store, None, p, policy, &mut kv).expect("fused prefill")
+}
+
+fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
+
+#[test]
+fn fused_prefill_recomputing_every_token_equals_full() {
+    let l = llm();
+    let p = prompt(l, "Who wrote the first published program?");
+    // Chunks computed after the BOS only, so no chunk is exact and boundary:10000 recomputes
+    // them all.
+    let bos_store = ChunkStore::new(
+        Arc::new(KvStore::new(Some(DramTier::new(256 << 20)), None)),
+        &l.model,
+        engram_fusion::bos_frame(l.tokenizer.bos_id()),
+        KvDtype::F16,
+    );
+    for c in &p.chunks {
+        bos_store.ensure(&l.model, c).expect("precompute");
+    }
+    let full = run(l, &bos_store, &p, Policy::Full);
+    for policy in [Policy::Deviation(1.0), Policy::Boundary(10_000)] {
+        let fused = run(l, &bos_store, &p, policy);
+        let d = max_diff(&full.logits, &fused.logits);
+        eprintln!("{policy}: max |logit diff| vs full {d:.4}");
+        assert!(
+            d < TOL_SAME_LOGITS,
+            "{policy}: logits differ from full by {d}"
+        );
+        assert_eq!(fused.stats.recomputed_chunk_tokens, p.chunk_tokens());
+        assert_eq!(fused.stats.chunks_computed, 0, "chunks came from the store");
+    }
+    // Reusing stored KV without recomputation really is different: the bar above is not
+    // passed by accident.
+    let reuse = run(l, &bos_store, &p, Policy::Reuse);
+    assert!(max_diff(&full.logits, &reuse.logits) > TOL_SAME_LOGITS);
+    assert!(kl_divergence(&full.logits, &reuse.logits) > 0.0);
+}
+
+/// A chunk's stored keys, rotated to where the chunk sits in a prompt, equal the keys a plain
+/// forward pass computes there, in every layer.
+#[test]
+fn stored_chunk_keys_placed_by_rope_equal_keys_computed_in_place() {
+    let l = llm();
+    let cfg = l.model.config();
+    let frame = rag_frame(&l.tokenizer, l.template.as_ref()).expect("frame");
+    let chunk = chunk_tokens(&l.tokenizer, PASSAGES[1]).expect("tokens");
+    let stored = engram_fusion::precompute(&l.model, &frame, &chunk).expect("precompute");
+    // In place: the frame then the chunk, computed by a plain forward pass.
+    let all: Vec<u32> = frame.iter().chain(&chunk).copied().collect();
+    let mut direct = l.model.new_cache(all.len());
+    let positions: Vec<i32> = (0..all.len() as i32).collect();
+    l.model
+        .forward(&all, &positions, &mut direct, Logits::None)
+        .expect("forward");
+    // Placed: the stored pre-RoPE keys rotated to the same positions.
+    let mut placed = l.model.new_cache(all.len());
+    let chunk_pos: Vec<i32> = (frame.len() as i32..all.len() as i32).collect();
+    placed
+        .append_prerope(
+            l.model.rope(),
+            &chunk_pos,
+            |ly, h| stored.k_head(ly, h),
+            |ly, h| stored.v_head(ly, h),
+        )
+        .expect("place");
+    let mut worst = 0.0f32;
+    for layer in 0..cfg.n_layer {
+        for h in 0..cfg.n_head_kv {
+            for t in 0..chunk.len() {
+                let a = placed.key(layer, h, t);
+                let b = direct.key(layer, h, frame.len() + t);
+                let scale = b.iter().fold(1.0f32, |m, x| m.max(x.abs()));
+                worst = worst.max(max_diff(&a, &b) / scale);
+            }
+        }
+    }
+    eprintln!("worst relative key difference {worst:.2e}");
+    // Two f16 roundings (stored, then placed) against one: a few units of 2^-11.
+    assert!(
+        worst < 4e-3,
+        "placed keys differ from computed ones by {worst}"
+    );
+}
+
+#[test]
+fn corrupted_or_foreign_blobs_are_rejected_and_recomputed() {
+    let l = llm();
+    let store = dram_store(l);
+    let p = prompt(l, "When was the Eiffel Tower completed?");
+    let reference = run(l, &store, &p, Policy::Reuse);
+    let refs: Vec<&[u32]> = p.chunks.iter().map(Vec::as_slice).collect();
+
+    // Corrupt chunk 0's blob (one flipped byte) and store a blob of another model under chunk
+    // 1's key.
+    let key0 = store.key(refs[0]);
+    let mut bad = store.store().get_many(&[key0])[0]
+        .clone()
+        .expect("stored")
+        .0
+        .to_vec();
+    let mid = bad.len() / 2;
+    bad[mid] ^= 0x40;
+    store.store().put(&key0, &bad);
+    let other = engram_kvstore::ModelFingerprint([7; 16]);
+    let kv1 = store.precompute(&l.model, refs[1]).expect("precompute");
+    store.store().put(
+        &store.key(refs[1]),
+        &engram_kvstore::encode(&kv1, &other, KvDtype::F16),
+    );
+
+    let (fetched, _) = store.fetch(&l.model, &refs).expect("fetch");
+    assert_eq!(fetched[0].source, Source::Computed);
+    assert_eq!(fetched[1].source, Source::Computed);
+    assert!(matches!(fetched[2].source, Source::Tier(_)));
+    assert_eq!(
+        store
+            .counters
+            .rejected
+            .load(std::sync::atomic::Ordering::Relaxed),
+        2
+    );
+    // The recomputed chunks were stored again and give the same answer as before.
+    let again = run(l, &store, &p, Policy::Reuse);
+    assert_eq!(again.stats.chunks_computed, 0);
+    assert!(max_diff(&reference.logits, &again.logits) < 1e-3);
+}
+
+fn nvme_store(l: &Llm, dir: &Path, budget: u64) -> ChunkStore {
+    let nvme = NvmeTier::open(
+        dir,
+        NvmeOptions {
+            budget_bytes: budget,
+            io: IoMode::Auto,
+            direct: true,
+        },
+    )
+    .expect("nvme tier");
+    ChunkStore::new(
+        Arc::new(KvStore::new(None, Some(nvme))),
+        &l.model,
+        rag_frame(&l.tokenizer, l.template.as_ref()).expect("frame"),
+        KvDtype::Int8,
+    )
+}
+
+#[test]
+fn a_full_nvme_tier_degrades_to_recompute() {
+    let l = llm();
+    // A budget smaller than one chunk's KV: nothing can be stored.
+    let dir = temp_dir("fusion-full-tier");
+    let store = nvme_store(l, &dir, 64 << 10);
+    let p = prompt(l, "Where does the Rhine rise?");
+    let done = run(l, &store, &p, DEFAULT_POLICY);
+    assert_eq!(done.stats.chunks_computed, 3);
+    assert_eq!(
+        store
+            .counters
+            .put_failed
+            .load(std::sync::atomic::Ordering::Relaxed),
+        3
+    );
+    // The answer equals what a store with room gives.
+    let roomy = nvme_store(l, &temp_dir("fusion-roomy-tier"), 1 << 30);
+    for c in &p.chunks {
+        assert!(roomy.ensure(&l.model, c).expect("ensure"));
+    }
+    let stored = run(l, &roomy, &p, DEFAULT_POLICY);
+    assert_eq!(stored.stats.chunks_from_nvme, 3);
+    assert!(max_diff(&done.logits, &stored.logits) < 1e-3);
+}
+
+#[test]
+fn prefix_cache_serves_exact_prefixes() {
+    let l = llm();
+    let store = dram_store(l);
+    let cache = PrefixCache::new(64 << 20);
+    let p = prompt(l, "Who wrote the first published program?");
+    let mut kv = l.model.new_cache(p.len() + 4);
+    let cold =
+        fused_prefill(&l.model, &store, Some(&cache), &p, Policy::Full, &mut kv).expect("cold");
+    assert_eq!(cold.stats.prefix_cached_tokens, 0);
+    assert_eq!(cache.len(), 1);
+    let warm =
+        fused_prefill(&l.model, &store, Some(&cache), &p, Policy::Full, &mut kv).expect("warm");
+    assert_eq!(warm.stats.prefix_cached_tokens, p.prefix.len());
+    assert!(max_diff(&cold.logits, &warm.logits) < TOL_SAME_LOGITS);
+    // A longer prefix sharing the first blocks reuses them.
+    let mut longer = p.clone();
+    longer
+        .prefix
+        .extend(chunk_tokens(&l.tokenizer, PASSAGES[0]).expect("tokens"));
+    let hit = cache.lookup(&longer.prefix).expect("a partial hit");
+    assert_eq!(hit.len, p.prefix.len());
+    // So does one that shares only some of it, token-exactly.
+    let cut = p.prefix.len() - 3;
+    let mut diverging = p.prefix[..cut].to_vec();
+    diverging.extend([1, 2, 3, 4]);
+    if let Some(hit) = cache.lookup(&diverging) {
+        assert_eq!(hit.len, cut);
+    } else {
+        assert!(cut < engram_fusion::BLOCK, "a shared block was not found");
+    }
+    let mut different = p.prefix.clone();
+    different[0] = different[0].wrapping_add(1);
+    assert!(cache.lookup(&different).is_none());
+}
+
+#[test]
+fn fidelity_gate_passes_the_default_policy_and_reports_a_failure() {
+    let l = llm();
+    let frame = rag_frame(&l.tokenizer, l.template.as_ref()).expect("frame");
+    let ok = FidelityGate::check(
+        &l.model,
+        &l.tokenizer,
+        l.template.as_ref(),
+        frame.clone(),
+        DEFAULT_POLICY,
+    )
+    .expect("gate");
+    eprintln!("gate: {ok:?}");
+    assert!(ok.passed && ok.reason.is_none(), "{ok:?}");
+    assert!(ok.mean_kl > 0.0 && ok.mean_kl <= ok.max_kl);
+    // Limits no approximation meets: the gate fails and says why.
+    let strict = engram_fusion::GateLimits {
+        max_mean_kl: 0.0,
+        min_agreement: 1.0,
+    };
+    let bad = FidelityGate::check_with(
+        &l.model,
+        &l.tokenizer,
+        l.template.as_ref(),
+        frame,
+        Policy::Reuse,
+        strict,
+    )
+    .expect("gate");
+    assert!(!bad.passed, "{bad:?}");
+    assert!(
+        bad.reason.as_deref().unwrap_or("").contains("KL"),
+        "{bad:?}"
+    );
+}
+
+fn engram(data: &Path, args: &[&str]) -> (bool, String, String) {
+    let out = std::process::Command::new(engram_bin())
+        .env("ENGRAM_MODELS_DIR", models_dir())
+        .args(args)
+        .arg("--data-dir")
+        .arg(data)
+        .output()
+        .expect("running engram");
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn cli_ingest_kv_then_ask_loads_stored_chunks() {
+    let data = temp_dir("fusion-ask");
+    let docs = data.join("docs");
+    std::fs::create_dir_all(&docs).expect("docs folder");
+    for (i, p) in PASSAGES.iter().enumerate() {
+        std::fs::write(docs.join(format!("p{i}.txt")), p).expect("write");
+    }
+    let docs_arg = docs.to_string_lossy().into_owned();
+    let (ok, out, err) = engram(
+        &data,
+        &[
+            "ingest",
+            &docs_arg,
+            "--collection",
+            "facts",
+            "--kv",
+            "--json",
+        ],
+    );
+    assert!(ok, "ingest failed: {err}");
+    let report: serde_json::Value = serde_json::from_str(&out).expect("JSON report");
+    assert_eq!(report["kv"]["computed"], 3, "{report}");
+    let (ok, out, err) = engram(
+        &data,
+        &[
+            "ask",
+            "Who wrote a program for the Analytical Engine?",
+            "--collection",
+            "facts",
+            "--k",
+            "3",
+            "--max-tokens",
+            "12",
+            "--json",
+        ],
+    );
+    assert!(ok, "ask failed: {err}");
+    let v: serde_json::Value = serde_json::from_str(&out).expect("JSON answer");
+    assert_eq!(v["policy"], DEFAULT_POLICY.name());
+    assert_eq!(v["timings"]["kv_chunks"]["nvme"], 3, "{v}");
+    assert_eq!(v["timings"]["kv_chunks"]["computed"], 0, "{v}");
+    assert!(v["citations"].as_array().expect("citations").len() == 3);
+    assert!(v["citations"][0]["doc_name"].as_str().is_some());
+    assert!(!v["answer"].as_str().expect("answer").is_empty(), "{v}");
+    assert!(v["timings"]["first_token_ms"].as_f64().expect("ttft") > 0.0);
+
+    // A model that fails the fidelity gate answers with full prefill and says why.
+    let (ok, out, err) = engram(
+        &data,
+        &[
+            "ask",
+            "Who wrote a program for the Analytical Engine?",
+            "--collection",
+            "facts",
+            "--max-tokens",
+            "4",
+            "--gate-max-kl",
+            "0",
+            "--json",
+        ],
+    );
+    assert!(ok, "ask failed: {err}");
+    let v: serde_json::Value = serde_json::from_str(&out).expect("JSON answer");
+    assert_eq!(v["policy"], "full", "{v}");
+    assert!(
+        v["fusion_disabled"].as_str().unwrap_or("").contains("KL"),
+        "{v}"
+    );
+    assert_eq!(v["timings"]["kv_chunks"]["nvme"], 0, "{v}");
+}
+
+#[test]
+fn cli_eval_fusion_reports_every_policy() {
+    let dir = temp_dir("fusion-eval");
+    let data = dir.join("q.json");
+    let ctxs: Vec<serde_json::Value> = PASSAGES
+        .iter()
+        .map(|p| serde_json::json!({"title": "", "text": p}))
+        .collect();
+    let qs = serde_json::json!([
+        {"question": "Where does the Rhine rise?", "answers": ["Swiss Alps"], "ctxs": ctxs},
+        {"question": "When was the Eiffel Tower completed?", "answers": ["1889"], "ctxs": ctxs},
+    ]);
+    std::fs::write(&data, qs.to_string()).expect("write");
+    let out = std::process::Command::new(engram_bin())
+        .env("ENGRAM_MODELS_DIR", models_dir())
+        .args(["eval", "fusion", "--data"])
+        .arg(&data)
+        .args([
+            "--policies",
+            "reuse,boundary:4,deviation:1.0",
+            "--tier",
+            "nvme",
+            "--nvme-dir",
+        ])
+        .arg(dir.join("kv"))
+        .args(["--answer-tokens", "6", "--json"])
+        .output()
+        .expect("running engram");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
+    let p = &v["policies"];
+    for name in ["full", "reuse", "boundary:4", "deviation:1"] {
+        for field in [
+            "first_token_agreement",
+            "answer_f1_vs_full",
+            "kl_mean",
+            "gold_f1",
+            "recompute_fraction",
+            "ttft_ms_median",
+            "ttft_ratio_vs_full",
+        ] {
+            assert!(p[name][field].is_number(), "{name}.{field} missing: {v}");
+        }
+    }
+    assert_eq!(p["full"]["kl_mean"], 0.0);
+    assert_eq!(p["full"]["recompute_fraction"], 1.0);
+    // Recomputing everything is full prefill again.
+    assert!(p["deviation:1"]["kl_mean"].as_f64().unwrap() < 1e-3, "{v}");
+    assert_eq!(p["deviation:1"]["first_token_agreement"], 1.0);
+    assert!(p["reuse"]["recompute_fraction"].as_f64().unwrap() < 0.5);
+}
