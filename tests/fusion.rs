@@ -142,6 +142,7 @@ fn stored_chunk_keys_placed_by_rope_equal_keys_computed_in_place() {
             &chunk_pos,
             |ly, h| stored.k_head(ly, h),
             |ly, h| stored.v_head(ly, h),
+            l.model.pool(),
         )
         .expect("place");
     let mut worst = 0.0f32;

@@ -383,3 +383,77 @@ pub fn ask(a: AskArgs) -> Result<()> {
     );
     Ok(())
 }
+
+#[derive(Args)]
+pub struct KvCmdArgs {
+    #[command(subcommand)]
+    command: KvCommand,
+}
+
+#[derive(clap::Subcommand)]
+enum KvCommand {
+    /// Compute and store the KV of every chunk of a collection that no tier holds for the
+    /// current model (after a model change, or for documents ingested without --kv).
+    Precompute {
+        #[arg(long)]
+        collection: String,
+        #[command(flatten)]
+        kv: KvArgs,
+        #[command(flatten)]
+        kb: KbArgs,
+    },
+    /// What the NVMe tier holds.
+    Stats {
+        #[command(flatten)]
+        kv: KvArgs,
+        #[command(flatten)]
+        kb: KbArgs,
+    },
+}
+
+pub fn kv(a: KvCmdArgs) -> Result<()> {
+    match a.command {
+        KvCommand::Precompute { collection, kv, kb } => {
+            let base = kb.open()?;
+            let llm = Llm::load(&kb)?;
+            let store = llm.chunk_store(kv.open(&kb.data_dir())?, kv.dtype()?)?;
+            let docs: Vec<u64> = base.documents(&collection)?.iter().map(|d| d.id).collect();
+            let started = Instant::now();
+            let (computed, present) = precompute_docs(&base, &llm, &store, &docs, |_| {})?;
+            let failed = store
+                .counters
+                .put_failed
+                .load(std::sync::atomic::Ordering::Relaxed);
+            println!(
+                "{}",
+                serde_json::json!({
+                    "collection": collection,
+                    "computed": computed,
+                    "already_stored": present,
+                    "not_stored": failed,
+                    "elapsed_s": started.elapsed().as_secs_f64(),
+                })
+            );
+            Ok(())
+        }
+        KvCommand::Stats { kv, kb } => {
+            let store = kv.open(&kb.data_dir())?;
+            let mut out = serde_json::Map::new();
+            if let Some(t) = store.nvme() {
+                use engram_kvstore::KvTier;
+                out.insert(
+                    "nvme".into(),
+                    serde_json::json!({
+                        "dir": t.dir().display().to_string(),
+                        "io": t.io_mode(),
+                        "blobs": t.len(),
+                        "used_bytes": t.used_bytes(),
+                        "budget_bytes": t.budget_bytes(),
+                    }),
+                );
+            }
+            println!("{}", serde_json::Value::Object(out));
+            Ok(())
+        }
+    }
+}

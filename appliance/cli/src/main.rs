@@ -52,6 +52,8 @@ enum Command {
     Collections(kb::CollectionsArgs),
     /// Answer a question from a collection: retrieval, fused chunk KV, streamed answer.
     Ask(ask::AskArgs),
+    /// Stored chunk KV: precompute a collection's, or show what the tiers hold.
+    Kv(ask::KvCmdArgs),
     /// Measure retrieval quality (BEIR) or fusion fidelity and speed (MuSiQue).
     Eval(eval::EvalArgs),
 }
@@ -220,6 +222,7 @@ fn main() -> Result<()> {
         Command::Docs(a) => kb::docs(a),
         Command::Collections(a) => kb::collections(a),
         Command::Ask(a) => ask::ask(a),
+        Command::Kv(a) => ask::kv(a),
         Command::Eval(a) => eval::eval(a),
     }
 }

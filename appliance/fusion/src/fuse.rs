@@ -221,6 +221,7 @@ pub fn fused_prefill(
                 &positions,
                 |l, h| &c.k_head(l, h)[s * hd..],
                 |l, h| &c.v_head(l, h)[s * hd..],
+                model.pool(),
             )?;
             chunk_slots.extend(first..first + positions.len());
         }

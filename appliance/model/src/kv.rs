@@ -3,7 +3,9 @@
 
 use half::f16;
 
-use engram_kernels::{key_tile_index, KV_TILE};
+use std::sync::Mutex;
+
+use engram_kernels::{key_tile_index, ThreadPool, KV_TILE};
 
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
@@ -176,13 +178,14 @@ impl KvCache {
     /// Appends tokens whose keys were stored before RoPE, rotating each to its position here
     /// (chunk KV placed at its real positions in a fused prompt). `k(layer, head)` and
     /// `v(layer, head)` give the tokens' `[n][head_dim]` keys and values, `n =
-    /// positions.len()`. Returns the first new slot.
+    /// positions.len()`. Layers are placed in parallel on `pool`. Returns the first new slot.
     pub fn append_prerope<'a>(
         &mut self,
         rope: &Rope,
         positions: &[i32],
-        k: impl Fn(usize, usize) -> &'a [f16],
-        v: impl Fn(usize, usize) -> &'a [f16],
+        k: impl Fn(usize, usize) -> &'a [f16] + Sync,
+        v: impl Fn(usize, usize) -> &'a [f16] + Sync,
+        pool: &ThreadPool,
     ) -> Result<usize> {
         let (n, hd) = (positions.len(), self.head_dim);
         for layer in 0..self.n_layer {
@@ -202,12 +205,22 @@ impl KvCache {
         for &p in positions {
             rope.angles(p, &mut angles);
         }
-        let mut key = vec![0.0f32; hd];
-        for layer in 0..self.n_layer {
-            for head in 0..self.n_head_kv {
-                let base = head * self.stride * hd;
+        let (stride, heads) = (self.stride, self.n_head_kv);
+        // One task per layer; each owns its layer's storage.
+        let layers: Vec<Mutex<(&mut Vec<f16>, &mut Vec<f16>)>> = self
+            .k
+            .iter_mut()
+            .zip(self.v.iter_mut())
+            .map(Mutex::new)
+            .collect();
+        pool.run(layers.len(), |layer| {
+            let mut guard = layers[layer].lock().unwrap_or_else(|e| e.into_inner());
+            let (kl, vl) = &mut *guard;
+            let mut key = vec![0.0f32; hd];
+            for head in 0..heads {
+                let base = head * stride * hd;
                 let (ks, vs) = (k(layer, head), v(layer, head));
-                let keys = &mut self.k[layer][base..base + self.stride * hd];
+                let keys = &mut kl[base..base + stride * hd];
                 for t in 0..n {
                     for (dst, src) in key.iter_mut().zip(&ks[t * hd..(t + 1) * hd]) {
                         *dst = src.to_f32();
@@ -218,9 +231,9 @@ impl KvCache {
                     }
                 }
                 let at = base + first * hd;
-                self.v[layer][at..at + n * hd].copy_from_slice(vs);
+                vl[at..at + n * hd].copy_from_slice(vs);
             }
-        }
+        });
         Ok(first)
     }
 

@@ -1436,6 +1436,7 @@ fn place(model: &Model, kv: &mut KvCache, c: &Captured, start: i32) -> usize {
         &positions(start..start + c.n as i32),
         |l, h| &c.k[c.head(&c.k, model, l, h)],
         |l, h| &c.v[c.head(&c.v, model, l, h)],
+        model.pool(),
     )
     .expect("place")
 }
