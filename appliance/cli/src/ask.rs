@@ -10,8 +10,8 @@ use std::time::Instant;
 use anyhow::{Context, Result};
 use clap::Args;
 use engram_fusion::{
-    chunk_tokens, fused_prefill, rag_frame, rag_prompt, ChunkStore, FidelityGate, GateLimits,
-    GateReport, Policy, DEFAULT_POLICY, DEFAULT_SYSTEM,
+    chunk_tokens, fused_prefill, rag_frame, rag_prompt, ChunkStore, GateLimits, Policy,
+    DEFAULT_POLICY, DEFAULT_SYSTEM,
 };
 use engram_kb::{KnowledgeBase, SearchRequest};
 use engram_kvstore::{DramTier, IoMode, KvDtype, KvStore, NvmeOptions, NvmeTier};
@@ -128,84 +128,6 @@ impl Llm {
     }
 }
 
-/// The fidelity gate's verdict for this model, frame and policy under `limits`. The
-/// measurement runs once per model (about a second) and is recorded in `dir`; later starts
-/// read it back and apply the limits in force.
-pub fn gate(
-    llm: &Llm,
-    store: &ChunkStore,
-    policy: Policy,
-    limits: GateLimits,
-    dir: &Path,
-) -> Result<GateReport> {
-    let fp: String = llm
-        .model
-        .fingerprint()
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect();
-    let frame = xxhash_rust::xxh3::xxh3_64(
-        &store
-            .frame()
-            .iter()
-            .flat_map(|t| t.to_le_bytes())
-            .collect::<Vec<u8>>(),
-    );
-    let path = dir.join(format!(
-        "gate-{fp}-{frame:016x}-{}.json",
-        policy.name().replace(':', "_")
-    ));
-    let recorded = std::fs::read(&path)
-        .ok()
-        .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok())
-        .and_then(|v| {
-            Some((
-                v["mean_kl"].as_f64()?,
-                v["max_kl"].as_f64()?,
-                v["agreement"].as_f64()?,
-            ))
-        });
-    let (mean_kl, max_kl, agreement) = match recorded {
-        Some(m) => m,
-        None => {
-            let r = FidelityGate::check(
-                &llm.model,
-                &llm.tokenizer,
-                llm.template.as_ref(),
-                store.frame().to_vec(),
-                policy,
-            )?;
-            std::fs::create_dir_all(dir).ok();
-            let tmp = path.with_extension("tmp");
-            if std::fs::write(&tmp, serde_json::to_vec(&r)?).is_ok() {
-                let _ = std::fs::rename(&tmp, &path);
-            }
-            (r.mean_kl, r.max_kl, r.agreement)
-        }
-    };
-    let reason = if mean_kl > limits.max_mean_kl {
-        Some(format!(
-            "mean KL divergence from full prefill {mean_kl:.3} nats exceeds {}",
-            limits.max_mean_kl
-        ))
-    } else if agreement < limits.min_agreement {
-        Some(format!(
-            "greedy agreement with full prefill {agreement:.2} is below {}",
-            limits.min_agreement
-        ))
-    } else {
-        None
-    };
-    Ok(GateReport {
-        policy: policy.name(),
-        passed: reason.is_none(),
-        mean_kl,
-        max_kl,
-        agreement,
-        reason,
-    })
-}
-
 /// The KV stage of ingestion: computes and stores the KV of every chunk of `docs` that no tier
 /// holds yet. Returns (computed, already stored).
 pub fn precompute_docs(
@@ -249,7 +171,15 @@ pub fn ask(a: AskArgs) -> Result<()> {
             max_mean_kl: a.gate_max_kl,
             ..GateLimits::default()
         };
-        let report = gate(&llm, &store, policy, limits, &data_dir.join("kv"))?;
+        let report = engram_fusion::recorded_gate(
+            &llm.model,
+            &llm.tokenizer,
+            llm.template.as_ref(),
+            &store,
+            policy,
+            limits,
+            &data_dir.join("kv"),
+        )?;
         if !report.passed {
             eprintln!(
                 "fusion disabled for this model ({}); using full prefill",

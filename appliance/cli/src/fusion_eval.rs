@@ -112,8 +112,8 @@ pub fn run(a: FusionArgs) -> Result<()> {
     let frame = match a.frame.as_str() {
         "prefix" => {
             let mut f = rag_frame(tokenizer, loaded.template.as_ref())?;
-            if let Ok(t) = std::env::var("ENGRAM_EXP_FILLER") {
-                f.extend(chunk_tokens(tokenizer, &t)?);
+            if let Ok(path) = std::env::var("ENGRAM_EXP_FILLER_FILE") {
+                f.extend(chunk_tokens(tokenizer, &std::fs::read_to_string(path)?)?);
             }
             f
         }

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use engram_kvstore::{
     BlobKey, ChunkKv, KvDtype, KvLayout, KvStore, KvTier, ModelFingerprint, TierKind,
 };
-use engram_model::{Logits, Model};
+use engram_model::{KvCache, Logits, Model};
 use half::f16;
 
 use crate::error::Result;
@@ -74,6 +74,8 @@ pub struct ChunkStore {
     fingerprint: ModelFingerprint,
     dtype: KvDtype,
     frame: Vec<u32>,
+    /// The frame's own KV, computed on first use and shared by every precompute.
+    frame_kv: std::sync::OnceLock<KvCache>,
     pub counters: ChunkCounters,
 }
 
@@ -91,6 +93,7 @@ impl ChunkStore {
             fingerprint: ModelFingerprint(h.digest128().to_le_bytes()),
             dtype,
             frame,
+            frame_kv: std::sync::OnceLock::new(),
             counters: ChunkCounters::default(),
         }
     }
@@ -117,7 +120,16 @@ impl ChunkStore {
 
     /// Computes `tokens`' KV in the frame.
     pub fn precompute(&self, model: &Model, tokens: &[u32]) -> Result<ChunkKv> {
-        let kv = precompute(model, &self.frame, tokens)?;
+        let frame_kv = match self.frame_kv.get() {
+            Some(f) => f,
+            None => {
+                let mut f = model.new_cache(self.frame.len());
+                let positions: Vec<i32> = (0..self.frame.len() as i32).collect();
+                model.forward(&self.frame, &positions, &mut f, Logits::None)?;
+                self.frame_kv.get_or_init(|| f)
+            }
+        };
+        let kv = precompute_after(model, frame_kv, tokens)?;
         self.counters.precomputed.fetch_add(1, Ordering::Relaxed);
         Ok(kv)
     }
@@ -209,8 +221,19 @@ impl ChunkStore {
 /// Prefills `frame ++ tokens` at positions `0..` and returns the chunk tokens' keys before
 /// RoPE and values, `[layer][head][token][dim]`.
 pub fn precompute(model: &Model, frame: &[u32], tokens: &[u32]) -> Result<ChunkKv> {
+    let mut frame_kv = model.new_cache(frame.len());
+    if !frame.is_empty() {
+        let positions: Vec<i32> = (0..frame.len() as i32).collect();
+        model.forward(frame, &positions, &mut frame_kv, Logits::None)?;
+    }
+    precompute_after(model, &frame_kv, tokens)
+}
+
+/// [`precompute`] with the frame's KV already computed (`frame_kv` holds exactly the frame at
+/// positions `0..`): the frame costs nothing per chunk but its attention.
+pub fn precompute_after(model: &Model, frame_kv: &KvCache, tokens: &[u32]) -> Result<ChunkKv> {
     let cfg = model.config();
-    let (f, n, hd, heads) = (frame.len(), tokens.len(), cfg.head_dim, cfg.n_head_kv);
+    let (f, n, hd, heads) = (frame_kv.len(), tokens.len(), cfg.head_dim, cfg.n_head_kv);
     let layout = KvLayout {
         n_layer: cfg.n_layer,
         n_head_kv: heads,
@@ -219,15 +242,15 @@ pub fn precompute(model: &Model, frame: &[u32], tokens: &[u32]) -> Result<ChunkK
     };
     let mut k = vec![f16::ZERO; layout.values_per_side()];
     let mut v = k.clone();
-    let all: Vec<u32> = frame.iter().chain(tokens).copied().collect();
-    let positions: Vec<i32> = (0..all.len() as i32).collect();
-    let mut cache = model.new_cache(all.len());
+    let mut cache = model.new_cache(f + n);
+    cache.append_from(frame_kv, 0..f)?;
+    let positions: Vec<i32> = (f as i32..(f + n) as i32).collect();
     let kvw = heads * hd;
     let mut observe = |layer: usize, ks: &[f32], vs: &[f32]| {
         for h in 0..heads {
             let base = (layer * heads + h) * n * hd;
             for t in 0..n {
-                let src = (f + t) * kvw + h * hd;
+                let src = t * kvw + h * hd;
                 let dst = base + t * hd;
                 for d in 0..hd {
                     k[dst + d] = f16::from_f32(ks[src + d]);
@@ -236,7 +259,7 @@ pub fn precompute(model: &Model, frame: &[u32], tokens: &[u32]) -> Result<ChunkK
             }
         }
     };
-    model.forward_observed(&all, &positions, &mut cache, Logits::None, &mut observe)?;
+    model.forward_observed(tokens, &positions, &mut cache, Logits::None, &mut observe)?;
     Ok(ChunkKv {
         layout,
         tokens: tokens.to_vec(),

@@ -1,6 +1,7 @@
 //! The fidelity gate: on a model's first load, a fused prefill of built-in text is compared
 //! with full prefill; a model whose fused answers drift too far does not use fusion.
 
+use std::path::Path;
 use std::sync::Arc;
 
 use engram_kvstore::{DramTier, KvDtype, KvStore};
@@ -207,4 +208,85 @@ fn log_softmax(x: &[f32]) -> Vec<f64> {
     let m = x.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
     let lse = x.iter().map(|&v| (v as f64 - m).exp()).sum::<f64>().ln() + m;
     x.iter().map(|&v| v as f64 - lse).collect()
+}
+
+/// The fidelity gate's verdict for this model, frame and policy under `limits`. The
+/// measurement runs once per model, frame and policy (about a second) and is recorded in `dir`
+/// (`gate-<model>-<frame>-<policy>.json`); later starts read it back and apply the limits in
+/// force.
+pub fn recorded_gate(
+    model: &Model,
+    tokenizer: &Tokenizer,
+    template: Option<&ChatTemplate>,
+    store: &ChunkStore,
+    policy: Policy,
+    limits: GateLimits,
+    dir: &Path,
+) -> Result<GateReport> {
+    let fp: String = model
+        .fingerprint()
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    let frame = xxhash_rust::xxh3::xxh3_64(
+        &store
+            .frame()
+            .iter()
+            .flat_map(|t| t.to_le_bytes())
+            .collect::<Vec<u8>>(),
+    );
+    let path = dir.join(format!(
+        "gate-{fp}-{frame:016x}-{}.json",
+        policy.name().replace(':', "_")
+    ));
+    let recorded = std::fs::read(&path)
+        .ok()
+        .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok())
+        .and_then(|v| {
+            Some((
+                v["mean_kl"].as_f64()?,
+                v["max_kl"].as_f64()?,
+                v["agreement"].as_f64()?,
+            ))
+        });
+    let (mean_kl, max_kl, agreement) = match recorded {
+        Some(m) => m,
+        None => {
+            let r =
+                FidelityGate::check(model, tokenizer, template, store.frame().to_vec(), policy)?;
+            // Best effort: without the record the check simply runs again next start.
+            if std::fs::create_dir_all(dir).is_ok() {
+                let tmp = path.with_extension("tmp");
+                let json = serde_json::json!({
+                    "policy": r.policy, "mean_kl": r.mean_kl, "max_kl": r.max_kl,
+                    "agreement": r.agreement,
+                });
+                if std::fs::write(&tmp, json.to_string()).is_ok() {
+                    let _ = std::fs::rename(&tmp, &path);
+                }
+            }
+            (r.mean_kl, r.max_kl, r.agreement)
+        }
+    };
+    let reason = if mean_kl > limits.max_mean_kl {
+        Some(format!(
+            "mean KL divergence from full prefill {mean_kl:.3} nats exceeds {}",
+            limits.max_mean_kl
+        ))
+    } else if agreement < limits.min_agreement {
+        Some(format!(
+            "greedy agreement with full prefill {agreement:.2} is below {}",
+            limits.min_agreement
+        ))
+    } else {
+        None
+    };
+    Ok(GateReport {
+        policy: policy.name(),
+        passed: reason.is_none(),
+        mean_kl,
+        max_kl,
+        agreement,
+        reason,
+    })
 }

@@ -21,8 +21,8 @@ pub use chunks::{bos_frame, precompute, ChunkCounters, ChunkStore, FetchTimes, F
 pub use error::{FusionError, Result};
 pub use fuse::{fused_prefill, FuseStats, FusedPrompt, Prefilled};
 pub use gate::{
-    greedy, kl_divergence, FidelityGate, GateLimits, GateReport, GATE_MAX_KL, GATE_MIN_AGREEMENT,
-    GATE_TOKENS,
+    greedy, kl_divergence, recorded_gate, FidelityGate, GateLimits, GateReport, GATE_MAX_KL,
+    GATE_MIN_AGREEMENT, GATE_TOKENS,
 };
 pub use policy::{Policy, CHECK_LAYER, DEFAULT_POLICY};
 pub use prefix::{PrefixCache, PrefixEntry, PrefixHit, BLOCK};
