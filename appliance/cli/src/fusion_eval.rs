@@ -14,8 +14,8 @@ use std::time::Duration;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use engram_fusion::{
-    bos_frame, chunk_tokens, fused_prefill, kl_divergence, rag_frame, rag_prompt, ChunkStore,
-    FuseStats, Policy, PrefixCache, DEFAULT_SYSTEM,
+    bos_frame, chunk_tokens, fused_prefill, kl_divergence, rag_frame, rag_prefix_frame, rag_prompt,
+    ChunkStore, FuseStats, Policy, PrefixCache, DEFAULT_SYSTEM,
 };
 use engram_kvstore::{DramTier, IoMode, KvDtype, KvStore, NvmeOptions, NvmeTier};
 use engram_model::{argmax, Logits};
@@ -48,9 +48,9 @@ pub struct FusionArgs {
     /// Stored element type.
     #[arg(long, default_value = "f16", value_parser = ["f16", "int8"])]
     kv_dtype: String,
-    /// Frame chunks are computed in: `prefix` (the RAG prompt's prefix, the default),
-    /// `bos` (the model's BOS token) or `none`.
-    #[arg(long, default_value = "prefix", value_parser = ["prefix", "bos", "none"])]
+    /// Frame chunks are computed in: `context` (the RAG prompt's prefix and a neutral passage,
+    /// the default), `prefix` (the prefix alone), `bos` (the model's BOS token) or `none`.
+    #[arg(long, default_value = "context", value_parser = ["context", "prefix", "bos", "none"])]
     frame: String,
     /// Greedy tokens generated per policy for answer F1.
     #[arg(long, default_value_t = 32)]
@@ -110,13 +110,8 @@ pub fn run(a: FusionArgs) -> Result<()> {
     let (model, tokenizer) = (&loaded.model, &loaded.tokenizer);
     let dtype = KvDtype::parse(&a.kv_dtype)?;
     let frame = match a.frame.as_str() {
-        "prefix" => {
-            let mut f = rag_frame(tokenizer, loaded.template.as_ref())?;
-            if let Ok(path) = std::env::var("ENGRAM_EXP_FILLER_FILE") {
-                f.extend(chunk_tokens(tokenizer, &std::fs::read_to_string(path)?)?);
-            }
-            f
-        }
+        "context" => rag_frame(tokenizer, loaded.template.as_ref())?,
+        "prefix" => rag_prefix_frame(tokenizer, loaded.template.as_ref())?,
         "bos" => bos_frame(tokenizer.bos_id()),
         _ => Vec::new(),
     };

@@ -27,5 +27,6 @@ pub use gate::{
 pub use policy::{Policy, CHECK_LAYER, DEFAULT_POLICY};
 pub use prefix::{PrefixCache, PrefixEntry, PrefixHit, BLOCK};
 pub use prompt::{
-    chunk_text, chunk_tokens, rag_frame, rag_prompt, DEFAULT_SYSTEM, QUESTION_INSTRUCTION,
+    chunk_text, chunk_tokens, rag_frame, rag_prefix_frame, rag_prompt, DEFAULT_SYSTEM,
+    FRAME_CONTEXT, QUESTION_INSTRUCTION,
 };

@@ -26,12 +26,33 @@ pub fn chunk_tokens(tokenizer: &Tokenizer, text: &str) -> engram_tokenizer::Resu
     tokenizer.encode(&chunk_text(text), false)
 }
 
+/// Neutral text a chunk is precomputed after (see [`rag_frame`]): invented, encyclopedic prose
+/// about nothing a user would ask about, in the lower-case style of the evaluation passages.
+pub const FRAME_CONTEXT: &str = "the valley of the upper river lies between two ranges of low hills and has been farmed since the bronze age. its soils are deep and well drained, and the summers are long enough for wheat, barley and orchards of apples and pears. the river itself is slow and wide in its lower course, and for many centuries it carried grain, timber and wool to the market towns downstream. a canal built in the eighteenth century allowed larger boats to pass the rapids near the old mill, and a railway line followed about eighty years later. the population grew quickly while the railway was new, then fell again when many families moved to the industrial cities of the coast.
+the largest settlement in the valley is a market town with a stone bridge of seven arches, a parish church with a tall spire and a town hall that now houses a small museum. the museum keeps tools, maps and photographs of the river trade, as well as the records of the local school, which was founded by a group of merchants in 1854. the town holds a fair every autumn, when farmers bring livestock and produce from the surrounding villages. visitors come for the walking paths along the river, the ruins of a medieval abbey on the northern bank and the views from the hills, where a line of beacons was once kept ready to warn of invasion.
+the climate is temperate. winters are cool and wet, with occasional snow on the higher ground, and most of the rain falls between october and february. floods were common until a series of embankments and sluices was completed in the 1930s; the worst recorded flood, in 1891, reached the steps of the church and destroyed two of the wooden footbridges. since then the river has been monitored by a network of gauges, and the water authority publishes daily readings of its level and flow.
+the valley's economy today depends on agriculture, tourism and a number of small manufacturing firms. a dairy cooperative founded after the second world war collects milk from more than a hundred farms, and a brewery in the market town uses barley grown within a few miles of its gates. several of the old warehouses by the river have been converted into offices and apartments, and the former railway station is now a library. the local council has tried to attract new businesses with improved roads and faster internet connections, while preserving the character of the historic centre.
+scholars have studied the valley for its well preserved field systems, its dialect and its records of land ownership, which go back to the thirteenth century. a survey carried out in the 1950s mapped every hedge and boundary stone, and later studies used the survey to show how farms were merged and divided over time. the valley has also appeared in novels and paintings, most famously in a series of watercolours of the river at different seasons, which now hang in the national gallery. each year a festival of music and literature brings writers and performers to the town, and the proceeds support the museum and the upkeep of the abbey ruins.";
+
 /// The frame chunks are computed in by default: the RAG prompt's own prefix (chat template,
-/// default system prompt, "Passages:"). Each chunk then sees at its start what it sees in a
-/// real prompt: the same attention sink at position 0 and the same instructions, and the first
-/// chunk of a prompt with the default system prompt is exact. Measured against the BOS-only
-/// and empty frames in `docs/bench/` (`engram eval fusion --frame`).
+/// default system prompt, "Passages:") followed by [`FRAME_CONTEXT`]. A chunk then sees at
+/// precompute time what it sees in a real prompt: the same attention sink at position 0, the
+/// instructions, and several hundred tokens of other passages before it, over which its
+/// attention spreads as it does in a prompt of many chunks. Without that context a chunk's
+/// tokens attend only to the sink and to themselves, and their stored KV drifts far from what
+/// full prefill computes (measured in `docs/bench/2026-11-21-fusion.md`: mean KL of `reuse`
+/// 0.25 with the prefix alone, 0.04 with it and this passage).
 pub fn rag_frame(
+    tokenizer: &Tokenizer,
+    template: Option<&ChatTemplate>,
+) -> engram_tokenizer::Result<Vec<u32>> {
+    let mut frame = rag_prompt(tokenizer, template, DEFAULT_SYSTEM, Vec::new(), "")?.prefix;
+    frame.extend(chunk_tokens(tokenizer, FRAME_CONTEXT)?);
+    Ok(frame)
+}
+
+/// The RAG prompt's prefix alone (no context passage): an alternative frame for comparison.
+pub fn rag_prefix_frame(
     tokenizer: &Tokenizer,
     template: Option<&ChatTemplate>,
 ) -> engram_tokenizer::Result<Vec<u32>> {

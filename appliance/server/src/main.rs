@@ -1,1 +1,135 @@
-fn main() {}
+//! The `engramd` binary: `serve` (the default), `keys create|list|revoke`, `openapi`.
+
+use std::path::PathBuf;
+
+use anyhow::{Context, Result};
+use clap::{Parser, Subcommand};
+use engram_server::{Daemon, KeyStore, Overrides, Scope};
+
+#[derive(Parser)]
+#[command(name = "engramd", version, about = "Engram's daemon")]
+struct Cli {
+    #[command(subcommand)]
+    command: Option<Command>,
+    #[command(flatten)]
+    serve: ServeArgs,
+}
+
+#[derive(clap::Args, Clone)]
+struct ServeArgs {
+    /// Configuration file (TOML).
+    #[arg(long, global = true)]
+    config: Option<PathBuf>,
+    /// Data directory (overrides the file and ENGRAM_DATA_DIR).
+    #[arg(long, global = true)]
+    data_dir: Option<PathBuf>,
+    /// Address to listen on, e.g. 127.0.0.1:8080 (overrides the file and ENGRAM_LISTEN).
+    #[arg(long)]
+    listen: Option<String>,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Serve the API (the default).
+    Serve,
+    /// Manage API keys.
+    Keys {
+        #[command(subcommand)]
+        command: KeysCommand,
+    },
+    /// Print the OpenAPI document.
+    Openapi,
+}
+
+#[derive(Subcommand)]
+enum KeysCommand {
+    /// Create a key and print it (once: only its hash is stored).
+    Create {
+        /// Comma-separated: search, qa, ingest, admin.
+        #[arg(long)]
+        scopes: String,
+        /// Comma-separated collections the key may use [default: all].
+        #[arg(long)]
+        collections: Option<String>,
+    },
+    /// List keys (ids and scopes, never secrets).
+    List,
+    /// Revoke a key by id.
+    Revoke { id: String },
+}
+
+fn init_logging() {
+    use tracing_subscriber::EnvFilter;
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    if std::env::var("ENGRAM_LOG_FORMAT").is_ok_and(|v| v == "json") {
+        builder.json().init();
+    } else {
+        builder.init();
+    }
+}
+
+fn main() -> Result<()> {
+    let cli = Cli::parse();
+    let overrides = Overrides {
+        listen: cli.serve.listen.clone(),
+        data_dir: cli.serve.data_dir.clone(),
+    };
+    match cli.command.unwrap_or(Command::Serve) {
+        Command::Openapi => {
+            print!("{}", engram_server::openapi_json());
+            Ok(())
+        }
+        Command::Keys { command } => {
+            let config = engram_server::load_config(cli.serve.config.as_deref(), &overrides)?;
+            let store = KeyStore::new(&config.data_dir);
+            match command {
+                KeysCommand::Create {
+                    scopes,
+                    collections,
+                } => {
+                    let scopes = Scope::parse_list(&scopes)?;
+                    let collections = collections.map(|c| {
+                        c.split(',')
+                            .map(str::trim)
+                            .filter(|s| !s.is_empty())
+                            .map(str::to_owned)
+                            .collect()
+                    });
+                    let (rec, key) = store.create(scopes, collections)?;
+                    eprintln!(
+                        "created key {} in {}; it is shown once, store it now:",
+                        rec.id,
+                        store.path().display()
+                    );
+                    println!("{key}");
+                }
+                KeysCommand::List => {
+                    let keys: Vec<_> = store.list()?.iter().map(|k| k.public_json()).collect();
+                    println!("{}", serde_json::to_string_pretty(&keys)?);
+                }
+                KeysCommand::Revoke { id } => {
+                    let rec = store.revoke(&id)?;
+                    eprintln!("revoked key {}", rec.id);
+                }
+            }
+            Ok(())
+        }
+        Command::Serve => {
+            init_logging();
+            let config = engram_server::load_config(cli.serve.config.as_deref(), &overrides)
+                .context("loading the configuration")?;
+            let rt = tokio::runtime::Builder::new_multi_thread()
+                .enable_all()
+                .build()
+                .context("starting the async runtime")?;
+            rt.block_on(async {
+                let daemon = Daemon::build(config).await?;
+                daemon.serve(engram_server::shutdown_signal()).await
+            })?;
+            Ok(())
+        }
+    }
+}

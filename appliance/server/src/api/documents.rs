@@ -1,0 +1,348 @@
+//! `/api/v1/collections/{name}/documents`: upload (multipart or JSON text), list, get,
+//! delete, chunks.
+//!
+//! Gap: `KnowledgeBase::ingest` stores the original and its catalog record and then parses,
+//! chunks, embeds and indexes in the same call, and allocates the document id inside it. The
+//! upload therefore answers 202 once that call returns (the document is durable and its stage
+//! is final); a KB API that returns the id after the durable store and finishes in the
+//! background would let the answer come earlier.
+
+use std::collections::BTreeMap;
+
+use axum::extract::{Multipart, Path, State};
+use axum::http::StatusCode;
+use engram_kb::{Document, IngestReport, NewDocument, Outcome};
+use serde::{Deserialize, Serialize};
+use utoipa::ToSchema;
+
+use crate::api::{AppState, Caller, Json};
+use crate::auth::Scope;
+use crate::error::ApiError;
+
+/// A text document.
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct TextDocument {
+    /// File name; its extension picks the parser (`.md`, `.txt`, `.html`). Unique in the
+    /// collection: new text under an existing name replaces the document.
+    pub name: String,
+    pub text: String,
+    #[serde(default)]
+    pub metadata: BTreeMap<String, String>,
+}
+
+/// What happened to one uploaded document.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct UploadResult {
+    pub name: String,
+    /// `added`, `replaced`, `unchanged` or `failed`.
+    pub outcome: &'static str,
+    pub id: Option<u64>,
+    pub chunks: Option<u32>,
+    pub replaced_id: Option<u64>,
+    pub reason: Option<String>,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct UploadResponse {
+    pub job_id: u64,
+    pub documents: Vec<UploadResult>,
+}
+
+/// A document with its stage history.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct DocumentInfo {
+    pub id: u64,
+    pub name: String,
+    pub hash: String,
+    pub size: u64,
+    pub format: Option<String>,
+    pub title: Option<String>,
+    pub chunks: u32,
+    pub metadata: BTreeMap<String, String>,
+    /// `queued`, `parsing`, `chunking`, `embedding`, `indexing`, `done` or `failed`.
+    pub stage: &'static str,
+    pub stages: Vec<StageInfo>,
+    pub error: Option<String>,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct StageInfo {
+    pub stage: &'static str,
+    /// Milliseconds since the Unix epoch.
+    pub at_ms: u64,
+}
+
+impl From<&Document> for DocumentInfo {
+    fn from(d: &Document) -> Self {
+        DocumentInfo {
+            id: d.id,
+            name: d.name.clone(),
+            hash: d.hash.clone(),
+            size: d.size,
+            format: d.format.clone(),
+            title: d.title.clone(),
+            chunks: d.chunks,
+            metadata: d.metadata.clone(),
+            stage: d.stage.name(),
+            stages: d
+                .stages
+                .iter()
+                .map(|s| StageInfo {
+                    stage: s.stage.name(),
+                    at_ms: s.at_ms,
+                })
+                .collect(),
+            error: d.error.clone(),
+        }
+    }
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct DocumentList {
+    pub documents: Vec<DocumentInfo>,
+}
+
+/// A chunk of a document.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ChunkInfo {
+    pub id: u64,
+    pub ordinal: u32,
+    pub bytes: [usize; 2],
+    pub chars: [usize; 2],
+    pub tokens: u32,
+    pub page: Option<u32>,
+    pub text: String,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ChunkList {
+    pub chunks: Vec<ChunkInfo>,
+}
+
+fn report(r: IngestReport) -> UploadResponse {
+    UploadResponse {
+        job_id: r.job,
+        documents: r
+            .docs
+            .into_iter()
+            .map(|d| {
+                let mut u = UploadResult {
+                    name: d.name,
+                    outcome: "failed",
+                    id: None,
+                    chunks: None,
+                    replaced_id: None,
+                    reason: None,
+                };
+                match d.outcome {
+                    Outcome::Added { doc, chunks } => {
+                        (u.outcome, u.id, u.chunks) = ("added", Some(doc), Some(chunks))
+                    }
+                    Outcome::Replaced { doc, chunks, old } => {
+                        (u.outcome, u.id, u.chunks, u.replaced_id) =
+                            ("replaced", Some(doc), Some(chunks), Some(old))
+                    }
+                    Outcome::Unchanged { doc } => (u.outcome, u.id) = ("unchanged", Some(doc)),
+                    Outcome::Failed { reason } => u.reason = Some(reason),
+                }
+                u
+            })
+            .collect(),
+    }
+}
+
+async fn ingest(
+    s: &AppState,
+    caller: &Caller,
+    collection: String,
+    docs: Vec<NewDocument>,
+) -> Result<(StatusCode, axum::Json<UploadResponse>), ApiError> {
+    caller.require(Scope::Ingest)?;
+    caller.require_collection(&collection)?;
+    if docs.is_empty() {
+        return Err(ApiError::invalid("files", "no file in the request"));
+    }
+    let _permit = s.ingest.clone().try_acquire_owned().map_err(|_| {
+        s.metrics.rejected.with_label_values(&["ingest_busy"]).inc();
+        ApiError::Overloaded {
+            depth: s.ingest.available_permits(),
+            retry_after_s: crate::engine::RETRY_AFTER_S,
+        }
+    })?;
+    let n = docs.len();
+    let c = collection.clone();
+    let r =
+        s.kb.call(move |kb| kb.ingest(&c, docs, &mut |_| {}))
+            .await??;
+    tracing::info!(collection = %collection, documents = n, chunks = r.chunks, key = %caller.key_id, "ingested");
+    Ok((StatusCode::ACCEPTED, axum::Json(report(r))))
+}
+
+/// Uploads files (multipart: any part with a file name is a document; an optional `metadata`
+/// part holds a JSON object of strings applied to every file). Scope `ingest`.
+#[utoipa::path(post, path = "/api/v1/collections/{name}/documents", tag = "documents",
+    params(("name" = String, Path)),
+    request_body(content_type = "multipart/form-data", content = String),
+    responses((status = 202, body = UploadResponse), (status = 413, body = crate::api::openapi::ErrorBody)),
+    security(("bearer" = [])))]
+pub async fn upload(
+    State(s): State<AppState>,
+    caller: Caller,
+    Path(name): Path<String>,
+    multipart: Result<Multipart, axum::extract::multipart::MultipartRejection>,
+) -> Result<(StatusCode, axum::Json<UploadResponse>), ApiError> {
+    caller.require(Scope::Ingest)?;
+    caller.require_collection(&name)?;
+    let mut multipart = multipart.map_err(|e| ApiError::invalid("body", e.body_text()))?;
+    let limit = s.limits.max_upload_bytes;
+    let too_large = |e: axum::extract::multipart::MultipartError| {
+        if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
+            ApiError::PayloadTooLarge { limit }
+        } else {
+            ApiError::invalid("body", e.body_text())
+        }
+    };
+    let mut files = Vec::new();
+    let mut metadata = BTreeMap::new();
+    while let Some(field) = multipart.next_field().await.map_err(too_large)? {
+        let file_name = field.file_name().map(str::to_owned);
+        let field_name = field.name().unwrap_or_default().to_owned();
+        let bytes = field.bytes().await.map_err(too_large)?;
+        match file_name {
+            Some(f) if !f.is_empty() => files.push((f, bytes.to_vec())),
+            _ if field_name == "metadata" => {
+                metadata = serde_json::from_slice(&bytes).map_err(|e| {
+                    ApiError::invalid(
+                        "metadata",
+                        format!("expected a JSON object of strings: {e}"),
+                    )
+                })?;
+            }
+            _ => {
+                return Err(ApiError::invalid(
+                    field_name,
+                    "a part without a file name (only `metadata` may have none)",
+                ))
+            }
+        }
+    }
+    let docs = files
+        .into_iter()
+        .map(|(name, bytes)| NewDocument {
+            name,
+            bytes,
+            metadata: metadata.clone(),
+        })
+        .collect();
+    ingest(&s, &caller, name, docs).await
+}
+
+/// Adds one text document. Scope `ingest`.
+#[utoipa::path(post, path = "/api/v1/collections/{name}/documents/text", tag = "documents",
+    params(("name" = String, Path)), request_body = TextDocument,
+    responses((status = 202, body = UploadResponse), (status = 400, body = crate::api::openapi::ErrorBody)),
+    security(("bearer" = [])))]
+pub async fn upload_text(
+    State(s): State<AppState>,
+    caller: Caller,
+    Path(name): Path<String>,
+    Json(doc): Json<TextDocument>,
+) -> Result<(StatusCode, axum::Json<UploadResponse>), ApiError> {
+    if doc.text.trim().is_empty() {
+        return Err(ApiError::invalid("text", "must not be empty"));
+    }
+    let nd = NewDocument {
+        name: doc.name,
+        bytes: doc.text.into_bytes(),
+        metadata: doc.metadata,
+    };
+    ingest(&s, &caller, name, vec![nd]).await
+}
+
+/// A collection's documents with their stage and per-stage timestamps. Scope `search`.
+#[utoipa::path(get, path = "/api/v1/collections/{name}/documents", tag = "documents",
+    params(("name" = String, Path)),
+    responses((status = 200, body = DocumentList), (status = 404, body = crate::api::openapi::ErrorBody)),
+    security(("bearer" = [])))]
+pub async fn list(
+    State(s): State<AppState>,
+    caller: Caller,
+    Path(name): Path<String>,
+) -> Result<axum::Json<DocumentList>, ApiError> {
+    caller.require(Scope::Search)?;
+    caller.require_collection(&name)?;
+    let docs = s.kb.call(move |kb| kb.documents(&name)).await??;
+    Ok(axum::Json(DocumentList {
+        documents: docs.iter().map(DocumentInfo::from).collect(),
+    }))
+}
+
+/// One document, by id or name. Scope `search`.
+#[utoipa::path(get, path = "/api/v1/collections/{name}/documents/{id}", tag = "documents",
+    params(("name" = String, Path), ("id" = String, Path, description = "document id or name")),
+    responses((status = 200, body = DocumentInfo), (status = 404, body = crate::api::openapi::ErrorBody)),
+    security(("bearer" = [])))]
+pub async fn get(
+    State(s): State<AppState>,
+    caller: Caller,
+    Path((name, id)): Path<(String, String)>,
+) -> Result<axum::Json<DocumentInfo>, ApiError> {
+    caller.require(Scope::Search)?;
+    caller.require_collection(&name)?;
+    let d = s.kb.call(move |kb| kb.document(&name, &id)).await??;
+    Ok(axum::Json(DocumentInfo::from(&d)))
+}
+
+/// Deletes a document from every store and index. Scope `ingest`.
+#[utoipa::path(delete, path = "/api/v1/collections/{name}/documents/{id}", tag = "documents",
+    params(("name" = String, Path), ("id" = String, Path, description = "document id or name")),
+    responses((status = 200, body = DocumentInfo), (status = 404, body = crate::api::openapi::ErrorBody)),
+    security(("bearer" = [])))]
+pub async fn delete(
+    State(s): State<AppState>,
+    caller: Caller,
+    Path((name, id)): Path<(String, String)>,
+) -> Result<axum::Json<DocumentInfo>, ApiError> {
+    caller.require(Scope::Ingest)?;
+    caller.require_collection(&name)?;
+    let d =
+        s.kb.call(move |kb| kb.delete_document(&name, &id))
+            .await??;
+    tracing::info!(document = d.id, key = %caller.key_id, "document deleted");
+    Ok(axum::Json(DocumentInfo::from(&d)))
+}
+
+/// A document's chunks with their spans. Scope `search`.
+#[utoipa::path(get, path = "/api/v1/collections/{name}/documents/{id}/chunks", tag = "documents",
+    params(("name" = String, Path), ("id" = String, Path, description = "document id or name")),
+    responses((status = 200, body = ChunkList), (status = 404, body = crate::api::openapi::ErrorBody)),
+    security(("bearer" = [])))]
+pub async fn chunks(
+    State(s): State<AppState>,
+    caller: Caller,
+    Path((name, id)): Path<(String, String)>,
+) -> Result<axum::Json<ChunkList>, ApiError> {
+    caller.require(Scope::Search)?;
+    caller.require_collection(&name)?;
+    let chunks =
+        s.kb.call(move |kb| {
+            let d = kb.document(&name, &id)?;
+            kb.chunks(d.id)
+        })
+        .await??;
+    Ok(axum::Json(ChunkList {
+        chunks: chunks
+            .into_iter()
+            .map(|c| ChunkInfo {
+                id: c.id,
+                ordinal: c.ordinal,
+                bytes: [c.bytes.start, c.bytes.end],
+                chars: [c.chars.start, c.chars.end],
+                tokens: c.tokens,
+                page: c.page,
+                text: c.text,
+            })
+            .collect(),
+    }))
+}

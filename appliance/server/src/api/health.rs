@@ -1,0 +1,59 @@
+//! `/healthz` (liveness, no key), `/readyz` (each dependency), `/metrics` (Prometheus text,
+//! scope `admin`).
+
+use axum::extract::State;
+use axum::http::{header, StatusCode};
+use axum::response::IntoResponse;
+
+use crate::api::{AppState, Caller};
+use crate::auth::Scope;
+use crate::error::ApiError;
+
+/// The process is up.
+#[utoipa::path(get, path = "/healthz", tag = "health", responses((status = 200, description = "alive")))]
+pub async fn healthz() -> axum::Json<serde_json::Value> {
+    axum::Json(serde_json::json!({"status": "ok"}))
+}
+
+/// Whether every dependency is ready: models loaded, knowledge base open, KV tiers open.
+#[utoipa::path(get, path = "/readyz", tag = "health",
+    responses((status = 200, description = "ready"), (status = 503, description = "not ready")),
+    security(("bearer" = [])))]
+pub async fn readyz(State(s): State<AppState>) -> impl IntoResponse {
+    let kb = s.kb.is_open();
+    let engine = s.engine.is_running();
+    let ready = kb && engine;
+    let status = if ready {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
+    (
+        status,
+        axum::Json(serde_json::json!({
+            "ready": ready,
+            "profile": &*s.profile,
+            "checks": {
+                "models": {"ok": engine, "llm": s.engine.info.model_id, "embedder": &*s.kb.embed_model,
+                           "context_length": s.engine.info.context_length},
+                "knowledge_base": {"ok": kb},
+                "kv_tiers": {"ok": engine, "tiers": s.engine.info.kv_tiers},
+                "auth": {"ok": true, "keys": s.auth.key_count()},
+            },
+        })),
+    )
+}
+
+/// Prometheus metrics. Scope `admin`.
+#[utoipa::path(get, path = "/metrics", tag = "health",
+    responses((status = 200, description = "Prometheus text format")), security(("bearer" = [])))]
+pub async fn metrics(
+    State(s): State<AppState>,
+    caller: Caller,
+) -> Result<impl IntoResponse, ApiError> {
+    caller.require(Scope::Admin)?;
+    Ok((
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        s.metrics.render(),
+    ))
+}

@@ -1,0 +1,331 @@
+//! The OpenAI-compatible API: `/v1/models`, `/v1/chat/completions` (JSON or `data:` chunks
+//! ending with `data: [DONE]`; an optional `engram` object turns on retrieval and adds
+//! `citations`), `/v1/embeddings`.
+
+use std::convert::Infallible;
+use std::time::{Instant, SystemTime};
+
+use axum::extract::State;
+use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use futures_util::stream::{self, Stream};
+use futures_util::StreamExt;
+use serde::Deserialize;
+use utoipa::ToSchema;
+
+use crate::api::qa::{check_generation, citations, with_retrieve, Citation};
+use crate::api::search::{retrieve, Mode};
+use crate::api::{AppState, Caller, Json};
+use crate::auth::Scope;
+use crate::engine::{Event, Prompt};
+use crate::error::ApiError;
+
+/// Tokens generated when the request does not say.
+pub const DEFAULT_CHAT_MAX_TOKENS: usize = 256;
+/// Inputs one embeddings request may carry.
+pub const MAX_EMBED_INPUTS: usize = 256;
+
+#[derive(Debug, Deserialize, ToSchema)]
+pub struct ChatMessage {
+    pub role: String,
+    /// A string, or an array of `{"type": "text", "text": ...}` parts.
+    #[schema(value_type = Object)]
+    pub content: serde_json::Value,
+}
+
+/// Engram's extension: retrieval before the answer.
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct EngramOptions {
+    pub collections: Vec<String>,
+    pub top_k: Option<usize>,
+    pub policy: Option<String>,
+}
+
+/// OpenAI's chat request (the fields Engram reads; others are ignored).
+#[derive(Debug, Deserialize, ToSchema)]
+pub struct ChatRequest {
+    pub model: Option<String>,
+    pub messages: Vec<ChatMessage>,
+    pub max_tokens: Option<usize>,
+    pub max_completion_tokens: Option<usize>,
+    pub temperature: Option<f32>,
+    pub seed: Option<u64>,
+    #[serde(default)]
+    pub stream: bool,
+    pub engram: Option<EngramOptions>,
+}
+
+fn text_of(content: &serde_json::Value) -> Result<String, ApiError> {
+    match content {
+        serde_json::Value::String(s) => Ok(s.clone()),
+        serde_json::Value::Array(parts) => Ok(parts
+            .iter()
+            .filter_map(|p| p.get("text").and_then(|t| t.as_str()))
+            .collect::<Vec<_>>()
+            .join("")),
+        serde_json::Value::Null => Ok(String::new()),
+        _ => Err(ApiError::invalid(
+            "messages[].content",
+            "expected a string or an array of text parts",
+        )),
+    }
+}
+
+fn unix_now() -> u64 {
+    SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+/// The models served.
+#[utoipa::path(get, path = "/v1/models", tag = "openai",
+    responses((status = 200, description = "OpenAI model list")), security(("bearer" = [])))]
+pub async fn models(State(s): State<AppState>) -> axum::Json<serde_json::Value> {
+    let m = |id: &str| serde_json::json!({"id": id, "object": "model", "created": 0, "owned_by": "engram"});
+    axum::Json(serde_json::json!({
+        "object": "list",
+        "data": [m(&s.engine.info.model_id), m(&s.kb.embed_model)],
+    }))
+}
+
+/// Chat completions; with `engram.collections`, retrieval-augmented through fused prefill.
+/// Scope `qa`.
+#[utoipa::path(post, path = "/v1/chat/completions", tag = "openai", request_body = ChatRequest,
+    responses((status = 200, description = "chat.completion, or chat.completion.chunk events ending with [DONE]"),
+        (status = 400, body = crate::api::openapi::ErrorBody)),
+    security(("bearer" = [])))]
+pub async fn chat(
+    State(s): State<AppState>,
+    caller: Caller,
+    Json(b): Json<ChatRequest>,
+) -> Result<Response, ApiError> {
+    caller.require(Scope::Qa)?;
+    let max_tokens = b
+        .max_completion_tokens
+        .or(b.max_tokens)
+        .unwrap_or(DEFAULT_CHAT_MAX_TOKENS);
+    let temperature = b.temperature.unwrap_or(0.0);
+    check_generation(&s, max_tokens, temperature)?;
+    if b.messages.is_empty() {
+        return Err(ApiError::invalid(
+            "messages",
+            "at least one message is needed",
+        ));
+    }
+    let mut messages = Vec::with_capacity(b.messages.len());
+    for m in &b.messages {
+        if !matches!(
+            m.role.as_str(),
+            "system" | "user" | "assistant" | "developer"
+        ) {
+            return Err(ApiError::invalid(
+                "messages[].role",
+                format!("`{}` is not system, user or assistant", m.role),
+            ));
+        }
+        messages.push((m.role.replace("developer", "system"), text_of(&m.content)?));
+    }
+    let model = b
+        .model
+        .clone()
+        .unwrap_or_else(|| s.engine.info.model_id.clone());
+    let (prompt, cites, policy, retrieve_ms) = match &b.engram {
+        Some(e) => {
+            let question = messages
+                .iter()
+                .rev()
+                .find(|(r, _)| r == "user")
+                .map(|(_, c)| c.clone())
+                .ok_or_else(|| ApiError::invalid("messages", "retrieval needs a user message"))?;
+            let policy = e.policy.as_deref().map(str::parse).transpose().map_err(
+                |e: engram_fusion::FusionError| ApiError::invalid("engram.policy", e.to_string()),
+            )?;
+            let t = Instant::now();
+            let hits = retrieve(
+                &s,
+                &caller,
+                &e.collections,
+                &question,
+                e.top_k.unwrap_or(crate::api::qa::DEFAULT_QA_TOP_K),
+                Mode::Hybrid,
+                &Default::default(),
+            )
+            .await?;
+            let ms = t.elapsed().as_secs_f64() * 1e3;
+            let cites = citations(&hits);
+            let passages = hits.into_iter().map(|h| h.text).collect();
+            (
+                Prompt::Rag { question, passages },
+                Some(cites),
+                policy,
+                Some(ms),
+            )
+        }
+        None => (Prompt::Chat { messages }, None, None, None),
+    };
+    let rx = s.engine.submit(
+        "chat",
+        prompt,
+        max_tokens,
+        temperature,
+        b.seed.unwrap_or(0),
+        policy,
+    )?;
+    let id = format!("chatcmpl-{:016x}", rand::random::<u64>());
+    let created = unix_now();
+    if !b.stream {
+        let (answer, sum) = crate::engine::collect(rx).await?;
+        let mut body = serde_json::json!({
+            "id": id,
+            "object": "chat.completion",
+            "created": created,
+            "model": model,
+            "choices": [{
+                "index": 0,
+                "message": {"role": "assistant", "content": answer.trim()},
+                "finish_reason": sum.finish_reason,
+            }],
+            "usage": {
+                "prompt_tokens": sum.prompt_tokens,
+                "completion_tokens": sum.generated_tokens,
+                "total_tokens": sum.prompt_tokens + sum.generated_tokens,
+            },
+        });
+        if let Some(c) = cites {
+            body["citations"] = serde_json::to_value(c).expect("json");
+            body["engram"] = serde_json::json!({
+                "policy": sum.policy,
+                "fusion_disabled": sum.fusion_disabled,
+                "timings": with_retrieve(sum.timings, retrieve_ms.unwrap_or(0.0)),
+            });
+        }
+        return Ok(axum::Json(body).into_response());
+    }
+    Ok(Sse::new(chunks(rx, id, created, model, cites))
+        .keep_alive(KeepAlive::default())
+        .into_response())
+}
+
+fn data(v: &serde_json::Value) -> SseEvent {
+    SseEvent::default().data(v.to_string())
+}
+
+/// `chat.completion.chunk` events: the role, the content pieces, the finish reason (with the
+/// citations when retrieval ran), then `[DONE]`.
+fn chunks(
+    rx: tokio::sync::mpsc::Receiver<Event>,
+    id: String,
+    created: u64,
+    model: String,
+    cites: Option<Vec<Citation>>,
+) -> impl Stream<Item = Result<SseEvent, Infallible>> {
+    let chunk = move |delta: serde_json::Value, finish: Option<&str>| {
+        serde_json::json!({
+            "id": id,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": model,
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+        })
+    };
+    let first = data(&chunk(
+        serde_json::json!({"role": "assistant", "content": ""}),
+        None,
+    ));
+    let rest = stream::unfold(Some((rx, cites, chunk)), |state| async move {
+        let (mut rx, cites, chunk) = state?;
+        match rx.recv().await {
+            Some(Event::Token(t)) => {
+                let ev = data(&chunk(serde_json::json!({"content": t}), None));
+                Some((vec![ev], Some((rx, cites, chunk))))
+            }
+            Some(Event::Done(sum)) => {
+                let mut last = chunk(serde_json::json!({}), Some(sum.finish_reason));
+                if let Some(c) = cites {
+                    last["citations"] = serde_json::to_value(c).expect("json");
+                }
+                Some((vec![data(&last), SseEvent::default().data("[DONE]")], None))
+            }
+            Some(Event::Error(e)) => Some((
+                vec![data(&e.body()), SseEvent::default().data("[DONE]")],
+                None,
+            )),
+            None => Some((
+                vec![
+                    data(&ApiError::internal("the engine dropped the job").body()),
+                    SseEvent::default().data("[DONE]"),
+                ],
+                None,
+            )),
+        }
+    })
+    .flat_map(stream::iter);
+    stream::once(async move { first }).chain(rest).map(Ok)
+}
+
+/// OpenAI's embeddings request.
+#[derive(Debug, Deserialize, ToSchema)]
+pub struct EmbeddingsRequest {
+    /// A string or an array of strings.
+    #[schema(value_type = Object)]
+    pub input: serde_json::Value,
+    pub model: Option<String>,
+}
+
+/// Sentence embeddings from the knowledge base's embedder. Scope `search`.
+#[utoipa::path(post, path = "/v1/embeddings", tag = "openai", request_body = EmbeddingsRequest,
+    responses((status = 200, description = "OpenAI embedding list"), (status = 400, body = crate::api::openapi::ErrorBody)),
+    security(("bearer" = [])))]
+pub async fn embeddings(
+    State(s): State<AppState>,
+    caller: Caller,
+    Json(b): Json<EmbeddingsRequest>,
+) -> Result<axum::Json<serde_json::Value>, ApiError> {
+    caller.require(Scope::Search)?;
+    let inputs: Vec<String> = match b.input {
+        serde_json::Value::String(s) => vec![s],
+        serde_json::Value::Array(a) => a
+            .into_iter()
+            .map(|v| match v {
+                serde_json::Value::String(s) => Ok(s),
+                _ => Err(ApiError::invalid(
+                    "input",
+                    "expected strings (token arrays are not supported)",
+                )),
+            })
+            .collect::<Result<_, _>>()?,
+        _ => {
+            return Err(ApiError::invalid(
+                "input",
+                "expected a string or an array of strings",
+            ))
+        }
+    };
+    if inputs.is_empty() || inputs.len() > MAX_EMBED_INPUTS {
+        return Err(ApiError::invalid(
+            "input",
+            format!("{} inputs; 1..={MAX_EMBED_INPUTS} allowed", inputs.len()),
+        ));
+    }
+    let (vectors, tokens) =
+        s.kb.call(move |kb| {
+            let e = &kb.models().embedder;
+            let refs: Vec<&str> = inputs.iter().map(String::as_str).collect();
+            let tokens: usize = inputs
+                .iter()
+                .map(|t| e.tokenize(t).map_or(0, |v| v.len()))
+                .sum();
+            e.embed(&refs).map(|v| (v, tokens))
+        })
+        .await?
+        .map_err(|e| ApiError::internal(format!("embedding: {e}")))?;
+    Ok(axum::Json(serde_json::json!({
+        "object": "list",
+        "data": vectors.iter().enumerate().map(|(i, v)| serde_json::json!({
+            "object": "embedding", "index": i, "embedding": v,
+        })).collect::<Vec<_>>(),
+        "model": b.model.unwrap_or_else(|| s.kb.embed_model.to_string()),
+        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+    })))
+}

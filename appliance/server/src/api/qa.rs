@@ -1,0 +1,234 @@
+//! `/api/v1/qa`: retrieve, fused prefill, decode; JSON, or server-sent events (`token`,
+//! `citations`, `timings`, `done`, or `error`).
+
+use std::convert::Infallible;
+use std::time::Instant;
+
+use axum::extract::State;
+use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use engram_fusion::Policy;
+use futures_util::stream::{self, Stream};
+use futures_util::StreamExt;
+use serde::{Deserialize, Serialize};
+use utoipa::ToSchema;
+
+use crate::api::search::{retrieve, Hit, Mode};
+use crate::api::{AppState, Caller, Json};
+use crate::auth::Scope;
+use crate::engine::{Event, Prompt, Summary};
+use crate::error::ApiError;
+
+/// Chunks retrieved into the prompt when the request does not say (as `engram ask`).
+pub const DEFAULT_QA_TOP_K: usize = 5;
+/// Tokens generated when the request does not say.
+pub const DEFAULT_QA_MAX_TOKENS: usize = 256;
+
+/// A question.
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct QaBody {
+    pub question: String,
+    pub collections: Vec<String>,
+    pub top_k: Option<usize>,
+    /// `full`, `reuse`, `boundary:N` or `deviation:R`; the configured policy by default.
+    pub policy: Option<String>,
+    pub max_tokens: Option<usize>,
+    /// 0 (the default) is greedy.
+    #[serde(default)]
+    pub temperature: f32,
+    #[serde(default)]
+    pub seed: u64,
+    #[serde(default)]
+    pub stream: bool,
+}
+
+/// A passage the answer was generated from.
+#[derive(Clone, Debug, Serialize, ToSchema)]
+pub struct Citation {
+    /// 1-based, in prompt order.
+    pub n: usize,
+    pub collection: String,
+    pub doc_id: u64,
+    pub doc_name: String,
+    pub chunk_id: u64,
+    pub chars: [usize; 2],
+    pub page: Option<u32>,
+    pub score: f32,
+}
+
+/// A non-streamed answer.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct QaResponse {
+    pub answer: String,
+    pub policy: String,
+    pub fusion_disabled: Option<String>,
+    pub prompt_tokens: usize,
+    pub finish_reason: String,
+    pub citations: Vec<Citation>,
+    /// Stage timings in milliseconds (retrieve, KV load, recompute, prefill, first token,
+    /// decode) and counts.
+    #[schema(value_type = Object)]
+    pub timings: serde_json::Value,
+}
+
+pub fn citations(hits: &[Hit]) -> Vec<Citation> {
+    hits.iter()
+        .enumerate()
+        .map(|(i, h)| Citation {
+            n: i + 1,
+            collection: h.collection.clone(),
+            doc_id: h.document.id,
+            doc_name: h.document.name.clone(),
+            chunk_id: h.chunk_id,
+            chars: h.span.chars,
+            page: h.span.page,
+            score: h.score,
+        })
+        .collect()
+}
+
+/// Checks the numbers a generation request carries.
+pub fn check_generation(s: &AppState, max_tokens: usize, temperature: f32) -> Result<(), ApiError> {
+    if max_tokens == 0 || max_tokens > s.limits.max_tokens {
+        return Err(ApiError::invalid(
+            "max_tokens",
+            format!("{max_tokens} is outside 1..={}", s.limits.max_tokens),
+        ));
+    }
+    if !(temperature.is_finite() && (0.0..=2.0).contains(&temperature)) {
+        return Err(ApiError::invalid(
+            "temperature",
+            format!("{temperature} is outside 0..=2"),
+        ));
+    }
+    Ok(())
+}
+
+pub(crate) fn with_retrieve(mut timings: serde_json::Value, retrieve_ms: f64) -> serde_json::Value {
+    if let Some(o) = timings.as_object_mut() {
+        o.insert("retrieve_ms".into(), retrieve_ms.into());
+    }
+    timings
+}
+
+/// Answers a question from the collections. Scope `qa`.
+#[utoipa::path(post, path = "/api/v1/qa", tag = "qa", request_body = QaBody,
+    responses((status = 200, body = QaResponse, description = "JSON, or text/event-stream when `stream` is true"),
+        (status = 429, body = crate::api::openapi::ErrorBody)),
+    security(("bearer" = [])))]
+pub async fn qa(
+    State(s): State<AppState>,
+    caller: Caller,
+    Json(b): Json<QaBody>,
+) -> Result<Response, ApiError> {
+    caller.require(Scope::Qa)?;
+    let max_tokens = b.max_tokens.unwrap_or(DEFAULT_QA_MAX_TOKENS);
+    check_generation(&s, max_tokens, b.temperature)?;
+    let policy: Option<Policy> = b
+        .policy
+        .as_deref()
+        .map(str::parse)
+        .transpose()
+        .map_err(|e: engram_fusion::FusionError| ApiError::invalid("policy", e.to_string()))?;
+    if b.question.trim().is_empty() {
+        return Err(ApiError::invalid("question", "must not be empty"));
+    }
+    let t = Instant::now();
+    let hits = retrieve(
+        &s,
+        &caller,
+        &b.collections,
+        &b.question,
+        b.top_k.unwrap_or(DEFAULT_QA_TOP_K),
+        Mode::Hybrid,
+        &Default::default(),
+    )
+    .await?;
+    let retrieve_ms = t.elapsed().as_secs_f64() * 1e3;
+    let cites = citations(&hits);
+    let rx = s.engine.submit(
+        "qa",
+        Prompt::Rag {
+            question: b.question.clone(),
+            passages: hits.into_iter().map(|h| h.text).collect(),
+        },
+        max_tokens,
+        b.temperature,
+        b.seed,
+        policy,
+    )?;
+    if !b.stream {
+        let (answer, sum) = crate::engine::collect(rx).await?;
+        return Ok(axum::Json(response(answer, sum, cites, retrieve_ms)).into_response());
+    }
+    Ok(Sse::new(sse_stream(rx, cites, retrieve_ms))
+        .keep_alive(KeepAlive::default())
+        .into_response())
+}
+
+fn response(
+    answer: String,
+    sum: Summary,
+    citations: Vec<Citation>,
+    retrieve_ms: f64,
+) -> QaResponse {
+    QaResponse {
+        answer: answer.trim().to_owned(),
+        policy: sum.policy,
+        fusion_disabled: sum.fusion_disabled,
+        prompt_tokens: sum.prompt_tokens,
+        finish_reason: sum.finish_reason.to_owned(),
+        citations,
+        timings: with_retrieve(sum.timings, retrieve_ms),
+    }
+}
+
+fn json_event(name: &str, data: &serde_json::Value) -> SseEvent {
+    SseEvent::default().event(name).data(data.to_string())
+}
+
+/// Tokens as they come, then citations, timings and done; an engine error ends the stream
+/// with an `error` event carrying the usual error body. Dropping the stream (client gone)
+/// drops the receiver, which cancels the job at its next token.
+fn sse_stream(
+    rx: tokio::sync::mpsc::Receiver<Event>,
+    cites: Vec<Citation>,
+    retrieve_ms: f64,
+) -> impl Stream<Item = Result<SseEvent, Infallible>> {
+    stream::unfold(Some((rx, cites)), move |state| async move {
+        let (mut rx, cites) = state?;
+        match rx.recv().await {
+            Some(Event::Token(t)) => Some((
+                vec![json_event("token", &serde_json::json!({"text": t}))],
+                Some((rx, cites)),
+            )),
+            Some(Event::Done(sum)) => {
+                let done = serde_json::json!({
+                    "finish_reason": sum.finish_reason,
+                    "policy": sum.policy,
+                    "fusion_disabled": sum.fusion_disabled,
+                    "prompt_tokens": sum.prompt_tokens,
+                    "generated_tokens": sum.generated_tokens,
+                });
+                Some((
+                    vec![
+                        json_event("citations", &serde_json::to_value(&cites).expect("json")),
+                        json_event("timings", &with_retrieve(sum.timings, retrieve_ms)),
+                        json_event("done", &done),
+                    ],
+                    None,
+                ))
+            }
+            Some(Event::Error(e)) => Some((vec![json_event("error", &e.body())], None)),
+            None => Some((
+                vec![json_event(
+                    "error",
+                    &ApiError::internal("the engine dropped the job").body(),
+                )],
+                None,
+            )),
+        }
+    })
+    .flat_map(|events| stream::iter(events.into_iter().map(Ok)))
+}

@@ -1,0 +1,309 @@
+//! `/api/v1/search` (hybrid retrieval over one or more collections) and Dify's External
+//! Knowledge API (`/retrieval`); also the retrieval step of QA and chat.
+
+use std::collections::BTreeMap;
+
+use axum::extract::State;
+use engram_kb::{SearchHit, SearchMode, SearchRequest};
+use serde::{Deserialize, Serialize};
+use utoipa::ToSchema;
+
+use crate::api::{AppState, Caller, Json};
+use crate::auth::{Principal, Scope};
+use crate::error::ApiError;
+
+/// Hits returned when the request does not say.
+pub const DEFAULT_TOP_K: usize = 10;
+
+/// Which retriever(s) run.
+#[derive(Clone, Copy, Debug, Default, Deserialize, Serialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum Mode {
+    Bm25,
+    Dense,
+    #[default]
+    Hybrid,
+}
+
+impl From<Mode> for SearchMode {
+    fn from(m: Mode) -> SearchMode {
+        match m {
+            Mode::Bm25 => SearchMode::Bm25,
+            Mode::Dense => SearchMode::Dense,
+            Mode::Hybrid => SearchMode::Hybrid,
+        }
+    }
+}
+
+/// A search.
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct SearchBody {
+    pub query: String,
+    pub collections: Vec<String>,
+    pub top_k: Option<usize>,
+    #[serde(default)]
+    pub mode: Mode,
+    /// Only documents whose metadata has every one of these key/value pairs.
+    #[serde(default)]
+    pub filters: BTreeMap<String, String>,
+}
+
+/// Where a hit sits in its document.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct Span {
+    /// Byte range in the parsed text.
+    pub bytes: [usize; 2],
+    /// Character range in the parsed text.
+    pub chars: [usize; 2],
+    pub page: Option<u32>,
+}
+
+/// One retrieved chunk.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct Hit {
+    pub collection: String,
+    pub chunk_id: u64,
+    pub document: HitDocument,
+    pub ordinal: u32,
+    pub span: Span,
+    /// The fused score (the ranking).
+    pub score: f32,
+    pub bm25: Option<f32>,
+    pub dense: Option<f32>,
+    pub text: String,
+    /// Byte ranges of `text` that matched the query.
+    pub highlights: Vec<[usize; 2]>,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct HitDocument {
+    pub id: u64,
+    pub name: String,
+    pub title: Option<String>,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct SearchResponse {
+    pub query: String,
+    pub mode: Mode,
+    pub hits: Vec<Hit>,
+}
+
+impl Hit {
+    pub fn new(collection: &str, h: SearchHit) -> Hit {
+        Hit {
+            collection: collection.to_owned(),
+            chunk_id: h.chunk_id,
+            document: HitDocument {
+                id: h.doc_id,
+                name: h.doc_name,
+                title: h.doc_title,
+            },
+            ordinal: h.ordinal,
+            span: Span {
+                bytes: [h.bytes.start, h.bytes.end],
+                chars: [h.chars.start, h.chars.end],
+                page: h.page,
+            },
+            score: h.score,
+            bm25: h.bm25,
+            dense: h.dense,
+            text: h.text,
+            highlights: h.highlights.iter().map(|r| [r.start, r.end]).collect(),
+        }
+    }
+}
+
+/// Searches every collection (each checked against the key's grants), merges by score and
+/// keeps the best `top_k`.
+pub async fn retrieve(
+    s: &AppState,
+    caller: &Principal,
+    collections: &[String],
+    query: &str,
+    top_k: usize,
+    mode: Mode,
+    filters: &BTreeMap<String, String>,
+) -> Result<Vec<Hit>, ApiError> {
+    if collections.is_empty() {
+        return Err(ApiError::invalid(
+            "collections",
+            "name at least one collection",
+        ));
+    }
+    if query.trim().is_empty() {
+        return Err(ApiError::invalid("query", "must not be empty"));
+    }
+    if top_k == 0 || top_k > s.limits.max_top_k {
+        return Err(ApiError::invalid(
+            "top_k",
+            format!("{top_k} is outside 1..={}", s.limits.max_top_k),
+        ));
+    }
+    for c in collections {
+        caller.require_collection(c)?;
+    }
+    let reqs: Vec<SearchRequest> = collections
+        .iter()
+        .map(|c| {
+            let mut r = SearchRequest::new(c, query);
+            r.k = top_k;
+            r.mode = mode.into();
+            r.metadata = filters
+                .iter()
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect();
+            r
+        })
+        .collect();
+    let results =
+        s.kb.call(move |kb| {
+            reqs.iter()
+                .map(|r| kb.search(r).map(|res| (r.collection.clone(), res.hits)))
+                .collect::<engram_kb::Result<Vec<_>>>()
+        })
+        .await??;
+    let mut hits: Vec<Hit> = results
+        .into_iter()
+        .flat_map(|(c, hits)| hits.into_iter().map(move |h| Hit::new(&c, h)))
+        .collect();
+    hits.sort_by(|a, b| b.score.total_cmp(&a.score));
+    hits.truncate(top_k);
+    Ok(hits)
+}
+
+/// Hybrid, BM25 or dense search. Scope `search`.
+#[utoipa::path(post, path = "/api/v1/search", tag = "search", request_body = SearchBody,
+    responses((status = 200, body = SearchResponse), (status = 403, body = crate::api::openapi::ErrorBody)),
+    security(("bearer" = [])))]
+pub async fn search(
+    State(s): State<AppState>,
+    caller: Caller,
+    Json(b): Json<SearchBody>,
+) -> Result<axum::Json<SearchResponse>, ApiError> {
+    caller.require(Scope::Search)?;
+    let hits = retrieve(
+        &s,
+        &caller,
+        &b.collections,
+        &b.query,
+        b.top_k.unwrap_or(DEFAULT_TOP_K),
+        b.mode,
+        &b.filters,
+    )
+    .await?;
+    Ok(axum::Json(SearchResponse {
+        query: b.query,
+        mode: b.mode,
+        hits,
+    }))
+}
+
+/// Dify's retrieval request.
+#[derive(Debug, Deserialize, ToSchema)]
+pub struct DifyRequest {
+    /// The collection.
+    pub knowledge_id: String,
+    pub query: String,
+    pub retrieval_setting: DifySetting,
+    /// Dify's metadata condition: `is` conditions joined by `and` become metadata filters;
+    /// other operators are refused.
+    #[serde(default)]
+    #[schema(value_type = Object)]
+    pub metadata_condition: Option<serde_json::Value>,
+}
+
+#[derive(Debug, Deserialize, ToSchema)]
+pub struct DifySetting {
+    pub top_k: usize,
+    #[serde(default)]
+    pub score_threshold: f32,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct DifyRecord {
+    pub content: String,
+    pub score: f32,
+    pub title: String,
+    #[schema(value_type = Object)]
+    pub metadata: serde_json::Value,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct DifyResponse {
+    pub records: Vec<DifyRecord>,
+}
+
+/// Dify External Knowledge API: `knowledge_id` is the collection. Scope `search`.
+#[utoipa::path(post, path = "/retrieval", tag = "dify", request_body = DifyRequest,
+    responses((status = 200, body = DifyResponse), (status = 403, body = crate::api::openapi::ErrorBody)),
+    security(("bearer" = [])))]
+pub async fn dify_retrieval(
+    State(s): State<AppState>,
+    caller: Caller,
+    Json(b): Json<DifyRequest>,
+) -> Result<axum::Json<DifyResponse>, ApiError> {
+    caller.require(Scope::Search)?;
+    let filters = dify_filters(b.metadata_condition.as_ref())?;
+    let hits = retrieve(
+        &s,
+        &caller,
+        std::slice::from_ref(&b.knowledge_id),
+        &b.query,
+        b.retrieval_setting.top_k,
+        Mode::Hybrid,
+        &filters,
+    )
+    .await?;
+    let threshold = b.retrieval_setting.score_threshold;
+    Ok(axum::Json(DifyResponse {
+        records: hits
+            .into_iter()
+            .filter(|h| h.score >= threshold)
+            .map(|h| DifyRecord {
+                metadata: serde_json::json!({
+                    "document_id": h.document.id,
+                    "chunk_id": h.chunk_id,
+                    "path": h.document.name,
+                    "page": h.span.page,
+                }),
+                title: h.document.title.clone().unwrap_or(h.document.name.clone()),
+                score: h.score,
+                content: h.text,
+            })
+            .collect(),
+    }))
+}
+
+fn dify_filters(cond: Option<&serde_json::Value>) -> Result<BTreeMap<String, String>, ApiError> {
+    let mut out = BTreeMap::new();
+    let Some(cond) = cond.filter(|c| !c.is_null()) else {
+        return Ok(out);
+    };
+    let bad = |why: &str| ApiError::invalid("metadata_condition", why.to_owned());
+    if cond["logical_operator"]
+        .as_str()
+        .is_some_and(|o| o != "and")
+    {
+        return Err(bad("only `and` is supported"));
+    }
+    for c in cond["conditions"].as_array().into_iter().flatten() {
+        if !matches!(c["comparison_operator"].as_str(), Some("is" | "=")) {
+            return Err(bad("only the `is` operator is supported"));
+        }
+        let name = c["name"]
+            .as_array()
+            .and_then(|n| n.first())
+            .or(Some(&c["name"]))
+            .and_then(|n| n.as_str())
+            .ok_or_else(|| bad("a condition without a name"))?;
+        let value = match &c["value"] {
+            serde_json::Value::String(s) => s.clone(),
+            v if !v.is_null() => v.to_string(),
+            _ => return Err(bad("a condition without a value")),
+        };
+        out.insert(name.to_owned(), value);
+    }
+    Ok(out)
+}

@@ -1,0 +1,236 @@
+//! The crate's errors: `ServerError` for start-up and the key store, `ApiError` for requests,
+//! with the one error-to-HTTP table (`ApiError::status`, `ApiError::error_type`).
+
+use std::path::PathBuf;
+
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use engram_fusion::FusionError;
+use engram_kb::KbError;
+
+/// Why the daemon could not start, or a key-store command failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ServerError {
+    /// A configuration value breaks a rule; `key` is its TOML key or environment variable.
+    #[error("config `{key}`: {reason}")]
+    Config { key: String, reason: String },
+
+    /// No hardware profile fits, or the one named does not fit the machine.
+    #[error("hardware profile: {reason}")]
+    Profile { reason: String },
+
+    /// A file or folder could not be read or written.
+    #[error("{op} {path}: {source}")]
+    Io {
+        op: &'static str,
+        path: PathBuf,
+        source: std::io::Error,
+    },
+
+    /// The key file does not decode.
+    #[error("corrupted key store {path}: {comment}")]
+    Corrupted { path: PathBuf, comment: String },
+
+    /// A key-store command named something that is not there or is malformed.
+    #[error("{0}")]
+    Keys(String),
+
+    #[error("knowledge base: {0}")]
+    Kb(#[from] KbError),
+
+    #[error("model: {0}")]
+    Model(#[from] engram_model::ModelError),
+
+    #[error("fusion: {0}")]
+    Fusion(#[from] FusionError),
+
+    #[error("tokenizer: {0}")]
+    Tokenizer(#[from] engram_tokenizer::TokenizerError),
+
+    #[error("KV store: {0}")]
+    KvStore(#[from] engram_kvstore::KvStoreError),
+
+    #[error("GGUF: {0}")]
+    Gguf(#[from] engram_gguf::GgufError),
+}
+
+impl ServerError {
+    pub(crate) fn config(key: impl Into<String>, reason: impl Into<String>) -> Self {
+        ServerError::Config {
+            key: key.into(),
+            reason: reason.into(),
+        }
+    }
+
+    pub(crate) fn io(op: &'static str, path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+        ServerError::Io {
+            op,
+            path: path.into(),
+            source,
+        }
+    }
+}
+
+/// `Result` with [`ServerError`].
+pub type Result<T> = std::result::Result<T, ServerError>;
+
+/// Why a request failed. Every variant maps to one status and one stable snake_case type,
+/// used in the JSON body, the SSE `error` event and the `type` label of the metrics.
+#[derive(Debug, thiserror::Error)]
+pub enum ApiError {
+    #[error("{reason}")]
+    Unauthorized { reason: &'static str },
+
+    #[error("{reason}")]
+    Forbidden { reason: String },
+
+    #[error(
+        "too many failed authentication attempts from this address; retry in {retry_after_s} s"
+    )]
+    RateLimited { retry_after_s: u64 },
+
+    #[error("the generation queue is full ({depth} jobs waiting); retry in {retry_after_s} s")]
+    Overloaded { depth: usize, retry_after_s: u64 },
+
+    #[error("invalid `{field}`: {reason}")]
+    Invalid { field: String, reason: String },
+
+    #[error("invalid JSON body: {reason}")]
+    BadJson { reason: String },
+
+    #[error("request body larger than the limit of {limit} bytes")]
+    PayloadTooLarge { limit: usize },
+
+    #[error("{what} not found")]
+    NotFound { what: String },
+
+    #[error("method not allowed on this path")]
+    MethodNotAllowed,
+
+    #[error("{0}")]
+    Kb(#[from] KbError),
+
+    #[error("{0}")]
+    Fusion(#[from] FusionError),
+
+    #[error("{reason}")]
+    Unavailable { reason: String },
+
+    #[error("{reason}")]
+    Internal { reason: String },
+}
+
+impl ApiError {
+    pub(crate) fn invalid(field: impl Into<String>, reason: impl Into<String>) -> Self {
+        ApiError::Invalid {
+            field: field.into(),
+            reason: reason.into(),
+        }
+    }
+
+    pub(crate) fn internal(reason: impl std::fmt::Display) -> Self {
+        ApiError::Internal {
+            reason: reason.to_string(),
+        }
+    }
+
+    /// The one error-to-HTTP table.
+    pub fn status(&self) -> StatusCode {
+        match self {
+            ApiError::Unauthorized { .. } => StatusCode::UNAUTHORIZED,
+            ApiError::Forbidden { .. } => StatusCode::FORBIDDEN,
+            ApiError::RateLimited { .. } | ApiError::Overloaded { .. } => {
+                StatusCode::TOO_MANY_REQUESTS
+            }
+            ApiError::Invalid { .. } | ApiError::BadJson { .. } => StatusCode::BAD_REQUEST,
+            ApiError::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            ApiError::NotFound { .. } => StatusCode::NOT_FOUND,
+            ApiError::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
+            ApiError::Kb(e) => match e {
+                KbError::CollectionNotFound { .. } | KbError::DocumentNotFound { .. } => {
+                    StatusCode::NOT_FOUND
+                }
+                KbError::CollectionExists { .. } => StatusCode::CONFLICT,
+                KbError::Invalid { .. } => StatusCode::BAD_REQUEST,
+                _ => StatusCode::INTERNAL_SERVER_ERROR,
+            },
+            ApiError::Fusion(e) => match e {
+                FusionError::TooLong { .. } | FusionError::BadPolicy { .. } => {
+                    StatusCode::BAD_REQUEST
+                }
+                _ => StatusCode::INTERNAL_SERVER_ERROR,
+            },
+            ApiError::Unavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::Internal { .. } => StatusCode::INTERNAL_SERVER_ERROR,
+        }
+    }
+
+    /// Stable snake_case name of the error, for clients and metrics.
+    pub fn error_type(&self) -> &'static str {
+        match self {
+            ApiError::Unauthorized { .. } => "unauthorized",
+            ApiError::Forbidden { .. } => "forbidden",
+            ApiError::RateLimited { .. } => "rate_limited",
+            ApiError::Overloaded { .. } => "overloaded",
+            ApiError::Invalid { .. } => "invalid_request",
+            ApiError::BadJson { .. } => "invalid_json",
+            ApiError::PayloadTooLarge { .. } => "payload_too_large",
+            ApiError::NotFound { .. } => "not_found",
+            ApiError::MethodNotAllowed => "method_not_allowed",
+            ApiError::Kb(e) => match e {
+                KbError::CollectionNotFound { .. } | KbError::DocumentNotFound { .. } => {
+                    "not_found"
+                }
+                KbError::CollectionExists { .. } => "conflict",
+                KbError::Invalid { .. } => "invalid_request",
+                _ => "knowledge_base_error",
+            },
+            ApiError::Fusion(e) => match e {
+                FusionError::TooLong { .. } => "context_length_exceeded",
+                FusionError::BadPolicy { .. } => "invalid_request",
+                _ => "engine_error",
+            },
+            ApiError::Unavailable { .. } => "unavailable",
+            ApiError::Internal { .. } => "internal_error",
+        }
+    }
+
+    /// The JSON body every error response carries.
+    pub fn body(&self) -> serde_json::Value {
+        error_body(self.error_type(), &self.to_string())
+    }
+
+    fn retry_after(&self) -> Option<u64> {
+        match self {
+            ApiError::RateLimited { retry_after_s }
+            | ApiError::Overloaded { retry_after_s, .. } => Some(*retry_after_s),
+            _ => None,
+        }
+    }
+}
+
+/// `{"error": {"type": ..., "message": ...}}`.
+pub fn error_body(error_type: &str, message: &str) -> serde_json::Value {
+    serde_json::json!({"error": {"type": error_type, "message": message}})
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let status = self.status();
+        if status.is_server_error() {
+            tracing::error!(error_type = self.error_type(), "{self}");
+        }
+        let mut res = (status, axum::Json(self.body())).into_response();
+        if let Some(s) = self.retry_after() {
+            res.headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from(s));
+        }
+        if matches!(self, ApiError::Unauthorized { .. }) {
+            res.headers_mut().insert(
+                header::WWW_AUTHENTICATE,
+                HeaderValue::from_static("Bearer realm=\"engram\""),
+            );
+        }
+        res
+    }
+}

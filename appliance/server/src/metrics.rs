@@ -1,0 +1,157 @@
+//! Prometheus metrics: requests and latency by route and status, time to first token, the
+//! generation queue, KV tier hits and bytes. Listed with types and units in docs/engramd.md.
+
+use prometheus::{
+    Encoder, HistogramOpts, HistogramVec, IntCounterVec, IntGauge, Opts, Registry, TextEncoder,
+};
+
+/// Request latency buckets in seconds: 1 ms (health, auth cache hits) to 2 minutes (long
+/// generations).
+const LATENCY_BUCKETS: &[f64] = &[
+    0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
+];
+/// Time-to-first-token buckets in seconds: fused prefill of a small model takes tens of
+/// milliseconds, a full prefill of a long prompt on a CPU several seconds.
+const TTFT_BUCKETS: &[f64] = &[
+    0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0,
+];
+
+/// Every metric the daemon exports, in one registry.
+pub struct Metrics {
+    registry: Registry,
+    pub requests: IntCounterVec,
+    pub latency: HistogramVec,
+    pub ttft: HistogramVec,
+    pub queue_depth: IntGauge,
+    pub rejected: IntCounterVec,
+    pub kv_hits: IntCounterVec,
+    pub kv_misses: IntCounterVec,
+    pub kv_bytes_read: IntCounterVec,
+    pub generated_tokens: IntCounterVec,
+}
+
+impl Metrics {
+    pub fn new() -> Metrics {
+        let registry = Registry::new();
+        let requests = IntCounterVec::new(
+            Opts::new(
+                "engram_http_requests_total",
+                "HTTP requests by route and status",
+            ),
+            &["route", "status"],
+        )
+        .expect("valid metric");
+        let latency = HistogramVec::new(
+            HistogramOpts::new(
+                "engram_http_request_duration_seconds",
+                "HTTP request latency (until the response head; streams end later)",
+            )
+            .buckets(LATENCY_BUCKETS.to_vec()),
+            &["route", "status"],
+        )
+        .expect("valid metric");
+        let ttft = HistogramVec::new(
+            HistogramOpts::new(
+                "engram_time_to_first_token_seconds",
+                "From enqueueing a generation to its first token",
+            )
+            .buckets(TTFT_BUCKETS.to_vec()),
+            &["kind"],
+        )
+        .expect("valid metric");
+        let queue_depth = IntGauge::new(
+            "engram_generation_queue_depth",
+            "Generation jobs waiting for the engine",
+        )
+        .expect("valid metric");
+        let rejected = IntCounterVec::new(
+            Opts::new(
+                "engram_rejected_total",
+                "Requests refused at the API edge, by reason",
+            ),
+            &["reason"],
+        )
+        .expect("valid metric");
+        let kv = |name: &str, help: &str| {
+            IntCounterVec::new(Opts::new(name, help), &["tier"]).expect("valid metric")
+        };
+        let kv_hits = kv("engram_kv_hits_total", "Chunk KV blobs found, by tier");
+        let kv_misses = kv(
+            "engram_kv_misses_total",
+            "Chunk KV blobs not found, by tier",
+        );
+        let kv_bytes_read = kv("engram_kv_read_bytes_total", "Chunk KV bytes read, by tier");
+        let generated_tokens = IntCounterVec::new(
+            Opts::new("engram_generated_tokens_total", "Tokens generated, by kind"),
+            &["kind"],
+        )
+        .expect("valid metric");
+        for c in [
+            Box::new(requests.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(latency.clone()),
+            Box::new(ttft.clone()),
+            Box::new(queue_depth.clone()),
+            Box::new(rejected.clone()),
+            Box::new(kv_hits.clone()),
+            Box::new(kv_misses.clone()),
+            Box::new(kv_bytes_read.clone()),
+            Box::new(generated_tokens.clone()),
+        ] {
+            registry.register(c).expect("unique metric names");
+        }
+        Metrics {
+            registry,
+            requests,
+            latency,
+            ttft,
+            queue_depth,
+            rejected,
+            kv_hits,
+            kv_misses,
+            kv_bytes_read,
+            generated_tokens,
+        }
+    }
+
+    /// Folds a KV store snapshot into the counters (the store counts cumulatively; `last` is
+    /// the previous snapshot).
+    pub fn record_kv(
+        &self,
+        now: &engram_kvstore::StoreMetrics,
+        last: &engram_kvstore::StoreMetrics,
+    ) {
+        for (tier, n, l) in [
+            ("dram", &now.dram, &last.dram),
+            ("nvme", &now.nvme, &last.nvme),
+        ] {
+            let (Some(n), l) = (n, l) else { continue };
+            let d = |f: fn(&engram_kvstore::TierMetrics) -> u64| {
+                f(n).saturating_sub(l.as_ref().map_or(0, f))
+            };
+            self.kv_hits
+                .with_label_values(&[tier])
+                .inc_by(d(|m| m.hits));
+            self.kv_misses
+                .with_label_values(&[tier])
+                .inc_by(d(|m| m.misses));
+            self.kv_bytes_read
+                .with_label_values(&[tier])
+                .inc_by(d(|m| m.bytes_read));
+        }
+    }
+
+    /// The Prometheus text exposition.
+    pub fn render(&self) -> String {
+        let mut buf = Vec::new();
+        TextEncoder::new()
+            .encode(&self.registry.gather(), &mut buf)
+            .expect("text encoding cannot fail");
+        String::from_utf8(buf).expect("prometheus text is UTF-8")
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Metrics::new()
+    }
+}

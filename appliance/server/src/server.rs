@@ -1,0 +1,153 @@
+//! Start-up and serving: configuration -> hardware profile -> knowledge base and engine
+//! threads -> router on a bound listener -> graceful shutdown.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::api::{self, AppState, Limits};
+use crate::auth::Authenticator;
+use crate::config::Config;
+use crate::engine::{EngineHandle, EngineOptions};
+use crate::error::{Result, ServerError};
+use crate::kbtask::{KbHandle, KbOptions};
+use crate::metrics::Metrics;
+use crate::profile::{self, Machine, Profile};
+
+/// A daemon with everything loaded and its listener bound, not yet serving.
+pub struct Daemon {
+    listener: tokio::net::TcpListener,
+    state: AppState,
+    threads: Vec<std::thread::JoinHandle<()>>,
+}
+
+impl Daemon {
+    /// Picks the profile, opens the knowledge base, loads the engine and binds the address.
+    pub async fn build(config: Config) -> Result<Daemon> {
+        std::fs::create_dir_all(&config.data_dir)
+            .map_err(|e| ServerError::io("creating", &config.data_dir, e))?;
+        let profiles = Profile::load_all(config.profiles_dir.as_deref())?;
+        let machine = Machine::detect(&config.data_dir);
+        tracing::info!(
+            cores = machine.cores,
+            memory_gib = machine.memory_bytes >> 30,
+            gpus = machine.gpus,
+            disk_free_gib = machine.disk_free_bytes.map(|b| b >> 30),
+            "machine detected"
+        );
+        let chosen = profile::choose(&profiles, &machine, config.profile.as_deref())?;
+        for r in &chosen.reasons {
+            tracing::info!(profile = %chosen.profile.name, "{r}");
+        }
+        let p = &chosen.profile;
+        let threads = config
+            .threads
+            .unwrap_or(p.threads)
+            .min(machine.cores)
+            .max(1);
+        let queue_depth = config.queue_depth.unwrap_or(p.queue_depth);
+        let metrics = Arc::new(Metrics::new());
+        let auth = Arc::new(Authenticator::new(
+            &config.data_dir,
+            Duration::from_secs(config.auth_cache_secs),
+            config.auth_failures_per_minute,
+        )?);
+        if auth.key_count() == 0 {
+            tracing::warn!(
+                "no API keys yet: create one with `engramd keys create --data-dir {} --scopes admin`",
+                config.data_dir.display()
+            );
+        }
+        if !config.llm.is_file() {
+            return Err(ServerError::config(
+                "models.llm",
+                format!(
+                    "{} is not a file (set models.dir or ENGRAM_MODELS_DIR)",
+                    config.llm.display()
+                ),
+            ));
+        }
+        let (kb, kb_thread) = KbHandle::spawn(KbOptions {
+            data_dir: config.data_dir.clone(),
+            embedder: config.embedder.clone(),
+            llm: config.llm.clone(),
+            threads,
+            max_upload_bytes: config.max_upload_bytes,
+        })?;
+        tracing::info!(embedder = %kb.embed_model, "knowledge base open");
+        let (engine, engine_thread) = EngineHandle::spawn(
+            EngineOptions {
+                llm: config.llm.clone(),
+                threads,
+                kv_dir: config.kv_dir.clone(),
+                kv_dram_mib: config.kv_dram_mib.unwrap_or(p.kv_dram_mib),
+                kv_nvme_gib: config.kv_nvme_gib.unwrap_or(p.kv_nvme_gib),
+                kv_dtype: config.kv_dtype,
+                prefix_cache_mib: config.prefix_cache_mib,
+                policy: config.policy,
+                gate_max_kl: config.gate_max_kl,
+                queue_depth,
+            },
+            metrics.clone(),
+        )?;
+        tracing::info!(model = %engine.info.model_id, threads, queue_depth, "engine ready");
+        let listener = tokio::net::TcpListener::bind(config.listen)
+            .await
+            .map_err(|e| ServerError::io("binding", config.listen.to_string(), e))?;
+        let state = AppState {
+            kb,
+            engine,
+            auth,
+            metrics,
+            ingest: Arc::new(tokio::sync::Semaphore::new(config.ingest_concurrency)),
+            limits: Limits {
+                max_upload_bytes: config.max_upload_bytes,
+                max_tokens: config.max_tokens,
+                max_top_k: config.max_top_k,
+            },
+            profile: Arc::from(p.name.as_str()),
+        };
+        Ok(Daemon {
+            listener,
+            state,
+            threads: vec![kb_thread, engine_thread],
+        })
+    }
+
+    /// The bound address (useful with port 0).
+    pub fn local_addr(&self) -> SocketAddr {
+        self.listener
+            .local_addr()
+            .expect("a bound listener has an address")
+    }
+
+    /// Serves until `shutdown` resolves, then stops accepting, lets in-flight requests finish,
+    /// and waits for the engine and the knowledge base to stop (the knowledge base is flushed
+    /// when its owner drops it).
+    pub async fn serve(
+        self,
+        shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+    ) -> Result<()> {
+        let addr = self.local_addr();
+        let app = api::router(self.state);
+        tracing::info!(%addr, "listening");
+        crate::lifecycle::sd_notify("READY=1");
+        axum::serve(
+            self.listener,
+            app.into_make_service_with_connect_info::<SocketAddr>(),
+        )
+        .with_graceful_shutdown(shutdown)
+        .await
+        .map_err(|e| ServerError::io("serving", addr.to_string(), e))?;
+        let threads = self.threads;
+        tokio::task::spawn_blocking(move || {
+            for t in threads {
+                let _ = t.join();
+            }
+        })
+        .await
+        .ok();
+        tracing::info!("stopped");
+        Ok(())
+    }
+}

@@ -1,0 +1,587 @@
+//! End-to-end tests against a real `engramd` bound to 127.0.0.1:0, with the real models
+//! (`$ENGRAM_MODELS_DIR`, default `<workspace>/models`) and a temporary data directory.
+//!
+//! One server serves every test (loading the models once); it is set up with collections
+//! `a` (one document) and `b` (one document) and three keys: admin, a key granted only `a`
+//! (search + qa), and a search-only key. Generations use 4-8 tokens to keep the suite fast.
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::path::PathBuf;
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use engram_server::{Daemon, KeyStore, Overrides, RawConfig, Scope};
+use serde_json::{json, Value};
+
+struct Server {
+    addr: SocketAddr,
+    admin: String,
+    only_a: String,
+    search_only: String,
+    _dir: tempfile::TempDir,
+}
+
+fn models_dir() -> PathBuf {
+    std::env::var_os("ENGRAM_MODELS_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../models")))
+}
+
+/// Upload limit of the test server, small so the 413 test is cheap.
+const TEST_UPLOAD_LIMIT: usize = 1 << 20;
+
+fn server() -> &'static Server {
+    static SERVER: OnceLock<Server> = OnceLock::new();
+    SERVER.get_or_init(|| {
+        let dir = tempfile::tempdir().unwrap();
+        let keys = KeyStore::new(dir.path());
+        let (_, admin) = keys.create(vec![Scope::Admin], None).unwrap();
+        let (_, only_a) = keys
+            .create(vec![Scope::Search, Scope::Qa], Some(vec!["a".into()]))
+            .unwrap();
+        let (_, search_only) = keys.create(vec![Scope::Search], None).unwrap();
+        let mut raw = RawConfig::parse(&format!(
+            "[limits]\nmax_upload_bytes = {TEST_UPLOAD_LIMIT}\nmax_tokens = 64\n\
+             [auth]\nfailures_per_minute = 100000\n[kv]\ndram_mib = 64\nnvme_gib = 1\n"
+        ))
+        .unwrap();
+        raw.models.dir = Some(models_dir());
+        raw.models.threads = Some(2);
+        raw.apply_overrides(&Overrides {
+            listen: Some("127.0.0.1:0".into()),
+            data_dir: Some(dir.path().to_owned()),
+        });
+        let config = raw.validate().unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .enable_all()
+                .build()
+                .unwrap();
+            rt.block_on(async move {
+                let d = Daemon::build(config).await.expect("the daemon starts");
+                tx.send(d.local_addr()).unwrap();
+                d.serve(std::future::pending()).await.unwrap();
+            });
+        });
+        let addr = rx.recv_timeout(Duration::from_secs(300)).expect("server up");
+        let s = Server {
+            addr,
+            admin,
+            only_a,
+            search_only,
+            _dir: dir,
+        };
+        for (coll, name, text) in [
+            ("a", "leave.md", "# Leave policy\n\nEvery employee gets 25 days of paid leave per year. Unused leave expires in March."),
+            ("b", "secret.md", "# Project Falcon\n\nProject Falcon launches in October with a budget of four million."),
+        ] {
+            let r = s.call("POST", "/api/v1/collections", Some(&s.admin), Some(json!({"name": coll})));
+            assert_eq!(r.status, 201, "{}", r.text());
+            let r = s.call(
+                "POST",
+                &format!("/api/v1/collections/{coll}/documents/text"),
+                Some(&s.admin),
+                Some(json!({"name": name, "text": text, "metadata": {"dept": "hr"}})),
+            );
+            assert_eq!(r.status, 202, "{}", r.text());
+        }
+        s
+    })
+}
+
+struct Resp {
+    status: u16,
+    headers: Vec<(String, String)>,
+    body: Vec<u8>,
+}
+
+impl Resp {
+    fn text(&self) -> String {
+        String::from_utf8_lossy(&self.body).into_owned()
+    }
+    fn json(&self) -> Value {
+        serde_json::from_slice(&self.body).unwrap_or_else(|e| panic!("{e}: {}", self.text()))
+    }
+    fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(k, _)| k.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.as_str())
+    }
+    fn error_type(&self) -> String {
+        self.json()["error"]["type"]
+            .as_str()
+            .unwrap_or("")
+            .to_owned()
+    }
+}
+
+impl Server {
+    fn call(&self, method: &str, path: &str, key: Option<&str>, body: Option<Value>) -> Resp {
+        let body = body.map(|b| ("application/json", serde_json::to_vec(&b).unwrap()));
+        self.raw(method, path, key, body)
+    }
+
+    /// One HTTP/1.1 request with `Connection: close`; the response read to the end (chunked
+    /// bodies decoded).
+    fn raw(
+        &self,
+        method: &str,
+        path: &str,
+        key: Option<&str>,
+        body: Option<(&str, Vec<u8>)>,
+    ) -> Resp {
+        let mut s = TcpStream::connect(self.addr).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(300))).unwrap();
+        let mut head = format!("{method} {path} HTTP/1.1\r\nHost: test\r\nConnection: close\r\n");
+        if let Some(k) = key {
+            head.push_str(&format!("Authorization: Bearer {k}\r\n"));
+        }
+        let bytes = match body {
+            Some((ct, b)) => {
+                head.push_str(&format!(
+                    "Content-Type: {ct}\r\nContent-Length: {}\r\n",
+                    b.len()
+                ));
+                b
+            }
+            None => Vec::new(),
+        };
+        head.push_str("\r\n");
+        s.write_all(head.as_bytes()).unwrap();
+        let _ = s.write_all(&bytes);
+        let mut raw = Vec::new();
+        let _ = s.read_to_end(&mut raw);
+        let split = raw
+            .windows(4)
+            .position(|w| w == b"\r\n\r\n")
+            .expect("a response head");
+        let head = String::from_utf8_lossy(&raw[..split]).into_owned();
+        let mut lines = head.lines();
+        let status = lines
+            .next()
+            .unwrap()
+            .split(' ')
+            .nth(1)
+            .unwrap()
+            .parse()
+            .unwrap();
+        let headers: Vec<(String, String)> = lines
+            .filter_map(|l| l.split_once(':'))
+            .map(|(k, v)| (k.trim().to_owned(), v.trim().to_owned()))
+            .collect();
+        let mut body = raw[split + 4..].to_vec();
+        let chunked = headers
+            .iter()
+            .any(|(k, v)| k.eq_ignore_ascii_case("transfer-encoding") && v.contains("chunked"));
+        if chunked {
+            let mut out = Vec::new();
+            let mut at = 0;
+            while let Some(nl) = body[at..].windows(2).position(|w| w == b"\r\n") {
+                let size = usize::from_str_radix(
+                    std::str::from_utf8(&body[at..at + nl]).unwrap().trim(),
+                    16,
+                )
+                .unwrap();
+                at += nl + 2;
+                if size == 0 {
+                    break;
+                }
+                out.extend_from_slice(&body[at..at + size]);
+                at += size + 2;
+            }
+            body = out;
+        }
+        Resp {
+            status,
+            headers,
+            body,
+        }
+    }
+}
+
+/// Every authenticated route, with a body where it takes one.
+fn routes() -> Vec<(&'static str, &'static str)> {
+    vec![
+        ("GET", "/api/v1/collections"),
+        ("POST", "/api/v1/collections"),
+        ("GET", "/api/v1/collections/a"),
+        ("DELETE", "/api/v1/collections/a"),
+        ("GET", "/api/v1/collections/a/documents"),
+        ("POST", "/api/v1/collections/a/documents"),
+        ("POST", "/api/v1/collections/a/documents/text"),
+        ("GET", "/api/v1/collections/a/documents/1"),
+        ("DELETE", "/api/v1/collections/a/documents/1"),
+        ("GET", "/api/v1/collections/a/documents/1/chunks"),
+        ("POST", "/api/v1/search"),
+        ("POST", "/api/v1/qa"),
+        ("GET", "/api/v1/openapi.json"),
+        ("GET", "/v1/models"),
+        ("POST", "/v1/chat/completions"),
+        ("POST", "/v1/embeddings"),
+        ("POST", "/retrieval"),
+        ("GET", "/readyz"),
+        ("GET", "/metrics"),
+    ]
+}
+
+#[test]
+fn healthz_needs_no_key() {
+    let s = server();
+    let r = s.call("GET", "/healthz", None, None);
+    assert_eq!(r.status, 200);
+    assert_eq!(r.json()["status"], "ok");
+}
+
+#[test]
+fn every_route_rejects_missing_and_wrong_keys() {
+    let s = server();
+    let wrong_id = "egk_AAAAAAAA_BBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBB";
+    // A real key id with a wrong secret: the argon2 path.
+    let wrong_secret = format!("{}x", &s.search_only[..s.search_only.len() - 1]);
+    let wrong_secret = if wrong_secret == s.search_only {
+        format!("{}y", &s.search_only[..s.search_only.len() - 1])
+    } else {
+        wrong_secret
+    };
+    for (method, path) in routes() {
+        for key in [
+            None,
+            Some(wrong_id),
+            Some(wrong_secret.as_str()),
+            Some("not-a-key"),
+        ] {
+            let r = s.call(method, path, key, Some(json!({})));
+            assert_eq!(r.status, 401, "{method} {path} with {key:?}: {}", r.text());
+            assert_eq!(r.error_type(), "unauthorized", "{method} {path}");
+            assert!(r.header("www-authenticate").is_some());
+        }
+    }
+}
+
+#[test]
+fn collection_grants_are_enforced() {
+    let s = server();
+    let k = &s.only_a;
+    let r = s.call(
+        "POST",
+        "/api/v1/search",
+        Some(k),
+        Some(json!({"query": "Falcon", "collections": ["b"]})),
+    );
+    assert_eq!(r.status, 403, "{}", r.text());
+    assert_eq!(r.error_type(), "forbidden");
+    let r = s.call(
+        "POST",
+        "/api/v1/qa",
+        Some(k),
+        Some(
+            json!({"question": "When does Falcon launch?", "collections": ["b"], "max_tokens": 4}),
+        ),
+    );
+    assert_eq!(r.status, 403, "{}", r.text());
+    let r = s.call("POST", "/retrieval", Some(k), Some(json!({"knowledge_id": "b", "query": "Falcon", "retrieval_setting": {"top_k": 2, "score_threshold": 0.0}})));
+    assert_eq!(r.status, 403);
+    let r = s.call("POST", "/v1/chat/completions", Some(k), Some(json!({"messages": [{"role": "user", "content": "Falcon?"}], "engram": {"collections": ["a", "b"]}, "max_tokens": 4})));
+    assert_eq!(r.status, 403);
+    let r = s.call("GET", "/api/v1/collections/b/documents", Some(k), None);
+    assert_eq!(r.status, 403);
+    // Listing shows only the granted collection.
+    let r = s.call("GET", "/api/v1/collections", Some(k), None);
+    let names: Vec<String> = r.json()["collections"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["name"].as_str().unwrap().to_owned())
+        .collect();
+    assert_eq!(names, vec!["a"]);
+    // Scopes: a search-only key cannot ask or ingest.
+    let r = s.call(
+        "POST",
+        "/api/v1/qa",
+        Some(&s.search_only),
+        Some(json!({"question": "x", "collections": ["a"], "max_tokens": 4})),
+    );
+    assert_eq!(r.status, 403);
+    let r = s.call(
+        "POST",
+        "/api/v1/collections/a/documents/text",
+        Some(&s.search_only),
+        Some(json!({"name": "x.md", "text": "x"})),
+    );
+    assert_eq!(r.status, 403);
+}
+
+#[test]
+fn uploaded_text_is_listed_and_searchable() {
+    let s = server();
+    let r = s.call(
+        "POST",
+        "/api/v1/collections",
+        Some(&s.admin),
+        Some(json!({"name": "c"})),
+    );
+    assert_eq!(r.status, 201, "{}", r.text());
+    let r = s.call(
+        "POST",
+        "/api/v1/collections/c/documents/text",
+        Some(&s.admin),
+        Some(json!({"name": "kiwi.md", "text": "# Kiwi\n\nThe kiwi is a flightless bird native to New Zealand.", "metadata": {"kind": "bird"}})),
+    );
+    assert_eq!(r.status, 202, "{}", r.text());
+    let doc = r.json()["documents"][0].clone();
+    assert_eq!(doc["outcome"], "added");
+    let id = doc["id"].as_u64().unwrap();
+    let r = s.call(
+        "GET",
+        "/api/v1/collections/c/documents",
+        Some(&s.admin),
+        None,
+    );
+    let docs = r.json()["documents"].as_array().unwrap().clone();
+    assert_eq!(docs.len(), 1);
+    assert_eq!(docs[0]["stage"], "done");
+    assert!(docs[0]["stages"].as_array().unwrap().len() >= 2);
+    let r = s.call(
+        "GET",
+        &format!("/api/v1/collections/c/documents/{id}/chunks"),
+        Some(&s.admin),
+        None,
+    );
+    assert!(!r.json()["chunks"].as_array().unwrap().is_empty());
+    for mode in ["bm25", "dense", "hybrid"] {
+        let r = s.call(
+            "POST",
+            "/api/v1/search",
+            Some(&s.search_only),
+            Some(json!({"query": "flightless bird", "collections": ["c"], "top_k": 3, "mode": mode, "filters": {"kind": "bird"}})),
+        );
+        assert_eq!(r.status, 200, "{}", r.text());
+        let hit = &r.json()["hits"][0];
+        assert_eq!(hit["document"]["name"], "kiwi.md", "{mode}");
+        assert!(hit["span"]["chars"].is_array());
+    }
+    let r = s.call(
+        "POST",
+        "/api/v1/search",
+        Some(&s.search_only),
+        Some(json!({"query": "bird", "collections": ["c"], "filters": {"kind": "fish"}})),
+    );
+    assert!(r.json()["hits"].as_array().unwrap().is_empty());
+    // Dify.
+    let r = s.call("POST", "/retrieval", Some(&s.search_only), Some(json!({"knowledge_id": "c", "query": "kiwi", "retrieval_setting": {"top_k": 2, "score_threshold": 0.0}})));
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert!(r.json()["records"][0]["content"]
+        .as_str()
+        .unwrap()
+        .contains("kiwi"));
+    // Delete the document, then the collection.
+    let r = s.call(
+        "DELETE",
+        &format!("/api/v1/collections/c/documents/{id}"),
+        Some(&s.admin),
+        None,
+    );
+    assert_eq!(r.status, 200);
+    let r = s.call(
+        "GET",
+        &format!("/api/v1/collections/c/documents/{id}"),
+        Some(&s.admin),
+        None,
+    );
+    assert_eq!(r.status, 404);
+    assert_eq!(r.error_type(), "not_found");
+    assert_eq!(
+        s.call("DELETE", "/api/v1/collections/c", Some(&s.admin), None)
+            .status,
+        204
+    );
+}
+
+#[test]
+fn multipart_upload_and_size_limit() {
+    let s = server();
+    let boundary = "XyZbOuNdArY";
+    let body = format!(
+        "--{boundary}\r\nContent-Disposition: form-data; name=\"metadata\"\r\n\r\n{{\"src\":\"mp\"}}\r\n\
+         --{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"tea.txt\"\r\nContent-Type: text/plain\r\n\r\n\
+         Green tea is steeped at eighty degrees for two minutes.\r\n--{boundary}--\r\n"
+    );
+    let ct = format!("multipart/form-data; boundary={boundary}");
+    let r = s.raw(
+        "POST",
+        "/api/v1/collections/a/documents",
+        Some(&s.admin),
+        Some((&ct, body.into_bytes())),
+    );
+    assert_eq!(r.status, 202, "{}", r.text());
+    assert_eq!(r.json()["documents"][0]["outcome"], "added");
+    let big = vec![b'a'; TEST_UPLOAD_LIMIT + 10];
+    let r = s.raw(
+        "POST",
+        "/api/v1/collections/a/documents/text",
+        Some(&s.admin),
+        Some(("application/json", big)),
+    );
+    assert_eq!(r.status, 413, "{}", r.text());
+    assert_eq!(r.error_type(), "payload_too_large");
+}
+
+#[test]
+fn qa_returns_an_answer_with_citations() {
+    let s = server();
+    let r = s.call(
+        "POST",
+        "/api/v1/qa",
+        Some(&s.only_a),
+        Some(json!({"question": "How many days of paid leave?", "collections": ["a"], "top_k": 2, "max_tokens": 6})),
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    let v = r.json();
+    assert!(v["answer"].is_string());
+    assert_eq!(v["citations"][0]["doc_name"], "leave.md");
+    assert!(v["timings"]["first_token_ms"].as_f64().unwrap() > 0.0);
+    assert!(v["timings"]["retrieve_ms"].is_number());
+}
+
+#[test]
+fn qa_stream_ends_with_done() {
+    let s = server();
+    let r = s.call(
+        "POST",
+        "/api/v1/qa",
+        Some(&s.only_a),
+        Some(json!({"question": "When does unused leave expire?", "collections": ["a"], "top_k": 2, "max_tokens": 4, "stream": true})),
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert!(r
+        .header("content-type")
+        .unwrap()
+        .starts_with("text/event-stream"));
+    let text = r.text();
+    let events: Vec<&str> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("event: "))
+        .collect();
+    assert!(events.contains(&"token"), "{text}");
+    assert_eq!(
+        &events[events.len() - 3..],
+        ["citations", "timings", "done"],
+        "{text}"
+    );
+}
+
+#[test]
+fn openai_chat_json_and_stream() {
+    let s = server();
+    let r = s.call(
+        "POST",
+        "/v1/chat/completions",
+        Some(&s.only_a),
+        Some(json!({"model": "x", "messages": [{"role": "user", "content": "How many leave days?"}], "max_tokens": 4, "engram": {"collections": ["a"], "top_k": 1}})),
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    let v = r.json();
+    assert_eq!(v["object"], "chat.completion");
+    assert!(v["choices"][0]["message"]["content"].is_string());
+    assert_eq!(v["citations"][0]["collection"], "a");
+    let r = s.call(
+        "POST",
+        "/v1/chat/completions",
+        Some(&s.only_a),
+        Some(json!({"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hi"}], "max_tokens": 4, "stream": true})),
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    let text = r.text();
+    let data: Vec<&str> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .collect();
+    assert_eq!(*data.last().unwrap(), "[DONE]", "{text}");
+    let first: Value = serde_json::from_str(data[0]).unwrap();
+    assert_eq!(first["object"], "chat.completion.chunk");
+    let last: Value = serde_json::from_str(data[data.len() - 2]).unwrap();
+    assert!(last["choices"][0]["finish_reason"].is_string(), "{text}");
+}
+
+#[test]
+fn openai_models_and_embeddings() {
+    let s = server();
+    let r = s.call("GET", "/v1/models", Some(&s.search_only), None);
+    assert_eq!(r.status, 200);
+    assert_eq!(r.json()["data"].as_array().unwrap().len(), 2);
+    let r = s.call(
+        "POST",
+        "/v1/embeddings",
+        Some(&s.search_only),
+        Some(json!({"input": ["hello", "world"]})),
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    let v = r.json();
+    assert_eq!(v["data"].as_array().unwrap().len(), 2);
+    assert_eq!(v["data"][0]["embedding"].as_array().unwrap().len(), 384);
+}
+
+#[test]
+fn errors_share_one_shape() {
+    let s = server();
+    let r = s.raw(
+        "POST",
+        "/api/v1/search",
+        Some(&s.search_only),
+        Some(("application/json", b"{not json".to_vec())),
+    );
+    assert_eq!(r.status, 400);
+    assert_eq!(r.error_type(), "invalid_json");
+    let r = s.raw(
+        "POST",
+        "/api/v1/search",
+        Some(&s.search_only),
+        Some(("text/plain", b"{}".to_vec())),
+    );
+    assert_eq!(r.error_type(), "invalid_json");
+    let r = s.call(
+        "POST",
+        "/api/v1/search",
+        Some(&s.search_only),
+        Some(json!({"query": "x", "collections": ["a"], "top_k": 0})),
+    );
+    assert_eq!(
+        (r.status, r.error_type().as_str()),
+        (400, "invalid_request")
+    );
+    let r = s.call("GET", "/api/v1/nowhere", Some(&s.admin), None);
+    assert_eq!((r.status, r.error_type().as_str()), (404, "not_found"));
+    let r = s.call("PUT", "/api/v1/search", Some(&s.admin), Some(json!({})));
+    assert_eq!(r.status, 405);
+    assert_eq!(r.error_type(), "method_not_allowed");
+    let r = s.call("GET", "/api/v1/collections/none", Some(&s.admin), None);
+    assert_eq!((r.status, r.error_type().as_str()), (404, "not_found"));
+    let r = s.call(
+        "POST",
+        "/api/v1/collections",
+        Some(&s.admin),
+        Some(json!({"name": "a"})),
+    );
+    assert_eq!((r.status, r.error_type().as_str()), (409, "conflict"));
+}
+
+#[test]
+fn readyz_and_metrics() {
+    let s = server();
+    let r = s.call("GET", "/readyz", Some(&s.search_only), None);
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.json()["ready"], true);
+    let r = s.call("GET", "/metrics", Some(&s.search_only), None);
+    assert_eq!(r.status, 403);
+    let r = s.call("GET", "/metrics", Some(&s.admin), None);
+    assert_eq!(r.status, 200);
+    let text = r.text();
+    assert!(text.contains("engram_http_requests_total"), "{text}");
+    assert!(text.contains("engram_generation_queue_depth"));
+    let r = s.call("GET", "/api/v1/openapi.json", Some(&s.search_only), None);
+    assert_eq!(r.json()["openapi"], "3.1.0");
+}
