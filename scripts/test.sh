@@ -14,3 +14,4 @@ scripts/fetch-models.sh >/dev/null
 cargo fmt --all --check
 cargo clippy --workspace --all-targets --locked -- -D warnings
 cargo test --workspace --locked
+scripts/test-api.sh

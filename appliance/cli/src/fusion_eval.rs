@@ -78,6 +78,7 @@ struct Ctx {
 #[derive(Default)]
 struct Tally {
     first_token_agree: usize,
+    first_token_flags: Vec<bool>,
     answer_f1: Vec<f64>,
     kl: Vec<f64>,
     gold_f1: Vec<f64>,
@@ -185,6 +186,7 @@ pub fn run(a: FusionArgs) -> Result<()> {
                 .clone();
             t.n += 1;
             t.first_token_agree += usize::from(first == ref_first);
+            t.first_token_flags.push(first == ref_first);
             t.kl.push(kl_divergence(&ref_logits, &done.logits));
             t.answer_f1.push(token_f1(&answer, &ref_answer));
             let short = answer.lines().next().unwrap_or("").to_owned();
@@ -240,6 +242,8 @@ pub fn run(a: FusionArgs) -> Result<()> {
                 "first_token_agreement": t.first_token_agree as f64 / t.n as f64,
                 "answer_f1_vs_full": mean(&t.answer_f1),
                 "kl_mean": mean(&t.kl),
+                "kl_median": median(&t.kl),
+                "kl_max": t.kl.iter().copied().fold(0.0, f64::max),
                 "gold_f1": mean(&t.gold_f1),
                 "recompute_fraction": mean(&t.recompute_fraction),
                 "ttft_ms_median": ttft,
@@ -248,6 +252,12 @@ pub fn run(a: FusionArgs) -> Result<()> {
                 "kv_load_ms_median": median(&t.kv_load_ms),
                 "compute_ms_median": median(&t.recompute_ms),
                 "questions": t.n,
+                "per_question": {
+                    "kl": t.kl,
+                    "answer_f1_vs_full": t.answer_f1,
+                    "first_token_agree": t.first_token_flags,
+                    "ttft_ms": t.ttft_ms,
+                },
             }),
         );
     }
@@ -276,17 +286,27 @@ pub fn run(a: FusionArgs) -> Result<()> {
         model.threads()
     );
     println!(
-        "{:<16} {:>8} {:>8} {:>9} {:>8} {:>9} {:>10} {:>8} {:>9}",
-        "policy", "1st-tok", "F1/full", "KL", "gold F1", "recomp", "TTFT ms", "speedup", "KV ms"
+        "{:<16} {:>8} {:>8} {:>9} {:>9} {:>8} {:>9} {:>10} {:>8} {:>9}",
+        "policy",
+        "1st-tok",
+        "F1/full",
+        "KL mean",
+        "KL median",
+        "gold F1",
+        "recomp",
+        "TTFT ms",
+        "speedup",
+        "KV ms"
     );
     for name in &order {
         let v = &report["policies"][name];
         println!(
-            "{:<16} {:>8.3} {:>8.3} {:>9.4} {:>8.3} {:>9.3} {:>10.1} {:>7.1}x {:>9.1}",
+            "{:<16} {:>8.3} {:>8.3} {:>9.4} {:>9.4} {:>8.3} {:>9.3} {:>10.1} {:>7.1}x {:>9.1}",
             name,
             v["first_token_agreement"].as_f64().unwrap_or(0.0),
             v["answer_f1_vs_full"].as_f64().unwrap_or(0.0),
             v["kl_mean"].as_f64().unwrap_or(0.0),
+            v["kl_median"].as_f64().unwrap_or(0.0),
             v["gold_f1"].as_f64().unwrap_or(0.0),
             v["recompute_fraction"].as_f64().unwrap_or(0.0),
             v["ttft_ms_median"].as_f64().unwrap_or(0.0),

@@ -64,6 +64,18 @@ pub enum KbError {
         doc: String,
     },
 
+    /// The operation needs the document in another stage (e.g. cancelling one that is
+    /// already being parsed).
+    #[error("document {doc} is {stage}; this needs it {wanted}")]
+    WrongStage {
+        /// The document id.
+        doc: u64,
+        /// Its stage now.
+        stage: &'static str,
+        /// The stage(s) the operation accepts.
+        wanted: &'static str,
+    },
+
     /// A name, setting or metadata entry breaks a rule; `field` names it.
     #[error("invalid {field}: {reason}")]
     Invalid {

@@ -12,8 +12,13 @@
 //!
 //! A crash after 1 resumes the document from its blob on the next start; after 2 the index
 //! catches up from the change log.
+//!
+//! Two ways in: [`KnowledgeBase::ingest`] runs the whole flow in one call (the CLI), while
+//! [`KnowledgeBase::accept`] does step 1 only, flushed, and queues the document, and
+//! [`KnowledgeBase::process_queued`] moves the queue on by one bounded step per call (the
+//! daemon, which answers queries between steps).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 use std::time::{Duration, Instant};
 
 use engram_index::ChunkDoc;
@@ -126,16 +131,84 @@ struct Pending {
 }
 
 /// The state of one ingestion run.
-struct Run<'p> {
+pub(crate) struct Run {
     coll: Collection,
     job: Job,
     report: IngestReport,
     group: Vec<Pending>,
     group_chunks: usize,
+    /// Vectors of the group's first chunks (in order), when it is embedded in steps.
+    vectors: Vec<Vec<f32>>,
     /// Documents in the indexes but not yet committed, and their chunk count.
     uncommitted: Vec<(u64, usize)>,
     uncommitted_chunks: usize,
-    progress: &'p mut dyn FnMut(Progress<'_>),
+    /// A background run: stages are written to the catalog as they are entered, so that a
+    /// reader between two steps sees where each document is.
+    background: bool,
+    /// Documents that failed since the last [`KnowledgeBase::process_queued`] answer.
+    failed_ids: Vec<u64>,
+}
+
+/// Documents accepted and not yet through the pipeline, per collection (see
+/// [`KnowledgeBase::accept`]).
+#[derive(Default)]
+pub(crate) struct Background {
+    name: String,
+    queue: VecDeque<u64>,
+    run: Option<Run>,
+}
+
+impl Background {
+    fn holds(&self, doc: u64) -> bool {
+        self.queue.contains(&doc)
+            || self.run.as_ref().is_some_and(|r| {
+                r.group.iter().any(|p| p.doc.id == doc)
+                    || r.uncommitted.iter().any(|&(d, _)| d == doc)
+            })
+    }
+
+    /// Documents queued or in the pipeline.
+    fn pending(&self) -> usize {
+        self.queue.len()
+            + self
+                .run
+                .as_ref()
+                .map_or(0, |r| r.group.len() + r.uncommitted.len())
+    }
+}
+
+/// What [`KnowledgeBase::accept`] did with a document.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Admission {
+    /// Stored and queued.
+    Queued,
+    /// Stored and queued; the document that had this name before was removed.
+    Replaced { old: u64 },
+    /// Same content already in the collection (done, or queued already): nothing done.
+    Unchanged,
+    /// The same content under the same name had failed (or was cancelled): queued again
+    /// under its id.
+    Requeued,
+}
+
+/// The answer of [`KnowledgeBase::accept`]: the document is durable when it is returned.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Accepted {
+    pub doc: u64,
+    pub outcome: Admission,
+}
+
+/// What one [`KnowledgeBase::process_queued`] call did.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct QueueStep {
+    /// Whether there was anything to do.
+    pub worked: bool,
+    /// Documents that became searchable (`done`) in this step.
+    pub done: Vec<u64>,
+    /// Documents that failed in this step.
+    pub failed: Vec<u64>,
+    /// Documents of the collection still queued or in the pipeline.
+    pub pending: usize,
 }
 
 impl KnowledgeBase {
@@ -144,6 +217,9 @@ impl KnowledgeBase {
     /// time, and the indexes commit every [`COMMIT_EVERY`] chunks and at the end. A document
     /// that cannot be parsed is reported as failed; the others go on. Everything reported is
     /// durable when this returns.
+    ///
+    /// This is [`accept`](Self::accept) and processing in one call, without the queue: the
+    /// original bytes are parsed from memory and the catalog is flushed once per commit.
     pub fn ingest(
         &mut self,
         collection: &str,
@@ -152,22 +228,249 @@ impl KnowledgeBase {
     ) -> Result<IngestReport> {
         let started = Instant::now();
         let coll = self.collection(collection)?;
-        let mut run = self.start_run(coll, JobKind::Ingest, progress)?;
+        let mut run = self.start_run(coll, JobKind::Ingest, false)?;
         let res = (|| {
             for nd in docs {
-                self.ingest_one(&mut run, nd)?;
+                self.ingest_one(&mut run, nd, progress)?;
+                if run.group_chunks >= EMBED_BATCH {
+                    self.flush_group(&mut run, progress)?;
+                }
             }
-            self.flush_group(&mut run)?;
-            self.commit_run(&mut run)
+            self.flush_group(&mut run, progress)?;
+            self.commit_run(&mut run, progress)
         })();
         self.finish_run(run, res, started)
+    }
+
+    /// Stores a document durably (the original blob, fsynced, and its `queued` record,
+    /// flushed) and queues it for [`process_queued`](Self::process_queued); returns its id.
+    /// Once this returns the document is acknowledged: after a crash, [`open`](Self::open)
+    /// finishes it. Same content under the same name that is done or already queued is
+    /// `Unchanged`; new content under an existing name replaces that document at once.
+    pub fn accept(&mut self, collection: &str, nd: NewDocument) -> Result<Accepted> {
+        validate_doc(&nd)?;
+        let mut coll = self.collection(collection)?;
+        let (doc, (outcome, id)) = self.store_doc(&mut coll, &nd, true)?;
+        if doc.is_some() {
+            let bg = self.background.entry(coll.id).or_default();
+            bg.name = coll.name.clone();
+            bg.queue.push_back(id);
+        }
+        Ok(Accepted { doc: id, outcome })
+    }
+
+    /// Moves the queue of `collection` on by one bounded step: parse and chunk one document,
+    /// or embed up to `budget` chunks (at least one), or write an embedded group to the
+    /// catalog and the indexes, or commit the indexes (documents become `done`). A caller
+    /// that interleaves these calls with searches keeps both going.
+    pub fn process_queued(&mut self, collection: &str, budget: usize) -> Result<QueueStep> {
+        let coll = self.collection(collection)?;
+        let coll_id = coll.id;
+        let Some(mut bg) = self.background.remove(&coll_id) else {
+            return Ok(QueueStep::default());
+        };
+        let mut run = match bg.run.take() {
+            Some(mut r) => {
+                // Another call (a deletion, a replacement) may have changed the record.
+                r.coll = coll;
+                r
+            }
+            None if !bg.queue.is_empty() => self.start_run(coll, JobKind::Ingest, true)?,
+            None => return Ok(QueueStep::default()),
+        };
+        let mut step = QueueStep {
+            worked: true,
+            ..QueueStep::default()
+        };
+        let res = self.step(&mut run, &mut bg.queue, budget.max(1), &mut step);
+        step.failed.append(&mut run.failed_ids);
+        let res = match res {
+            Ok(false) => {
+                bg.run = Some(run);
+                Ok(())
+            }
+            Ok(true) => self.finish_run(run, Ok(()), Instant::now()).map(|_| ()),
+            Err(e) => {
+                // Documents caught in the failed step are marked failed (a re-index retries
+                // them); the rest of the queue goes on in the next call.
+                let reason = format!("ingestion stopped: {e}");
+                let indexed: Vec<u64> = run.uncommitted.iter().map(|&(d, _)| d).collect();
+                if self.commit_indexes(&mut run.coll, &indexed).is_ok() {
+                    step.done = indexed;
+                }
+                for p in std::mem::take(&mut run.group) {
+                    let mut d = p.doc;
+                    d.fail(reason.clone());
+                    let mut txn = Txn::default();
+                    if txn.put_document(&d).is_ok() && self.catalog.write(txn).is_ok() {
+                        step.failed.push(d.id);
+                    }
+                }
+                self.finish_run(run, Err(e), Instant::now()).map(|_| ())
+            }
+        };
+        step.pending = bg.pending();
+        if step.pending > 0 {
+            self.background.insert(coll_id, bg);
+        }
+        res.map(|()| step)
+    }
+
+    /// Names of the collections with documents queued or in the pipeline.
+    pub fn queued_collections(&self) -> Vec<String> {
+        self.background
+            .values()
+            .filter(|b| b.pending() > 0)
+            .map(|b| b.name.clone())
+            .collect()
+    }
+
+    /// Documents queued or in the pipeline, over every collection.
+    pub fn queued_documents(&self) -> usize {
+        self.background.values().map(Background::pending).sum()
+    }
+
+    /// Cancels a document that is still `queued` (not yet picked up): it becomes `failed`
+    /// with the reason `cancelled`, keeps its original, and can be re-indexed.
+    pub fn cancel(&mut self, collection: &str, id_or_name: &str) -> Result<Document> {
+        let mut doc = self.document(collection, id_or_name)?;
+        let picked_up = self
+            .background
+            .get(&doc.collection)
+            .and_then(|b| b.run.as_ref())
+            .is_some_and(|r| r.group.iter().any(|p| p.doc.id == doc.id));
+        if doc.stage != Stage::Queued || picked_up {
+            return Err(KbError::WrongStage {
+                doc: doc.id,
+                stage: if picked_up {
+                    "parsing"
+                } else {
+                    doc.stage.name()
+                },
+                wanted: "queued",
+            });
+        }
+        if let Some(bg) = self.background.get_mut(&doc.collection) {
+            bg.queue.retain(|&d| d != doc.id);
+        }
+        doc.fail(CANCELLED);
+        let mut txn = Txn::default();
+        txn.put_document(&doc)?;
+        self.catalog.write(txn)?;
+        self.catalog.flush()?;
+        Ok(doc)
+    }
+
+    /// Runs a document through the pipeline again from its stored original (after a failure,
+    /// a cancellation, or a change of chunking): its chunks leave the indexes now, and it is
+    /// queued for [`process_queued`](Self::process_queued). A document still in the pipeline
+    /// is refused.
+    pub fn reindex(&mut self, collection: &str, id_or_name: &str) -> Result<Document> {
+        let mut doc = self.document(collection, id_or_name)?;
+        let mut coll = self.collection(collection)?;
+        if !doc.stage.is_final()
+            || self
+                .background
+                .get(&coll.id)
+                .is_some_and(|b| b.holds(doc.id))
+        {
+            return Err(KbError::WrongStage {
+                doc: doc.id,
+                stage: doc.stage.name(),
+                wanted: "done or failed",
+            });
+        }
+        if !self.has_original(&doc)? {
+            return Err(KbError::corrupted(
+                format!("document {}", doc.id),
+                "its original is not in the blob store",
+            ));
+        }
+        let chunks = self.catalog.chunks(doc.id)?;
+        let seq = self.catalog.seq()? + 1;
+        let mut txn = Txn::default();
+        for c in &chunks {
+            txn.remove_chunk(c.id);
+        }
+        if doc.stage == Stage::Done {
+            coll.documents = coll.documents.saturating_sub(1);
+            coll.chunks = coll.chunks.saturating_sub(chunks.len() as u64);
+        }
+        coll.last_seq = seq;
+        txn.log(coll.id, seq, LogOp::Delete { doc: doc.id });
+        txn.put_collection(&coll);
+        txn.set_seq(seq);
+        doc.error = None;
+        doc.chunks = 0;
+        doc.enter(Stage::Queued);
+        txn.put_document(&doc)?;
+        self.catalog.write(txn)?;
+        let idx = self.indexes_mut(&coll)?;
+        idx.bm25.delete_doc(doc.id)?;
+        idx.vectors.delete_doc(doc.id)?;
+        self.commit_indexes(&mut coll, &[])?;
+        let bg = self.background.entry(coll.id).or_default();
+        bg.name = coll.name.clone();
+        bg.queue.push_back(doc.id);
+        Ok(doc)
+    }
+
+    /// Drops `doc` from the background queue (it was removed).
+    pub(crate) fn forget_queued(&mut self, coll: u64, doc: u64) {
+        if let Some(bg) = self.background.get_mut(&coll) {
+            bg.queue.retain(|&d| d != doc);
+        }
+    }
+
+    /// One step of a background run; `Ok(true)` when the run has nothing left.
+    fn step(
+        &mut self,
+        run: &mut Run,
+        queue: &mut VecDeque<u64>,
+        budget: usize,
+        step: &mut QueueStep,
+    ) -> Result<bool> {
+        let mut ignore = |_: Progress<'_>| {};
+        if !run.group.is_empty() && (run.group_chunks >= EMBED_BATCH || queue.is_empty()) {
+            if run.vectors.len() < run.group_chunks {
+                self.embed_some(run, budget, &mut ignore)?;
+            } else {
+                self.write_group(run, &mut ignore)?;
+            }
+            return Ok(false);
+        }
+        if run.uncommitted_chunks >= COMMIT_EVERY || (queue.is_empty() && run.group.is_empty()) {
+            if !run.uncommitted.is_empty() {
+                let docs: Vec<u64> = run.uncommitted.iter().map(|&(d, _)| d).collect();
+                self.commit_run(run, &mut ignore)?;
+                step.done = docs;
+            }
+            return Ok(queue.is_empty() && run.group.is_empty());
+        }
+        if let Some(id) = queue.pop_front() {
+            match self.catalog.document(id)? {
+                Some(doc) if doc.stage == Stage::Queued && doc.collection == run.coll.id => {
+                    run.job.total += 1;
+                    match self.original(&doc) {
+                        Ok(bytes) => self.process(run, doc, &bytes, usize::MAX, &mut ignore)?,
+                        Err(e) => {
+                            let reason = format!("the stored original cannot be read: {e}");
+                            self.fail(run, doc, usize::MAX, reason, &mut ignore)?;
+                        }
+                    }
+                }
+                // Deleted, cancelled or replaced since it was queued.
+                _ => {}
+            }
+        }
+        Ok(false)
     }
 
     /// Runs documents an interrupted run left before indexing through the pipeline again.
     pub(crate) fn resume(&mut self, coll: &mut Collection, docs: Vec<Document>) -> Result<()> {
         let started = Instant::now();
         let mut ignore = |_: Progress<'_>| {};
-        let mut run = self.start_run(coll.clone(), JobKind::Resume, &mut ignore)?;
+        let mut run = self.start_run(coll.clone(), JobKind::Resume, false)?;
         let res = (|| {
             for doc in docs {
                 run.job.total += 1;
@@ -175,25 +478,23 @@ impl KnowledgeBase {
                     Ok(b) => b,
                     Err(e) => {
                         let reason = format!("the stored original cannot be read: {e}");
-                        self.fail(&mut run, doc, usize::MAX, reason)?;
+                        self.fail(&mut run, doc, usize::MAX, reason, &mut ignore)?;
                         continue;
                     }
                 };
-                self.process(&mut run, doc, &bytes, usize::MAX)?;
+                self.process(&mut run, doc, &bytes, usize::MAX, &mut ignore)?;
+                if run.group_chunks >= EMBED_BATCH {
+                    self.flush_group(&mut run, &mut ignore)?;
+                }
             }
-            self.flush_group(&mut run)?;
-            self.commit_run(&mut run)
+            self.flush_group(&mut run, &mut ignore)?;
+            self.commit_run(&mut run, &mut ignore)
         })();
         *coll = run.coll.clone();
         self.finish_run(run, res, started).map(|_| ())
     }
 
-    fn start_run<'p>(
-        &mut self,
-        coll: Collection,
-        kind: JobKind,
-        progress: &'p mut dyn FnMut(Progress<'_>),
-    ) -> Result<Run<'p>> {
+    fn start_run(&mut self, coll: Collection, kind: JobKind, background: bool) -> Result<Run> {
         let job = Job {
             id: self.catalog.new_id()?,
             collection: coll.id,
@@ -218,18 +519,15 @@ impl KnowledgeBase {
             job,
             group: Vec::new(),
             group_chunks: 0,
+            vectors: Vec::new(),
             uncommitted: Vec::new(),
             uncommitted_chunks: 0,
-            progress,
+            background,
+            failed_ids: Vec::new(),
         })
     }
 
-    fn finish_run(
-        &mut self,
-        run: Run<'_>,
-        res: Result<()>,
-        started: Instant,
-    ) -> Result<IngestReport> {
+    fn finish_run(&mut self, run: Run, res: Result<()>, started: Instant) -> Result<IngestReport> {
         let Run {
             mut job,
             mut report,
@@ -252,7 +550,12 @@ impl KnowledgeBase {
         Ok(report)
     }
 
-    fn ingest_one(&mut self, run: &mut Run<'_>, nd: NewDocument) -> Result<()> {
+    fn ingest_one(
+        &mut self,
+        run: &mut Run,
+        nd: NewDocument,
+        progress: &mut dyn FnMut(Progress<'_>),
+    ) -> Result<()> {
         run.job.total += 1;
         let at = run.report.docs.len();
         run.report.docs.push(DocReport {
@@ -263,7 +566,7 @@ impl KnowledgeBase {
         });
         if let Err(e) = validate_doc(&nd) {
             let reason = e.to_string();
-            (run.progress)(Progress::Failed {
+            progress(Progress::Failed {
                 name: &nd.name,
                 reason: &reason,
             });
@@ -272,18 +575,48 @@ impl KnowledgeBase {
             return Ok(());
         }
         let t = Instant::now();
+        let (doc, (admission, id)) = self.store_doc(&mut run.coll, &nd, false)?;
+        run.report.times.store += t.elapsed();
+        match admission {
+            Admission::Unchanged => {
+                run.report.docs[at].outcome = Outcome::Unchanged { doc: id };
+                run.job.done += 1;
+                progress(Progress::Parsed { name: &nd.name });
+                return Ok(());
+            }
+            Admission::Replaced { old } => {
+                run.report.docs[at].outcome = Outcome::Replaced {
+                    doc: 0,
+                    chunks: 0,
+                    old,
+                };
+            }
+            Admission::Queued | Admission::Requeued => {}
+        }
+        let doc = doc.expect("a stored document unless unchanged");
+        self.process(run, doc, &nd.bytes, at, progress)
+    }
+
+    /// The store step of ingestion: finds what the collection holds under this content and
+    /// name, removes what the new document replaces, stores the blob and the `queued` record
+    /// (flushed when `flush`). Returns the record to process (none when unchanged), the
+    /// admission and the document id.
+    fn store_doc(
+        &mut self,
+        coll: &mut Collection,
+        nd: &NewDocument,
+        flush: bool,
+    ) -> Result<(Option<Document>, (Admission, u64))> {
         let hash = crate::blobs::ContentHash::of(&nd.bytes);
-        let coll_id = run.coll.id;
+        let coll_id = coll.id;
         let existing = match self.catalog.doc_by_hash(coll_id, hash)? {
             Some(id) => self.catalog.document(id)?,
             None => None,
         };
-        let doc = match existing {
-            Some(d) if d.stage == Stage::Done => {
-                run.report.docs[at].outcome = Outcome::Unchanged { doc: d.id };
-                run.job.done += 1;
-                (run.progress)(Progress::Parsed { name: &nd.name });
-                return Ok(());
+        let queued = |kb: &Self, id: u64| kb.background.get(&coll_id).is_some_and(|b| b.holds(id));
+        match existing {
+            Some(d) if d.stage == Stage::Done || (d.name == nd.name && queued(self, d.id)) => {
+                Ok((None, (Admission::Unchanged, d.id)))
             }
             Some(mut d) if d.name == nd.name => {
                 // Failed before, or left half-way: run it again under the same id.
@@ -296,25 +629,26 @@ impl KnowledgeBase {
                 d.enter(Stage::Queued);
                 txn.put_document(&d)?;
                 self.catalog.write(txn)?;
-                d
+                if flush {
+                    self.catalog.flush()?;
+                }
+                let id = d.id;
+                Ok((Some(d), (Admission::Requeued, id)))
             }
             other => {
                 // Same content under another name that is not done: that one is replaced too.
                 if let Some(d) = other {
-                    self.remove_document(&mut run.coll, &d)?;
+                    self.remove_document(coll, &d)?;
                 }
                 let replaced = match self.catalog.doc_by_name(coll_id, &nd.name)? {
                     Some(old) => self.catalog.document(old)?,
                     None => None,
                 };
+                let mut admission = Admission::Queued;
                 if let Some(old) = &replaced {
-                    self.remove_document(&mut run.coll, old)?;
+                    self.remove_document(coll, old)?;
                     self.remove_blob_if_unused(crate::catalog::doc_hash(old)?)?;
-                    run.report.docs[at].outcome = Outcome::Replaced {
-                        doc: 0,
-                        chunks: 0,
-                        old: old.id,
-                    };
+                    admission = Admission::Replaced { old: old.id };
                 }
                 self.blobs.put(&nd.bytes)?;
                 let mut d = Document {
@@ -335,20 +669,23 @@ impl KnowledgeBase {
                 let mut txn = Txn::default();
                 txn.put_document(&d)?;
                 self.catalog.write(txn)?;
-                d
+                if flush {
+                    self.catalog.flush()?;
+                }
+                let id = d.id;
+                Ok((Some(d), (admission, id)))
             }
-        };
-        run.report.times.store += t.elapsed();
-        self.process(run, doc, &nd.bytes, at)
+        }
     }
 
     /// Parses and chunks one stored document and queues it for embedding.
     fn process(
         &mut self,
-        run: &mut Run<'_>,
+        run: &mut Run,
         mut doc: Document,
         bytes: &[u8],
         at: usize,
+        progress: &mut dyn FnMut(Progress<'_>),
     ) -> Result<()> {
         let t = Instant::now();
         doc.enter(Stage::Parsing);
@@ -356,9 +693,9 @@ impl KnowledgeBase {
         run.report.times.parse += t.elapsed();
         let parsed = match parsed {
             Ok(p) => p,
-            Err(e) => return self.fail(run, doc, at, format!("cannot parse: {e}")),
+            Err(e) => return self.fail(run, doc, at, format!("cannot parse: {e}"), progress),
         };
-        (run.progress)(Progress::Parsed { name: &doc.name });
+        progress(Progress::Parsed { name: &doc.name });
         doc.format = Some(format!("{:?}", parsed.format).to_lowercase());
         doc.title = parsed.title.clone();
 
@@ -376,6 +713,7 @@ impl KnowledgeBase {
                 doc,
                 at,
                 "no text found (a scanned PDF needs OCR before it can be ingested)".into(),
+                progress,
             );
         }
         if spans.len() as u64 > MAX_CHUNKS_PER_DOC {
@@ -383,7 +721,7 @@ impl KnowledgeBase {
                 "{} chunks, more than the {MAX_CHUNKS_PER_DOC} a document may have: split the file or raise chunk_tokens",
                 spans.len()
             );
-            return self.fail(run, doc, at, reason);
+            return self.fail(run, doc, at, reason, progress);
         }
         let chunks: Vec<Chunk> = spans
             .into_iter()
@@ -399,35 +737,43 @@ impl KnowledgeBase {
                 tokens: s.tokens as u32,
             })
             .collect();
-        (run.progress)(Progress::Chunked {
+        progress(Progress::Chunked {
             name: &doc.name,
             chunks: chunks.len(),
         });
+        if run.background {
+            // Visible between steps: the document waits for (or is in) the embedder.
+            doc.enter(Stage::Embedding);
+            let mut txn = Txn::default();
+            txn.put_document(&doc)?;
+            self.catalog.write(txn)?;
+        }
         run.group_chunks += chunks.len();
         run.group.push(Pending {
             doc,
             chunks,
             report: at,
         });
-        if run.group_chunks >= EMBED_BATCH {
-            self.flush_group(run)?;
-        }
         Ok(())
     }
 
     /// Records a failed document (durably, with its reason).
     fn fail(
         &mut self,
-        run: &mut Run<'_>,
+        run: &mut Run,
         mut doc: Document,
         at: usize,
         reason: String,
+        progress: &mut dyn FnMut(Progress<'_>),
     ) -> Result<()> {
         doc.fail(reason.clone());
         let mut txn = Txn::default();
         txn.put_document(&doc)?;
         self.catalog.write(txn)?;
-        (run.progress)(Progress::Failed {
+        if run.background {
+            self.catalog.flush()?;
+        }
+        progress(Progress::Failed {
             name: &doc.name,
             reason: &reason,
         });
@@ -435,22 +781,13 @@ impl KnowledgeBase {
             r.outcome = Outcome::Failed { reason };
         }
         run.job.failed += 1;
+        run.failed_ids.push(doc.id);
         Ok(())
     }
 
-    /// Embeds the queued documents' chunks, writes them to the catalog with one change-log
-    /// entry per document, and adds them to the indexes (committed later).
-    fn flush_group(&mut self, run: &mut Run<'_>) -> Result<()> {
-        if run.group.is_empty() {
-            return Ok(());
-        }
-        let mut group = std::mem::take(&mut run.group);
-        run.group_chunks = 0;
-        for p in &mut group {
-            p.doc.enter(Stage::Embedding);
-        }
-        let t = Instant::now();
-        let texts: Vec<String> = group
+    /// The group's chunks' indexed texts, in order.
+    fn group_texts(group: &[Pending]) -> Vec<String> {
+        group
             .iter()
             .flat_map(|p| {
                 let title = p.doc.title.as_deref();
@@ -458,16 +795,87 @@ impl KnowledgeBase {
                     .iter()
                     .map(move |c| c.indexed_text(title).into_owned())
             })
-            .collect();
-        let mut vectors = Vec::with_capacity(texts.len());
-        for batch in texts.chunks(EMBED_BATCH) {
+            .collect()
+    }
+
+    /// Embeds up to `budget` more chunks of the group (at most [`EMBED_BATCH`] per call of
+    /// the embedder).
+    fn embed_some(
+        &mut self,
+        run: &mut Run,
+        budget: usize,
+        progress: &mut dyn FnMut(Progress<'_>),
+    ) -> Result<()> {
+        let t = Instant::now();
+        let texts = Self::group_texts(&run.group);
+        let from = run.vectors.len();
+        let to = from.saturating_add(budget).min(texts.len());
+        for batch in texts[from..to].chunks(EMBED_BATCH) {
             let batch: Vec<&str> = batch.iter().map(String::as_str).collect();
-            vectors.extend(self.models.embedder.embed(&batch)?);
-            (run.progress)(Progress::Embedded {
+            run.vectors.extend(self.models.embedder.embed(&batch)?);
+            progress(Progress::Embedded {
                 chunks: batch.len(),
             });
         }
         run.report.times.embed += t.elapsed();
+        Ok(())
+    }
+
+    /// Embeds the queued documents' chunks, writes them to the catalog with one change-log
+    /// entry per document, and adds them to the indexes (committed later).
+    fn flush_group(&mut self, run: &mut Run, progress: &mut dyn FnMut(Progress<'_>)) -> Result<()> {
+        if run.group.is_empty() {
+            return Ok(());
+        }
+        for p in &mut run.group {
+            if p.doc.stage != Stage::Embedding {
+                p.doc.enter(Stage::Embedding);
+            }
+        }
+        self.embed_some(run, usize::MAX, progress)?;
+        self.write_group(run, progress)
+    }
+
+    /// Writes an embedded group to the catalog and the indexes; commits when enough chunks
+    /// wait for a commit.
+    fn write_group(&mut self, run: &mut Run, progress: &mut dyn FnMut(Progress<'_>)) -> Result<()> {
+        let mut group = std::mem::take(&mut run.group);
+        let mut vectors = std::mem::take(&mut run.vectors);
+        run.group_chunks = 0;
+        debug_assert_eq!(
+            vectors.len(),
+            group.iter().map(|p| p.chunks.len()).sum::<usize>()
+        );
+        if run.background {
+            // A document deleted (or replaced) while it waited for the embedder is dropped.
+            let mut keep = Vec::with_capacity(group.len());
+            for p in &group {
+                let live = self
+                    .catalog
+                    .document(p.doc.id)?
+                    .is_some_and(|d| !d.stage.is_final());
+                keep.push(live);
+            }
+            if keep.iter().any(|k| !k) {
+                let mut kept_vectors = Vec::with_capacity(vectors.len());
+                let mut vecs = vectors.into_iter();
+                for (p, &k) in group.iter().zip(&keep) {
+                    for _ in 0..p.chunks.len() {
+                        let v = vecs.next().expect("one vector per chunk");
+                        if k {
+                            kept_vectors.push(v);
+                        }
+                    }
+                }
+                vectors = kept_vectors;
+                let mut k = keep.iter();
+                group.retain(|_| *k.next().expect("one flag per document"));
+            }
+            if group.is_empty() {
+                return Ok(());
+            }
+        }
+        let texts = Self::group_texts(&group);
 
         let t = Instant::now();
         let mut seq = self.catalog.seq()?;
@@ -529,14 +937,14 @@ impl KnowledgeBase {
             }
         }
         run.report.times.index += t.elapsed();
-        if run.uncommitted_chunks >= COMMIT_EVERY {
-            self.commit_run(run)?;
+        if run.uncommitted_chunks >= COMMIT_EVERY && !run.background {
+            self.commit_run(run, progress)?;
         }
         Ok(())
     }
 
     /// Commits the indexes and marks the uncommitted documents done.
-    fn commit_run(&mut self, run: &mut Run<'_>) -> Result<()> {
+    fn commit_run(&mut self, run: &mut Run, progress: &mut dyn FnMut(Progress<'_>)) -> Result<()> {
         if run.uncommitted.is_empty() {
             // Deletions (replaced documents) still need their commit.
             return self.commit_indexes(&mut run.coll, &[]);
@@ -549,7 +957,7 @@ impl KnowledgeBase {
         let mut txn = Txn::default();
         txn.put_job(&run.job);
         self.catalog.write(txn)?;
-        (run.progress)(Progress::Indexed {
+        progress(Progress::Indexed {
             docs: docs.len(),
             chunks: run.uncommitted_chunks,
         });
@@ -558,6 +966,9 @@ impl KnowledgeBase {
         Ok(())
     }
 }
+
+/// The reason a cancelled document carries.
+pub const CANCELLED: &str = "cancelled";
 
 /// The 1-based page holding byte `at`, when the parser reported pages.
 fn page_of(pages: &[std::ops::Range<usize>], at: usize) -> Option<u32> {

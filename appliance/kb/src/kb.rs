@@ -146,6 +146,9 @@ pub struct KnowledgeBase {
     pub(crate) models: Models,
     pub(crate) indexes: HashMap<u64, Indexes>,
     pub(crate) limits: engram_parse::Limits,
+    /// Accepted documents waiting for [`process_queued`](Self::process_queued), by
+    /// collection id.
+    pub(crate) background: HashMap<u64, crate::ingest::Background>,
     recovery: Recovery,
 }
 
@@ -189,6 +192,7 @@ impl KnowledgeBase {
             models,
             indexes: HashMap::new(),
             limits: engram_parse::Limits::default(),
+            background: HashMap::new(),
             recovery: Recovery::default(),
         };
         kb.recover()?;
@@ -286,6 +290,7 @@ impl KnowledgeBase {
         self.catalog.write(txn)?;
         self.catalog.flush()?;
         self.indexes.remove(&coll.id);
+        self.background.remove(&coll.id);
         let dir = self.collection_dir(coll.id);
         if dir.exists() {
             fs::remove_dir_all(&dir).map_err(|e| KbError::io("removing", &dir, e))?;
@@ -374,6 +379,7 @@ impl KnowledgeBase {
 
     /// Removes `doc` from the catalog (durably) and from the indexes (not yet committed).
     pub(crate) fn remove_document(&mut self, coll: &mut Collection, doc: &Document) -> Result<()> {
+        self.forget_queued(coll.id, doc.id);
         let chunks = self.catalog.chunks(doc.id)?;
         let seq = self.catalog.seq()? + 1;
         let mut txn = Txn::default();

@@ -51,7 +51,10 @@ pub use chunker::{
 };
 pub use engram_index::FusionMode;
 pub use error::{KbError, Result};
-pub use ingest::{DocReport, IngestReport, NewDocument, Outcome, Progress, StageTimes};
+pub use ingest::{
+    Accepted, Admission, DocReport, IngestReport, NewDocument, Outcome, Progress, QueueStep,
+    StageTimes, CANCELLED,
+};
 pub use kb::{
     blind_pieces, KnowledgeBase, Models, Recovery, COMMIT_EVERY, EMBED_BATCH, MIN_CJK_VOCAB,
 };

@@ -1,12 +1,14 @@
 //! The generation engine's one owner: a thread holding the model, tokenizer, chat template,
 //! chunk KV store and prefix cache, serving jobs from a bounded queue one at a time and
 //! streaming each job's tokens back over its own channel. A job whose receiver is gone (the
-//! client left) stops at the next token.
+//! client left) stops at the next token. When no job is waiting, the engine computes and
+//! stores the KV of newly indexed chunks (the chunk KV stage of ingestion), one chunk at a
+//! time, so a job waits behind at most one chunk's prefill.
 //!
 //! Continuous batching across sequences is a later step: a job runs alone from prefill to
 //! its last token.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -21,6 +23,7 @@ use engram_tokenizer::{ChatTemplate, Detokenizer, Message, Tokenizer};
 use tokio::sync::mpsc;
 
 use crate::error::{ApiError, Result, ServerError};
+use crate::kbtask::KvWork;
 use crate::metrics::Metrics;
 
 /// Seconds a client told "queue full" should wait: about one short answer on a small CPU.
@@ -112,6 +115,7 @@ impl EngineHandle {
     pub fn spawn(
         opts: EngineOptions,
         metrics: Arc<Metrics>,
+        kv_work: mpsc::UnboundedReceiver<KvWork>,
     ) -> Result<(EngineHandle, std::thread::JoinHandle<()>)> {
         let (tx, rx) = mpsc::channel::<Job>(opts.queue_depth);
         let (ready_tx, ready_rx) = std::sync::mpsc::channel();
@@ -127,7 +131,7 @@ impl EngineHandle {
                         tracing::warn!("fidelity gate for {}: {e}", opts.policy);
                     }
                     let _ = ready_tx.send(Ok(engine.info()));
-                    engine.run(rx);
+                    engine.run(rx, kv_work);
                 }
                 Err(e) => {
                     let _ = ready_tx.send(Err(e));
@@ -282,22 +286,88 @@ impl Engine {
         }
     }
 
-    fn run(mut self, mut rx: mpsc::Receiver<Job>) {
-        while let Some(job) = rx.blocking_recv() {
-            self.metrics.queue_depth.dec();
-            if job.events.is_closed() {
-                tracing::info!("job cancelled while queued");
-                continue;
+    /// Jobs first; chunk KV work only when no job waits; blocks on both when idle. Stops
+    /// when every handle is gone (chunk KV work left then is only a cache not yet filled).
+    fn run(mut self, mut rx: mpsc::Receiver<Job>, mut kv: mpsc::UnboundedReceiver<KvWork>) {
+        enum Next {
+            Job(Option<Job>),
+            Kv(Option<KvWork>),
+        }
+        // Only to wait on two channels at once; nothing runs on it.
+        let waiter = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .expect("a current-thread runtime builds");
+        let mut chunks: VecDeque<String> = VecDeque::new();
+        let mut kv_open = true;
+        loop {
+            let next = match rx.try_recv() {
+                Ok(job) => Next::Job(Some(job)),
+                Err(mpsc::error::TryRecvError::Disconnected) => Next::Job(None),
+                Err(mpsc::error::TryRecvError::Empty) => {
+                    if let Some(text) = chunks.pop_front() {
+                        self.precompute(&text);
+                        continue;
+                    }
+                    match kv.try_recv() {
+                        Ok(w) => Next::Kv(Some(w)),
+                        Err(_) => waiter.block_on(async {
+                            tokio::select! {
+                                biased;
+                                j = rx.recv() => Next::Job(j),
+                                w = kv.recv(), if kv_open => Next::Kv(w),
+                            }
+                        }),
+                    }
+                }
+            };
+            match next {
+                Next::Job(Some(job)) => self.handle(job),
+                Next::Job(None) => break,
+                Next::Kv(Some(w)) => chunks.extend(w),
+                Next::Kv(None) => kv_open = false,
             }
-            let events = job.events.clone();
-            if let Err(e) = self.serve(job) {
-                let _ = events.blocking_send(Event::Error(e));
-            }
-            let now = self.store.store().metrics();
-            self.metrics.record_kv(&now, &self.last_kv);
-            self.last_kv = now;
         }
         tracing::info!("engine stopped");
+    }
+
+    fn handle(&mut self, job: Job) {
+        self.metrics.queue_depth.dec();
+        if job.events.is_closed() {
+            tracing::info!("job cancelled while queued");
+            return;
+        }
+        let events = job.events.clone();
+        if let Err(e) = self.serve(job) {
+            let _ = events.blocking_send(Event::Error(e));
+        }
+        let now = self.store.store().metrics();
+        self.metrics.record_kv(&now, &self.last_kv);
+        self.last_kv = now;
+    }
+
+    /// The chunk KV stage for one chunk: computes and stores its KV unless a tier holds it
+    /// (the key is the one a question over this chunk looks up). Failures are logged: the
+    /// chunk is then computed when a question first needs it.
+    fn precompute(&mut self, text: &str) {
+        self.metrics
+            .ingest_pending
+            .with_label_values(&["chunk_kv"])
+            .dec();
+        let computed = chunk_tokens(&self.tokenizer, text)
+            .map_err(|e| e.to_string())
+            .and_then(|ids| {
+                self.store
+                    .ensure(&self.model, &ids)
+                    .map_err(|e| e.to_string())
+            });
+        match computed {
+            Ok(c) => self
+                .metrics
+                .ingested
+                .with_label_values(&[if c { "kv_computed" } else { "kv_present" }])
+                .inc(),
+            Err(e) => tracing::warn!("chunk KV precompute: {e}"),
+        }
     }
 
     /// The policy to use after the fidelity gate (run once per policy, recorded next to the

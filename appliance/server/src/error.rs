@@ -150,7 +150,9 @@ impl ApiError {
                 KbError::CollectionNotFound { .. } | KbError::DocumentNotFound { .. } => {
                     StatusCode::NOT_FOUND
                 }
-                KbError::CollectionExists { .. } => StatusCode::CONFLICT,
+                KbError::CollectionExists { .. } | KbError::WrongStage { .. } => {
+                    StatusCode::CONFLICT
+                }
                 KbError::Invalid { .. } => StatusCode::BAD_REQUEST,
                 _ => StatusCode::INTERNAL_SERVER_ERROR,
             },
@@ -181,7 +183,7 @@ impl ApiError {
                 KbError::CollectionNotFound { .. } | KbError::DocumentNotFound { .. } => {
                     "not_found"
                 }
-                KbError::CollectionExists { .. } => "conflict",
+                KbError::CollectionExists { .. } | KbError::WrongStage { .. } => "conflict",
                 KbError::Invalid { .. } => "invalid_request",
                 _ => "knowledge_base_error",
             },

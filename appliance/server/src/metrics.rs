@@ -1,8 +1,9 @@
 //! Prometheus metrics: requests and latency by route and status, time to first token, the
-//! generation queue, KV tier hits and bytes. Listed with types and units in docs/engramd.md.
+//! generation queue, KV tier hits and bytes, the ingestion queues. Listed with types and units in docs/engramd.md.
 
 use prometheus::{
-    Encoder, HistogramOpts, HistogramVec, IntCounterVec, IntGauge, Opts, Registry, TextEncoder,
+    Encoder, HistogramOpts, HistogramVec, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry,
+    TextEncoder,
 };
 
 /// Request latency buckets in seconds: 1 ms (health, auth cache hits) to 2 minutes (long
@@ -28,6 +29,11 @@ pub struct Metrics {
     pub kv_misses: IntCounterVec,
     pub kv_bytes_read: IntCounterVec,
     pub generated_tokens: IntCounterVec,
+    /// Documents accepted and not yet done (`documents`), chunks waiting for their KV
+    /// (`chunk_kv`).
+    pub ingest_pending: IntGaugeVec,
+    /// Ingestion outcomes: documents `done`, `failed`; chunk KV `kv_computed`, `kv_present`.
+    pub ingested: IntCounterVec,
 }
 
 impl Metrics {
@@ -86,8 +92,26 @@ impl Metrics {
             &["kind"],
         )
         .expect("valid metric");
+        let ingest_pending = IntGaugeVec::new(
+            Opts::new(
+                "engram_ingest_pending",
+                "Work waiting in the ingestion queues: documents, chunk_kv",
+            ),
+            &["queue"],
+        )
+        .expect("valid metric");
+        let ingested = IntCounterVec::new(
+            Opts::new(
+                "engram_ingested_total",
+                "Ingestion outcomes: documents done or failed, chunk KV computed or present",
+            ),
+            &["outcome"],
+        )
+        .expect("valid metric");
         for c in [
             Box::new(requests.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(ingest_pending.clone()),
+            Box::new(ingested.clone()),
             Box::new(latency.clone()),
             Box::new(ttft.clone()),
             Box::new(queue_depth.clone()),
@@ -110,6 +134,8 @@ impl Metrics {
             kv_misses,
             kv_bytes_read,
             generated_tokens,
+            ingest_pending,
+            ingested,
         }
     }
 

@@ -67,13 +67,19 @@ impl Daemon {
                 ),
             ));
         }
-        let (kb, kb_thread) = KbHandle::spawn(KbOptions {
-            data_dir: config.data_dir.clone(),
-            embedder: config.embedder.clone(),
-            llm: config.llm.clone(),
-            threads,
-            max_upload_bytes: config.max_upload_bytes,
-        })?;
+        // Chunks of newly indexed documents, from the knowledge base to the engine.
+        let (kv_tx, kv_rx) = tokio::sync::mpsc::unbounded_channel();
+        let (kb, kb_thread) = KbHandle::spawn(
+            KbOptions {
+                data_dir: config.data_dir.clone(),
+                embedder: config.embedder.clone(),
+                llm: config.llm.clone(),
+                threads,
+                max_upload_bytes: config.max_upload_bytes,
+                kv_work: Some(kv_tx),
+            },
+            metrics.clone(),
+        )?;
         tracing::info!(embedder = %kb.embed_model, "knowledge base open");
         let (engine, engine_thread) = EngineHandle::spawn(
             EngineOptions {
@@ -89,6 +95,7 @@ impl Daemon {
                 queue_depth,
             },
             metrics.clone(),
+            kv_rx,
         )?;
         tracing::info!(model = %engine.info.model_id, threads, queue_depth, "engine ready");
         let listener = tokio::net::TcpListener::bind(config.listen)

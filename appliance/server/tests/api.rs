@@ -87,6 +87,8 @@ fn server() -> &'static Server {
                 Some(json!({"name": name, "text": text, "metadata": {"dept": "hr"}})),
             );
             assert_eq!(r.status, 202, "{}", r.text());
+            let id = r.json()["documents"][0]["id"].as_u64().unwrap();
+            s.wait_for_stage(coll, id, "done");
         }
         s
     })
@@ -120,6 +122,36 @@ impl Resp {
 }
 
 impl Server {
+    /// Polls a document until it reaches `stage` (or a final stage, which must be it);
+    /// returns the stages seen on the way.
+    fn wait_for_stage(&self, coll: &str, id: u64, stage: &str) -> Vec<String> {
+        let mut seen: Vec<String> = Vec::new();
+        let deadline = std::time::Instant::now() + Duration::from_secs(300);
+        loop {
+            let r = self.call(
+                "GET",
+                &format!("/api/v1/collections/{coll}/documents/{id}"),
+                Some(&self.admin),
+                None,
+            );
+            assert_eq!(r.status, 200, "{}", r.text());
+            let now = r.json()["stage"].as_str().unwrap().to_owned();
+            if seen.last() != Some(&now) {
+                seen.push(now.clone());
+            }
+            if now == stage {
+                return seen;
+            }
+            assert!(
+                !matches!(now.as_str(), "done" | "failed"),
+                "document {id} ended {now}, not {stage}: {}",
+                r.text()
+            );
+            assert!(std::time::Instant::now() < deadline, "{id} stuck at {now}");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
     fn call(&self, method: &str, path: &str, key: Option<&str>, body: Option<Value>) -> Resp {
         let body = body.map(|b| ("application/json", serde_json::to_vec(&b).unwrap()));
         self.raw(method, path, key, body)
@@ -216,6 +248,8 @@ fn routes() -> Vec<(&'static str, &'static str)> {
         ("GET", "/api/v1/collections/a/documents/1"),
         ("DELETE", "/api/v1/collections/a/documents/1"),
         ("GET", "/api/v1/collections/a/documents/1/chunks"),
+        ("POST", "/api/v1/collections/a/documents/1/cancel"),
+        ("POST", "/api/v1/collections/a/documents/1/reindex"),
         ("POST", "/api/v1/search"),
         ("POST", "/api/v1/qa"),
         ("GET", "/api/v1/openapi.json"),
@@ -333,8 +367,10 @@ fn uploaded_text_is_listed_and_searchable() {
     );
     assert_eq!(r.status, 202, "{}", r.text());
     let doc = r.json()["documents"][0].clone();
-    assert_eq!(doc["outcome"], "added");
+    assert_eq!(doc["outcome"], "queued");
+    assert_eq!(doc["stage"], "queued");
     let id = doc["id"].as_u64().unwrap();
+    s.wait_for_stage("c", id, "done");
     let r = s.call(
         "GET",
         "/api/v1/collections/c/documents",
@@ -418,7 +454,9 @@ fn multipart_upload_and_size_limit() {
         Some((&ct, body.into_bytes())),
     );
     assert_eq!(r.status, 202, "{}", r.text());
-    assert_eq!(r.json()["documents"][0]["outcome"], "added");
+    assert_eq!(r.json()["documents"][0]["outcome"], "queued");
+    let id = r.json()["documents"][0]["id"].as_u64().unwrap();
+    s.wait_for_stage("a", id, "done");
     let big = vec![b'a'; TEST_UPLOAD_LIMIT + 10];
     let r = s.raw(
         "POST",
@@ -584,4 +622,149 @@ fn readyz_and_metrics() {
     assert!(text.contains("engram_generation_queue_depth"));
     let r = s.call("GET", "/api/v1/openapi.json", Some(&s.search_only), None);
     assert_eq!(r.json()["openapi"], "3.1.0");
+}
+
+#[test]
+fn uploads_are_queued_then_processed_and_can_be_cancelled_or_reindexed() {
+    let s = server();
+    // Small chunks: the big document has a few hundred, embedded 16 per step.
+    let r = s.call(
+        "POST",
+        "/api/v1/collections",
+        Some(&s.admin),
+        Some(json!({"name": "q", "chunk_tokens": 32, "overlap_tokens": 0})),
+    );
+    assert_eq!(r.status, 201, "{}", r.text());
+    let long: String = (0..400)
+        .map(|i| {
+            format!("Section {i}. The reservoir level is checked at gauge {i} every hour.\n\n")
+        })
+        .collect();
+    let boundary = "QqQbOuNdArY";
+    let body = format!(
+        "--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"big.md\"\r\n\r\n{long}\r\n\
+         --{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"small.md\"\r\n\r\n\
+         Small note: the spillway opens at 90 percent.\r\n--{boundary}--\r\n"
+    );
+    let ct = format!("multipart/form-data; boundary={boundary}");
+    let r = s.raw(
+        "POST",
+        "/api/v1/collections/q/documents",
+        Some(&s.admin),
+        Some((&ct, body.into_bytes())),
+    );
+    assert_eq!(r.status, 202, "{}", r.text());
+    let docs = r.json()["documents"].as_array().unwrap().clone();
+    for d in &docs {
+        assert_eq!(d["outcome"], "queued", "{d}");
+        assert_eq!(d["stage"], "queued", "{d}");
+    }
+    let (big, small) = (
+        docs[0]["id"].as_u64().unwrap(),
+        docs[1]["id"].as_u64().unwrap(),
+    );
+    // The small one waits while the big one is embedded: cancel it while it is queued.
+    let r = s.call(
+        "POST",
+        &format!("/api/v1/collections/q/documents/{small}/cancel"),
+        Some(&s.admin),
+        None,
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.json()["stage"], "failed");
+    assert_eq!(r.json()["error"], "cancelled");
+    // The big one goes through visible stages; a search in between answers.
+    let r = s.call(
+        "POST",
+        "/api/v1/search",
+        Some(&s.admin),
+        Some(json!({"query": "reservoir", "collections": ["q"]})),
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    let seen = s.wait_for_stage("q", big, "done");
+    assert_eq!(seen.last().map(String::as_str), Some("done"));
+    let r = s.call(
+        "GET",
+        &format!("/api/v1/collections/q/documents/{big}"),
+        Some(&s.admin),
+        None,
+    );
+    let stages: Vec<String> = r.json()["stages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["stage"].as_str().unwrap().to_owned())
+        .collect();
+    assert_eq!(
+        stages,
+        [
+            "queued",
+            "parsing",
+            "chunking",
+            "embedding",
+            "indexing",
+            "done"
+        ]
+    );
+    // Done: cannot be cancelled. The cancelled one can be re-indexed, then it is found.
+    let r = s.call(
+        "POST",
+        &format!("/api/v1/collections/q/documents/{big}/cancel"),
+        Some(&s.admin),
+        None,
+    );
+    assert_eq!(r.status, 409, "{}", r.text());
+    assert_eq!(r.error_type(), "conflict");
+    let r = s.call(
+        "POST",
+        "/api/v1/collections/q/documents/small.md/reindex",
+        Some(&s.admin),
+        None,
+    );
+    assert_eq!(r.status, 202, "{}", r.text());
+    assert_eq!(r.json()["stage"], "queued");
+    s.wait_for_stage("q", small, "done");
+    let r = s.call(
+        "POST",
+        "/api/v1/search",
+        Some(&s.admin),
+        Some(json!({"query": "spillway", "collections": ["q"], "mode": "bm25"})),
+    );
+    assert_eq!(
+        r.json()["hits"][0]["document"]["name"],
+        "small.md",
+        "{}",
+        r.text()
+    );
+    // A search-only key cannot cancel or re-index.
+    let r = s.call(
+        "POST",
+        &format!("/api/v1/collections/q/documents/{big}/reindex"),
+        Some(&s.search_only),
+        None,
+    );
+    assert_eq!(r.status, 403);
+    // The chunk KV stage ran for the indexed chunks (the engine is otherwise idle here).
+    let deadline = std::time::Instant::now() + Duration::from_secs(120);
+    loop {
+        let m = s.call("GET", "/metrics", Some(&s.admin), None).text();
+        let kv = m
+            .lines()
+            .filter(|l| l.starts_with("engram_ingested_total{outcome=\"kv_"))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum::<f64>();
+        if kv > 0.0 {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no chunk KV computed:\n{m}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert_eq!(
+        s.call("DELETE", "/api/v1/collections/q", Some(&s.admin), None)
+            .status,
+        204
+    );
 }

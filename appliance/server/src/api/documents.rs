@@ -1,17 +1,15 @@
 //! `/api/v1/collections/{name}/documents`: upload (multipart or JSON text), list, get,
-//! delete, chunks.
+//! delete, cancel, re-index, chunks.
 //!
-//! Gap: `KnowledgeBase::ingest` stores the original and its catalog record and then parses,
-//! chunks, embeds and indexes in the same call, and allocates the document id inside it. The
-//! upload therefore answers 202 once that call returns (the document is durable and its stage
-//! is final); a KB API that returns the id after the durable store and finishes in the
-//! background would let the answer come earlier.
+//! An upload answers 202 as soon as `KnowledgeBase::accept` has stored each original and its
+//! `queued` record durably; the knowledge-base thread then parses, chunks, embeds and indexes
+//! in the background (see `kbtask`), and `GET .../documents/{id}` shows the stage moving.
 
 use std::collections::BTreeMap;
 
 use axum::extract::{Multipart, Path, State};
 use axum::http::StatusCode;
-use engram_kb::{Document, IngestReport, NewDocument, Outcome};
+use engram_kb::{Admission, Document, KbError, NewDocument};
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
@@ -35,17 +33,20 @@ pub struct TextDocument {
 #[derive(Debug, Serialize, ToSchema)]
 pub struct UploadResult {
     pub name: String,
-    /// `added`, `replaced`, `unchanged` or `failed`.
+    /// `queued` (stored, waiting for processing), `replaced` (queued; the document that had
+    /// this name is gone), `requeued` (same content had failed or was cancelled: queued again
+    /// under its id), `unchanged` (same content already there or queued) or `failed`.
     pub outcome: &'static str,
     pub id: Option<u64>,
-    pub chunks: Option<u32>,
+    /// The document's stage now (`queued` right after an upload).
+    pub stage: Option<&'static str>,
     pub replaced_id: Option<u64>,
     pub reason: Option<String>,
 }
 
+/// The upload's documents, each durable when listed with an id.
 #[derive(Debug, Serialize, ToSchema)]
 pub struct UploadResponse {
-    pub job_id: u64,
     pub documents: Vec<UploadResult>,
 }
 
@@ -120,38 +121,7 @@ pub struct ChunkList {
     pub chunks: Vec<ChunkInfo>,
 }
 
-fn report(r: IngestReport) -> UploadResponse {
-    UploadResponse {
-        job_id: r.job,
-        documents: r
-            .docs
-            .into_iter()
-            .map(|d| {
-                let mut u = UploadResult {
-                    name: d.name,
-                    outcome: "failed",
-                    id: None,
-                    chunks: None,
-                    replaced_id: None,
-                    reason: None,
-                };
-                match d.outcome {
-                    Outcome::Added { doc, chunks } => {
-                        (u.outcome, u.id, u.chunks) = ("added", Some(doc), Some(chunks))
-                    }
-                    Outcome::Replaced { doc, chunks, old } => {
-                        (u.outcome, u.id, u.chunks, u.replaced_id) =
-                            ("replaced", Some(doc), Some(chunks), Some(old))
-                    }
-                    Outcome::Unchanged { doc } => (u.outcome, u.id) = ("unchanged", Some(doc)),
-                    Outcome::Failed { reason } => u.reason = Some(reason),
-                }
-                u
-            })
-            .collect(),
-    }
-}
-
+/// Accepts each document on the knowledge-base thread (one command for the whole upload).
 async fn ingest(
     s: &AppState,
     caller: &Caller,
@@ -172,15 +142,64 @@ async fn ingest(
     })?;
     let n = docs.len();
     let c = collection.clone();
-    let r =
-        s.kb.call(move |kb| kb.ingest(&c, docs, &mut |_| {}))
-            .await??;
-    tracing::info!(collection = %collection, documents = n, chunks = r.chunks, key = %caller.key_id, "ingested");
-    Ok((StatusCode::ACCEPTED, axum::Json(report(r))))
+    let results =
+        s.kb.call(move |kb| -> Result<Vec<UploadResult>, KbError> {
+            kb.collection(&c)?;
+            Ok(docs
+                .into_iter()
+                .map(|nd| {
+                    let name = nd.name.clone();
+                    let accepted = kb.accept(&c, nd).and_then(|a| {
+                        let stage = kb.document(&c, &a.doc.to_string())?.stage.name();
+                        Ok((a, stage))
+                    });
+                    upload_result(name, accepted)
+                })
+                .collect())
+        })
+        .await??;
+    let queued = results.iter().filter(|r| r.stage == Some("queued")).count();
+    tracing::info!(collection = %collection, documents = n, queued, key = %caller.key_id, "upload accepted");
+    Ok((
+        StatusCode::ACCEPTED,
+        axum::Json(UploadResponse { documents: results }),
+    ))
+}
+
+fn upload_result(
+    name: String,
+    accepted: Result<(engram_kb::Accepted, &'static str), KbError>,
+) -> UploadResult {
+    let mut u = UploadResult {
+        name,
+        outcome: "failed",
+        id: None,
+        stage: None,
+        replaced_id: None,
+        reason: None,
+    };
+    match accepted {
+        Ok((a, stage)) => {
+            u.id = Some(a.doc);
+            u.stage = Some(stage);
+            u.outcome = match a.outcome {
+                Admission::Queued => "queued",
+                Admission::Replaced { old } => {
+                    u.replaced_id = Some(old);
+                    "replaced"
+                }
+                Admission::Requeued => "requeued",
+                Admission::Unchanged => "unchanged",
+            };
+        }
+        Err(e) => u.reason = Some(e.to_string()),
+    }
+    u
 }
 
 /// Uploads files (multipart: any part with a file name is a document; an optional `metadata`
-/// part holds a JSON object of strings applied to every file). Scope `ingest`.
+/// part holds a JSON object of strings applied to every file). Answers 202 once every file
+/// is stored durably and queued; processing goes on in the background. Scope `ingest`.
 #[utoipa::path(post, path = "/api/v1/collections/{name}/documents", tag = "documents",
     params(("name" = String, Path)),
     request_body(content_type = "multipart/form-data", content = String),
@@ -311,6 +330,45 @@ pub async fn delete(
             .await??;
     tracing::info!(document = d.id, key = %caller.key_id, "document deleted");
     Ok(axum::Json(DocumentInfo::from(&d)))
+}
+
+/// Cancels a document that is still `queued`: it becomes `failed` with the reason
+/// `cancelled` (re-index it to try again). 409 once processing has started. Scope `ingest`.
+#[utoipa::path(post, path = "/api/v1/collections/{name}/documents/{id}/cancel", tag = "documents",
+    params(("name" = String, Path), ("id" = String, Path, description = "document id or name")),
+    responses((status = 200, body = DocumentInfo), (status = 404, body = crate::api::openapi::ErrorBody),
+        (status = 409, body = crate::api::openapi::ErrorBody)),
+    security(("bearer" = [])))]
+pub async fn cancel(
+    State(s): State<AppState>,
+    caller: Caller,
+    Path((name, id)): Path<(String, String)>,
+) -> Result<axum::Json<DocumentInfo>, ApiError> {
+    caller.require(Scope::Ingest)?;
+    caller.require_collection(&name)?;
+    let d = s.kb.call(move |kb| kb.cancel(&name, &id)).await??;
+    tracing::info!(document = d.id, key = %caller.key_id, "document cancelled");
+    Ok(axum::Json(DocumentInfo::from(&d)))
+}
+
+/// Runs a `done` or `failed` document through the pipeline again from its stored original
+/// (its chunks leave the indexes at once); answers 202 with the document `queued`. 409 while
+/// it is still being processed. Scope `ingest`.
+#[utoipa::path(post, path = "/api/v1/collections/{name}/documents/{id}/reindex", tag = "documents",
+    params(("name" = String, Path), ("id" = String, Path, description = "document id or name")),
+    responses((status = 202, body = DocumentInfo), (status = 404, body = crate::api::openapi::ErrorBody),
+        (status = 409, body = crate::api::openapi::ErrorBody)),
+    security(("bearer" = [])))]
+pub async fn reindex(
+    State(s): State<AppState>,
+    caller: Caller,
+    Path((name, id)): Path<(String, String)>,
+) -> Result<(StatusCode, axum::Json<DocumentInfo>), ApiError> {
+    caller.require(Scope::Ingest)?;
+    caller.require_collection(&name)?;
+    let d = s.kb.call(move |kb| kb.reindex(&name, &id)).await??;
+    tracing::info!(document = d.id, key = %caller.key_id, "document queued for re-indexing");
+    Ok((StatusCode::ACCEPTED, axum::Json(DocumentInfo::from(&d))))
 }
 
 /// A document's chunks with their spans. Scope `search`.

@@ -86,6 +86,14 @@ pub fn router(state: AppState) -> Router {
             "/api/v1/collections/{name}/documents/{id}/chunks",
             get(documents::chunks),
         )
+        .route(
+            "/api/v1/collections/{name}/documents/{id}/cancel",
+            post(documents::cancel),
+        )
+        .route(
+            "/api/v1/collections/{name}/documents/{id}/reindex",
+            post(documents::reindex),
+        )
         .route("/api/v1/search", post(search::search))
         .route("/api/v1/qa", post(qa::qa))
         .route("/api/v1/openapi.json", get(openapi::serve))

@@ -271,6 +271,8 @@ pub struct EmbeddingsRequest {
     #[schema(value_type = Object)]
     pub input: serde_json::Value,
     pub model: Option<String>,
+    /// `float` (the default) or `base64` (little-endian f32, as OpenAI's clients ask for).
+    pub encoding_format: Option<String>,
 }
 
 /// Sentence embeddings from the knowledge base's embedder. Scope `search`.
@@ -302,6 +304,16 @@ pub async fn embeddings(
             ))
         }
     };
+    let base64 = match b.encoding_format.as_deref() {
+        None | Some("float") => false,
+        Some("base64") => true,
+        Some(other) => {
+            return Err(ApiError::invalid(
+                "encoding_format",
+                format!("{other:?}: expected \"float\" or \"base64\""),
+            ))
+        }
+    };
     if inputs.is_empty() || inputs.len() > MAX_EMBED_INPUTS {
         return Err(ApiError::invalid(
             "input",
@@ -322,10 +334,47 @@ pub async fn embeddings(
         .map_err(|e| ApiError::internal(format!("embedding: {e}")))?;
     Ok(axum::Json(serde_json::json!({
         "object": "list",
-        "data": vectors.iter().enumerate().map(|(i, v)| serde_json::json!({
-            "object": "embedding", "index": i, "embedding": v,
-        })).collect::<Vec<_>>(),
+        "data": vectors.iter().enumerate().map(|(i, v)| {
+            let embedding = if base64 {
+                serde_json::Value::String(base64_f32(v))
+            } else {
+                serde_json::json!(v)
+            };
+            serde_json::json!({"object": "embedding", "index": i, "embedding": embedding})
+        }).collect::<Vec<_>>(),
         "model": b.model.unwrap_or_else(|| s.kb.embed_model.to_string()),
         "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
     })))
+}
+
+/// Standard base64 (with padding) of the vector's little-endian f32 bytes: OpenAI's
+/// `encoding_format: "base64"`.
+fn base64_f32(v: &[f32]) -> String {
+    const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+    let mut out = String::with_capacity(bytes.len().div_ceil(3) * 4);
+    for c in bytes.chunks(3) {
+        let n = (c[0] as u32) << 16
+            | (*c.get(1).unwrap_or(&0) as u32) << 8
+            | *c.get(2).unwrap_or(&0) as u32;
+        for i in 0..4 {
+            if i <= c.len() {
+                out.push(ALPHABET[(n >> (18 - 6 * i) & 63) as usize] as char);
+            } else {
+                out.push('=');
+            }
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn base64_matches_the_standard_alphabet_and_padding() {
+        // 1.0f32 = 00 00 80 3f
+        assert_eq!(super::base64_f32(&[1.0]), "AACAPw==");
+        assert_eq!(super::base64_f32(&[1.0, -2.0, 0.5]), "AACAPwAAAMAAAAA/");
+        assert_eq!(super::base64_f32(&[]), "");
+    }
 }

@@ -45,7 +45,7 @@ impl Modify for Bearer {
     paths(
         collections::list, collections::create, collections::get, collections::delete,
         documents::upload, documents::upload_text, documents::list, documents::get,
-        documents::delete, documents::chunks,
+        documents::delete, documents::chunks, documents::cancel, documents::reindex,
         search::search, search::dify_retrieval, qa::qa,
         openai::models, openai::chat, openai::embeddings,
         health::healthz, health::readyz, health::metrics,

@@ -1,0 +1,225 @@
+//! The queued ingestion path with the real models: `accept` is durable on its own (a
+//! knowledge base dropped before any processing finishes the document when reopened),
+//! `process_queued` moves documents through the stages in bounded steps, and cancel and
+//! re-index act on the queue.
+//!
+//! Lives here rather than in the workspace's `tests/` binary because it only needs this
+//! crate; it loads the models from `$ENGRAM_MODELS_DIR` (default `<workspace>/models`).
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, OnceLock};
+
+use engram_kb::{
+    Admission, ChunkConfig, KbError, KnowledgeBase, Models, NewDocument, SearchRequest, Stage,
+    CANCELLED,
+};
+
+fn models_dir() -> PathBuf {
+    std::env::var_os("ENGRAM_MODELS_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../models")))
+}
+
+fn models() -> Models {
+    static MODELS: OnceLock<Models> = OnceLock::new();
+    MODELS
+        .get_or_init(|| {
+            let dir = models_dir();
+            let gguf = engram_gguf::GgufFile::open(dir.join("SmolLM2-135M-Instruct.Q4_1.gguf"))
+                .expect("the LLM opens (run scripts/fetch-models.sh)");
+            let tokens = engram_tokenizer::Tokenizer::from_gguf(gguf.metadata()).unwrap();
+            Models::load(&dir.join("all-MiniLM-L6-v2"), 2, Arc::new(tokens))
+                .expect("the embedder loads")
+        })
+        .clone()
+}
+
+/// A fresh directory under the system temp dir, removed on drop.
+struct TempDir(PathBuf);
+
+impl TempDir {
+    fn new(name: &str) -> TempDir {
+        let p = std::env::temp_dir().join(format!("engram-kb-queue-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&p);
+        TempDir(p)
+    }
+    fn path(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn doc(name: &str, text: &str) -> NewDocument {
+    NewDocument::new(name, text.as_bytes().to_vec())
+}
+
+fn stage(kb: &KnowledgeBase, coll: &str, id: u64) -> Stage {
+    kb.document(coll, &id.to_string()).unwrap().stage
+}
+
+/// Runs the queue of `coll` to the end, one small step at a time; returns the steps taken.
+fn drain(kb: &mut KnowledgeBase, coll: &str) -> usize {
+    let mut steps = 0;
+    loop {
+        let s = kb.process_queued(coll, 4).unwrap();
+        if !s.worked {
+            return steps;
+        }
+        steps += 1;
+        assert!(steps < 10_000, "the queue does not drain");
+    }
+}
+
+#[test]
+fn accepted_documents_survive_a_drop_before_processing() {
+    let dir = TempDir::new("crash");
+    let ids: Vec<u64> = {
+        let mut kb = KnowledgeBase::open(dir.path(), models()).unwrap();
+        kb.ensure_collection("c", ChunkConfig::default()).unwrap();
+        let ids = ["a", "b", "c"]
+            .iter()
+            .map(|n| {
+                let a = kb
+                    .accept(
+                        "c",
+                        doc(
+                            &format!("{n}.md"),
+                            &format!("# {n}\n\nThe {n} pump is inspected weekly."),
+                        ),
+                    )
+                    .unwrap();
+                assert_eq!(a.outcome, Admission::Queued);
+                a.doc
+            })
+            .collect();
+        for &id in &ids {
+            assert_eq!(stage(&kb, "c", id), Stage::Queued);
+        }
+        assert_eq!(kb.queued_documents(), 3);
+        // One step only, then the process "dies": the KB is dropped mid-queue.
+        kb.process_queued("c", 4).unwrap();
+        ids
+    };
+    let kb = KnowledgeBase::open(dir.path(), models()).unwrap();
+    assert_eq!(kb.recovery().resumed, 3);
+    for &id in &ids {
+        assert_eq!(stage(&kb, "c", id), Stage::Done);
+    }
+    let hits = kb.search(&SearchRequest::new("c", "b pump")).unwrap().hits;
+    assert!(!hits.is_empty());
+    assert_eq!(kb.index_sizes("c").unwrap(), (3, 3));
+}
+
+#[test]
+fn queued_documents_move_through_the_stages_in_steps() {
+    let dir = TempDir::new("steps");
+    let mut kb = KnowledgeBase::open(dir.path(), models()).unwrap();
+    kb.ensure_collection("c", ChunkConfig::default()).unwrap();
+    let long: String = (0..40)
+        .map(|i| format!("Paragraph {i}: the station pumps water to district {i} every day.\n\n"))
+        .collect();
+    let a = kb.accept("c", doc("long.md", &long)).unwrap();
+    let b = kb
+        .accept("c", doc("short.md", "Short note about valves."))
+        .unwrap();
+    // The same content and name again while queued: nothing new.
+    let again = kb
+        .accept("c", doc("short.md", "Short note about valves."))
+        .unwrap();
+    assert_eq!((again.doc, again.outcome), (b.doc, Admission::Unchanged));
+    assert_eq!(kb.queued_collections(), vec!["c".to_owned()]);
+
+    let first = kb.process_queued("c", 2).unwrap();
+    assert!(first.worked && first.done.is_empty());
+    assert_eq!(stage(&kb, "c", a.doc), Stage::Embedding);
+    assert_eq!(stage(&kb, "c", b.doc), Stage::Queued);
+    // A search between steps works (and sees nothing yet).
+    assert!(kb
+        .search(&SearchRequest::new("c", "valves"))
+        .unwrap()
+        .hits
+        .is_empty());
+    let mut seen_done = Vec::new();
+    let mut steps = 1;
+    while let Ok(s) = kb.process_queued("c", 2) {
+        if !s.worked {
+            break;
+        }
+        seen_done.extend(s.done);
+        steps += 1;
+    }
+    assert!(steps > 4, "small budgets take several steps ({steps})");
+    seen_done.sort();
+    assert_eq!(seen_done, vec![a.doc, b.doc]);
+    let d = kb.document("c", "long.md").unwrap();
+    let stages: Vec<Stage> = d.stages.iter().map(|s| s.stage).collect();
+    assert_eq!(
+        stages,
+        [
+            Stage::Queued,
+            Stage::Parsing,
+            Stage::Chunking,
+            Stage::Embedding,
+            Stage::Indexing,
+            Stage::Done
+        ]
+    );
+    assert!(d.chunks > 1);
+    assert_eq!(kb.queued_documents(), 0);
+    assert!(kb.queued_collections().is_empty());
+    let hits = kb.search(&SearchRequest::new("c", "valves")).unwrap().hits;
+    assert_eq!(hits[0].doc_name, "short.md");
+    let (bm25, vectors) = kb.index_sizes("c").unwrap();
+    assert_eq!((bm25, vectors), (d.chunks as u64 + 1, d.chunks as u64 + 1));
+}
+
+#[test]
+fn cancel_reindex_and_delete_act_on_the_queue() {
+    let dir = TempDir::new("cancel");
+    let mut kb = KnowledgeBase::open(dir.path(), models()).unwrap();
+    kb.ensure_collection("c", ChunkConfig::default()).unwrap();
+    let a = kb
+        .accept("c", doc("a.md", "Alpha pumps are blue."))
+        .unwrap();
+    let b = kb.accept("c", doc("b.md", "Beta valves are red.")).unwrap();
+    let c = kb
+        .accept("c", doc("c.md", "Gamma pipes are green."))
+        .unwrap();
+    let cancelled = kb.cancel("c", "a.md").unwrap();
+    assert_eq!(cancelled.stage, Stage::Failed);
+    assert_eq!(cancelled.error.as_deref(), Some(CANCELLED));
+    kb.delete_document("c", &c.doc.to_string()).unwrap();
+    drain(&mut kb, "c");
+    assert_eq!(stage(&kb, "c", a.doc), Stage::Failed);
+    assert_eq!(stage(&kb, "c", b.doc), Stage::Done);
+    assert_eq!(kb.index_sizes("c").unwrap(), (1, 1));
+    // Done documents cannot be cancelled; they can be re-indexed.
+    assert!(matches!(
+        kb.cancel("c", "b.md"),
+        Err(KbError::WrongStage { .. })
+    ));
+    for name in ["a.md", "b.md"] {
+        assert_eq!(kb.reindex("c", name).unwrap().stage, Stage::Queued);
+    }
+    assert!(matches!(
+        kb.reindex("c", "a.md"),
+        Err(KbError::WrongStage { .. })
+    ));
+    drain(&mut kb, "c");
+    assert_eq!(stage(&kb, "c", a.doc), Stage::Done);
+    assert_eq!(stage(&kb, "c", b.doc), Stage::Done);
+    assert_eq!(kb.index_sizes("c").unwrap(), (2, 2));
+    let coll = kb.collection("c").unwrap();
+    assert_eq!((coll.documents, coll.chunks), (2, 2));
+    // Reopening finds everything consistent: nothing rebuilt, nothing resumed.
+    drop(kb);
+    let kb = KnowledgeBase::open(dir.path(), models()).unwrap();
+    assert_eq!(kb.recovery().resumed, 0);
+    assert!(kb.recovery().rebuilt.is_empty(), "{:?}", kb.recovery());
+    assert_eq!(kb.index_sizes("c").unwrap(), (2, 2));
+}

@@ -1,0 +1,217 @@
+//! Load generator for a running `engramd` (not a test; see `bench/load.sh`).
+//!
+//! 1. Throughput: for each stream count (default 1 and 8), that many clients each send
+//!    `--requests` chat completions of `--max-tokens` tokens at once; the aggregate decode
+//!    rate is the generated tokens (`usage.completion_tokens`) over the phase's wall time,
+//!    and the ratio to one stream is printed.
+//! 2. Overload: `--clients` clients loop for `--seconds`, counting 2xx, 429 and everything
+//!    else (other statuses and connection failures are errors), while the daemon's RSS
+//!    (`/proc/<pid>/status`, with `--pid`) is sampled every 100 ms.
+//!
+//! ```sh
+//! cargo run --release -p engram-server --example load -- --url http://127.0.0.1:8080 \
+//!     --key "$KEY" --pid "$(pgrep -n engramd)" [--collection handbook]
+//! ```
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+struct Args {
+    addr: SocketAddr,
+    key: String,
+    collection: Option<String>,
+    max_tokens: usize,
+    streams: Vec<usize>,
+    requests: usize,
+    clients: usize,
+    seconds: u64,
+    pid: Option<u32>,
+}
+
+fn args() -> Args {
+    let mut a = Args {
+        addr: "127.0.0.1:8080".parse().unwrap(),
+        key: std::env::var("ENGRAM_KEY").unwrap_or_default(),
+        collection: None,
+        max_tokens: 64,
+        streams: vec![1, 8],
+        requests: 2,
+        clients: 64,
+        seconds: 30,
+        pid: None,
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(flag) = it.next() {
+        let mut val = || it.next().unwrap_or_else(|| panic!("{flag} needs a value"));
+        match flag.as_str() {
+            "--url" => {
+                let v = val();
+                let host = v.trim_start_matches("http://").trim_end_matches('/');
+                a.addr = host.to_socket_addrs().unwrap().next().unwrap();
+            }
+            "--key" => a.key = val(),
+            "--collection" => a.collection = Some(val()),
+            "--max-tokens" => a.max_tokens = val().parse().unwrap(),
+            "--streams" => a.streams = val().split(',').map(|s| s.parse().unwrap()).collect(),
+            "--requests" => a.requests = val().parse().unwrap(),
+            "--clients" => a.clients = val().parse().unwrap(),
+            "--seconds" => a.seconds = val().parse().unwrap(),
+            "--pid" => a.pid = Some(val().parse().unwrap()),
+            _ => panic!("unknown flag {flag}; see the source's header"),
+        }
+    }
+    a
+}
+
+/// One POST with `Connection: close`: `Err` on a connection failure, else (status, body).
+fn post(addr: SocketAddr, key: &str, path: &str, body: &Value) -> Result<(u16, Value), String> {
+    let mut s =
+        TcpStream::connect_timeout(&addr, Duration::from_secs(10)).map_err(|e| e.to_string())?;
+    s.set_read_timeout(Some(Duration::from_secs(600)))
+        .map_err(|e| e.to_string())?;
+    let body = serde_json::to_vec(body).unwrap();
+    let head = format!(
+        "POST {path} HTTP/1.1\r\nHost: load\r\nConnection: close\r\nAuthorization: Bearer {key}\r\n\
+         Content-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+        body.len()
+    );
+    s.write_all(head.as_bytes()).map_err(|e| e.to_string())?;
+    s.write_all(&body).map_err(|e| e.to_string())?;
+    let mut raw = Vec::new();
+    s.read_to_end(&mut raw).map_err(|e| e.to_string())?;
+    let split = raw
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .ok_or("no response head")?;
+    let head = String::from_utf8_lossy(&raw[..split]);
+    let status = head
+        .split(' ')
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .ok_or("bad status line")?;
+    Ok((
+        status,
+        serde_json::from_slice(&raw[split + 4..]).unwrap_or(Value::Null),
+    ))
+}
+
+fn chat_body(a: &Args, i: usize) -> Value {
+    let mut b = json!({
+        "messages": [{"role": "user", "content": format!("Write a short story about lighthouse number {i}.")}],
+        "max_tokens": a.max_tokens,
+        "temperature": 0.7,
+        "seed": i,
+    });
+    if let Some(c) = &a.collection {
+        b["engram"] = json!({"collections": [c], "top_k": 3});
+    }
+    b
+}
+
+fn rss_kib(pid: u32) -> Option<(u64, u64)> {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let field = |name: &str| {
+        s.lines()
+            .find(|l| l.starts_with(name))?
+            .split_whitespace()
+            .nth(1)?
+            .parse()
+            .ok()
+    };
+    Some((field("VmRSS:")?, field("VmHWM:")?))
+}
+
+fn main() {
+    let a = Arc::new(args());
+    let mut base = None;
+    for &n in &a.streams {
+        let start = Instant::now();
+        let handles: Vec<_> = (0..n)
+            .map(|c| {
+                let a = a.clone();
+                std::thread::spawn(move || {
+                    let mut tokens = 0u64;
+                    for r in 0..a.requests {
+                        let (status, body) = post(
+                            a.addr,
+                            &a.key,
+                            "/v1/chat/completions",
+                            &chat_body(&a, c * 1000 + r),
+                        )
+                        .expect("the daemon answers");
+                        assert_eq!(status, 200, "{body}");
+                        tokens += body["usage"]["completion_tokens"].as_u64().unwrap_or(0);
+                    }
+                    tokens
+                })
+            })
+            .collect();
+        let tokens: u64 = handles.into_iter().map(|h| h.join().unwrap()).sum();
+        let rate = tokens as f64 / start.elapsed().as_secs_f64();
+        let ratio = *base.get_or_insert(rate);
+        println!(
+            "streams={n:<3} tokens={tokens:<6} wall={:>6.1}s aggregate={rate:>7.1} tok/s ({:.2}x one stream)",
+            start.elapsed().as_secs_f64(),
+            rate / ratio
+        );
+    }
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let counts: Arc<[AtomicU64; 3]> = Arc::new(Default::default());
+    let handles: Vec<_> = (0..a.clients)
+        .map(|c| {
+            let (a, stop, counts) = (a.clone(), stop.clone(), counts.clone());
+            std::thread::spawn(move || {
+                let mut i = 0;
+                while !stop.load(Ordering::Relaxed) {
+                    let slot = match post(
+                        a.addr,
+                        &a.key,
+                        "/v1/chat/completions",
+                        &chat_body(&a, c * 100_000 + i),
+                    ) {
+                        Ok((s, _)) if (200..300).contains(&s) => 0,
+                        Ok((429, _)) => {
+                            std::thread::sleep(Duration::from_millis(200));
+                            1
+                        }
+                        Ok(_) | Err(_) => 2,
+                    };
+                    counts[slot].fetch_add(1, Ordering::Relaxed);
+                    i += 1;
+                }
+            })
+        })
+        .collect();
+    let start = Instant::now();
+    let mut peak = 0;
+    while start.elapsed() < Duration::from_secs(a.seconds) {
+        if let Some((rss, _)) = a.pid.and_then(rss_kib) {
+            peak = peak.max(rss);
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    stop.store(true, Ordering::Relaxed);
+    for h in handles {
+        h.join().unwrap();
+    }
+    let hwm = a.pid.and_then(rss_kib).map(|(_, h)| h);
+    println!(
+        "clients={} seconds={} ok={} rejected_429={} errors={} peak_rss={} MiB (VmHWM {} MiB)",
+        a.clients,
+        a.seconds,
+        counts[0].load(Ordering::Relaxed),
+        counts[1].load(Ordering::Relaxed),
+        counts[2].load(Ordering::Relaxed),
+        peak >> 10,
+        hwm.map_or_else(|| "?".into(), |h| (h >> 10).to_string()),
+    );
+    if counts[2].load(Ordering::Relaxed) > 0 {
+        std::process::exit(1);
+    }
+}

@@ -1,0 +1,186 @@
+"""The official OpenAI Python client against a running engramd (started by scripts/test-api.sh).
+
+Plain asserts, no pytest: `python tests/python/test_openai_client.py` with ENGRAM_URL (the
+daemon's base URL) and ENGRAM_KEY (an API key with the qa and search scopes, or admin) set.
+Covers /v1/models, /v1/chat/completions (JSON and streamed, with and without retrieval) and
+/v1/embeddings, and checks that the client's typed errors carry our error body.
+"""
+
+import base64
+import json
+import os
+import struct
+import sys
+import time
+import urllib.request
+
+import openai
+
+BASE = os.environ["ENGRAM_URL"].rstrip("/")
+KEY = os.environ["ENGRAM_KEY"]
+
+client = openai.OpenAI(base_url=BASE + "/v1", api_key=KEY, max_retries=0, timeout=300)
+
+
+def rest(method, path, body=None):
+    """A call to the enterprise REST API (to set up a collection for retrieval)."""
+    req = urllib.request.Request(
+        BASE + path,
+        method=method,
+        data=None if body is None else json.dumps(body).encode(),
+        headers={"Authorization": "Bearer " + KEY, "Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=300) as r:
+        return json.loads(r.read() or b"null")
+
+
+def test_models():
+    models = client.models.list()
+    ids = [m.id for m in models.data]
+    assert len(ids) == 2, ids
+    assert all(m.object == "model" for m in models.data)
+    return ids
+
+
+def test_chat(model):
+    r = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "Say hello."}],
+        max_tokens=8,
+        temperature=0,
+    )
+    assert r.object == "chat.completion", r
+    assert len(r.choices) == 1
+    c = r.choices[0]
+    assert c.message.role == "assistant"
+    assert isinstance(c.message.content, str) and c.message.content, c
+    assert c.finish_reason in ("stop", "length"), c.finish_reason
+    assert r.usage.completion_tokens <= 8, r.usage
+    assert r.usage.prompt_tokens > 0
+    # Same request at temperature 0: same answer.
+    again = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "Say hello."}],
+        max_tokens=8,
+        temperature=0,
+    )
+    assert again.choices[0].message.content == c.message.content
+
+
+def test_chat_stream(model):
+    stream = client.chat.completions.create(
+        model=model,
+        messages=[
+            {"role": "system", "content": "You are terse."},
+            {"role": "user", "content": "Name a colour."},
+        ],
+        max_tokens=8,
+        stream=True,
+    )
+    text, finish, chunks = "", None, 0
+    for chunk in stream:
+        assert chunk.object == "chat.completion.chunk", chunk
+        chunks += 1
+        for choice in chunk.choices:
+            if choice.delta.content:
+                text += choice.delta.content
+            if choice.finish_reason:
+                finish = choice.finish_reason
+    assert chunks >= 2, chunks
+    assert text, "no streamed text"
+    assert finish in ("stop", "length"), finish
+
+
+def test_chat_with_retrieval(model):
+    rest("POST", "/api/v1/collections", {"name": "pyclient"})
+    up = rest(
+        "POST",
+        "/api/v1/collections/pyclient/documents/text",
+        {"name": "leave.md", "text": "# Leave\n\nEveryone gets 25 days of paid leave per year."},
+    )
+    doc = up["documents"][0]["id"]
+    deadline = time.time() + 300
+    while rest("GET", f"/api/v1/collections/pyclient/documents/{doc}")["stage"] != "done":
+        assert time.time() < deadline, "the document did not get indexed"
+        time.sleep(0.1)
+    r = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "How many days of paid leave?"}],
+        max_tokens=8,
+        extra_body={"engram": {"collections": ["pyclient"], "top_k": 2}},
+    )
+    extra = r.model_extra or {}
+    assert extra.get("citations"), r
+    assert extra["citations"][0]["doc_name"] == "leave.md", extra["citations"]
+    stream = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "How many days of paid leave?"}],
+        max_tokens=8,
+        stream=True,
+        extra_body={"engram": {"collections": ["pyclient"], "top_k": 2}},
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert text
+    rest("DELETE", "/api/v1/collections/pyclient")
+
+
+def test_embeddings(embed_model):
+    r = client.embeddings.create(model=embed_model, input=["paid leave", "holiday allowance"])
+    assert len(r.data) == 2
+    assert [d.index for d in r.data] == [0, 1]
+    dim = len(r.data[0].embedding)
+    assert dim == 384, dim
+    norm = sum(x * x for x in r.data[0].embedding) ** 0.5
+    assert abs(norm - 1.0) < 1e-3, norm
+    one = client.embeddings.create(model=embed_model, input="paid leave")
+    assert len(one.data) == 1
+    assert max(abs(a - b) for a, b in zip(one.data[0].embedding, r.data[0].embedding)) < 1e-4
+    # The client asks for base64 by default and decodes it; asked explicitly, it is returned
+    # as sent: little-endian f32.
+    b64 = client.embeddings.create(model=embed_model, input="paid leave", encoding_format="base64")
+    raw = base64.b64decode(b64.data[0].embedding)
+    floats = struct.unpack(f"<{len(raw) // 4}f", raw)
+    assert len(floats) == dim
+    assert max(abs(a - b) for a, b in zip(floats, one.data[0].embedding)) < 1e-6
+
+
+def test_errors(model):
+    bad = openai.OpenAI(base_url=BASE + "/v1", api_key="egk_wrong_key", max_retries=0)
+    try:
+        bad.models.list()
+        raise AssertionError("a wrong key was accepted")
+    except openai.AuthenticationError as e:
+        assert e.status_code == 401
+        assert e.body["type"] == "unauthorized", e.body
+    try:
+        client.chat.completions.create(model=model, messages=[], max_tokens=4)
+        raise AssertionError("an empty conversation was accepted")
+    except openai.BadRequestError as e:
+        assert e.body["type"] == "invalid_request", e.body
+
+
+def main():
+    started = time.time()
+    ids = test_models()
+    llm, embedder = ids[0], ids[1]
+    for name, f in [
+        ("chat", lambda: test_chat(llm)),
+        ("chat stream", lambda: test_chat_stream(llm)),
+        ("chat with retrieval", lambda: test_chat_with_retrieval(llm)),
+        ("embeddings", lambda: test_embeddings(embedder)),
+        ("errors", lambda: test_errors(llm)),
+    ]:
+        t = time.time()
+        f()
+        print(f"ok  {name} ({time.time() - t:.1f} s)")
+    print(f"openai {openai.__version__}: all passed in {time.time() - started:.1f} s")
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except Exception:
+        import traceback
+
+        traceback.print_exc()
+        sys.exit(1)
