@@ -98,6 +98,11 @@ impl ChunkStore {
         }
     }
 
+    /// What stored KV is bound to: the model's weights and shapes, and the frame.
+    pub fn fingerprint(&self) -> ModelFingerprint {
+        self.fingerprint
+    }
+
     /// The tiers underneath.
     pub fn store(&self) -> &KvStore {
         &self.store

@@ -99,6 +99,38 @@ pub struct EngineInfo {
     pub model_id: String,
     pub context_length: usize,
     pub kv_tiers: Vec<&'static str>,
+    /// The stored chunk KV was computed for another model or frame (or there is no record of
+    /// which): every chunk's KV should be computed again in the background.
+    pub kv_model_changed: bool,
+}
+
+/// The file under the KV directory that records which model and frame the stored chunk KV
+/// belongs to (the hex `ChunkStore` fingerprint).
+pub const KV_MODEL_RECORD: &str = "chunk-kv-model";
+
+/// Whether the KV directory's record names another store fingerprint than `fp`; records `fp`
+/// (crash-safe rename) so the re-precompute is scheduled once per change.
+fn kv_model_changed(dir: &std::path::Path, fp: &engram_kvstore::ModelFingerprint) -> bool {
+    let hex: String = fp.0.iter().map(|b| format!("{b:02x}")).collect();
+    let path = dir.join(KV_MODEL_RECORD);
+    let recorded = std::fs::read_to_string(&path).ok();
+    if recorded.as_deref().map(str::trim) == Some(hex.as_str()) {
+        return false;
+    }
+    let tmp = path.with_extension("tmp");
+    let written = std::fs::create_dir_all(dir)
+        .and_then(|()| std::fs::write(&tmp, &hex))
+        .and_then(|()| std::fs::rename(&tmp, &path));
+    if let Err(e) = written {
+        tracing::warn!(
+            "cannot record the chunk KV model in {}: {e}",
+            path.display()
+        );
+    }
+    if let Some(old) = recorded {
+        tracing::info!(old = old.trim(), new = %hex, "model or frame changed: chunk KV will be recomputed in the background");
+    }
+    true
 }
 
 /// A cheap, cloneable handle to the engine thread.
@@ -130,7 +162,10 @@ impl EngineHandle {
                     if let Err(e) = engine.gated(opts.policy) {
                         tracing::warn!("fidelity gate for {}: {e}", opts.policy);
                     }
-                    let _ = ready_tx.send(Ok(engine.info()));
+                    let mut info = engine.info();
+                    info.kv_model_changed =
+                        kv_model_changed(&opts.kv_dir, &engine.store.fingerprint());
+                    let _ = ready_tx.send(Ok(info));
                     engine.run(rx, kv_work);
                 }
                 Err(e) => {
@@ -283,6 +318,7 @@ impl Engine {
                 .map_or_else(|| "engram".into(), |s| s.to_string_lossy().into_owned()),
             context_length: self.model.config().context_length,
             kv_tiers,
+            kv_model_changed: false,
         }
     }
 
@@ -562,5 +598,23 @@ impl Engine {
             timings,
         }));
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod kv_record_tests {
+    use super::*;
+
+    #[test]
+    fn a_changed_store_fingerprint_is_reported_once() {
+        let dir = std::env::temp_dir().join(format!("engram-kv-record-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let a = engram_kvstore::ModelFingerprint([1; 16]);
+        let b = engram_kvstore::ModelFingerprint([2; 16]);
+        assert!(kv_model_changed(&dir, &a), "no record yet");
+        assert!(!kv_model_changed(&dir, &a), "recorded");
+        assert!(kv_model_changed(&dir, &b), "another model");
+        assert!(!kv_model_changed(&dir, &b));
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }

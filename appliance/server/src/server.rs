@@ -69,6 +69,7 @@ impl Daemon {
         }
         // Chunks of newly indexed documents, from the knowledge base to the engine.
         let (kv_tx, kv_rx) = tokio::sync::mpsc::unbounded_channel();
+        let kv_again = kv_tx.clone();
         let (kb, kb_thread) = KbHandle::spawn(
             KbOptions {
                 data_dir: config.data_dir.clone(),
@@ -98,6 +99,32 @@ impl Daemon {
             kv_rx,
         )?;
         tracing::info!(model = %engine.info.model_id, threads, queue_depth, "engine ready");
+        if engine.info.kv_model_changed {
+            // Every indexed chunk's KV again, in the background (the engine computes it when
+            // no question waits); until then a question computes what it needs.
+            let tx = kv_again.clone();
+            let n = kb
+                .call(move |kb| -> engram_kb::Result<usize> {
+                    let mut n = 0;
+                    for c in kb.collections()? {
+                        for d in kb.documents(&c.name)? {
+                            let texts: Vec<String> =
+                                kb.chunks(d.id)?.into_iter().map(|c| c.text).collect();
+                            n += texts.len();
+                            if !texts.is_empty() && tx.send(texts).is_err() {
+                                return Ok(n);
+                            }
+                        }
+                    }
+                    Ok(n)
+                })
+                .await;
+            match n {
+                Ok(Ok(n)) => tracing::info!(chunks = n, "chunk KV re-precompute scheduled"),
+                Ok(Err(e)) => tracing::warn!("scheduling the chunk KV re-precompute: {e}"),
+                Err(e) => tracing::warn!("scheduling the chunk KV re-precompute: {e:?}"),
+            }
+        }
         let listener = tokio::net::TcpListener::bind(config.listen)
             .await
             .map_err(|e| ServerError::io("binding", config.listen.to_string(), e))?;
