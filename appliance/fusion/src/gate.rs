@@ -74,6 +74,25 @@ impl Default for GateLimits {
     }
 }
 
+impl GateLimits {
+    /// Why measurements fail these limits, or `None` when they pass.
+    pub fn verdict(&self, mean_kl: f64, agreement: f64) -> Option<String> {
+        if mean_kl > self.max_mean_kl {
+            Some(format!(
+                "mean KL divergence from full prefill {mean_kl:.3} nats exceeds {}",
+                self.max_mean_kl
+            ))
+        } else if agreement < self.min_agreement {
+            Some(format!(
+                "greedy agreement with full prefill {agreement:.2} is below {}",
+                self.min_agreement
+            ))
+        } else {
+            None
+        }
+    }
+}
+
 /// Runs the self-check for one model and policy.
 pub struct FidelityGate;
 
@@ -150,18 +169,7 @@ impl FidelityGate {
         }
         let agreement = agree as f64 / total.max(1) as f64;
         let mean_kl = sum_kl / QUESTIONS.len() as f64;
-        let mut reason = None;
-        if mean_kl > limits.max_mean_kl {
-            reason = Some(format!(
-                "mean KL divergence from full prefill {mean_kl:.3} nats exceeds {}",
-                limits.max_mean_kl
-            ));
-        } else if agreement < limits.min_agreement {
-            reason = Some(format!(
-                "greedy agreement with full prefill {agreement:.2} is below {}",
-                limits.min_agreement
-            ));
-        }
+        let reason = limits.verdict(mean_kl, agreement);
         Ok(GateReport {
             policy: policy.name(),
             passed: reason.is_none(),
@@ -268,19 +276,7 @@ pub fn recorded_gate(
             (r.mean_kl, r.max_kl, r.agreement)
         }
     };
-    let reason = if mean_kl > limits.max_mean_kl {
-        Some(format!(
-            "mean KL divergence from full prefill {mean_kl:.3} nats exceeds {}",
-            limits.max_mean_kl
-        ))
-    } else if agreement < limits.min_agreement {
-        Some(format!(
-            "greedy agreement with full prefill {agreement:.2} is below {}",
-            limits.min_agreement
-        ))
-    } else {
-        None
-    };
+    let reason = limits.verdict(mean_kl, agreement);
     Ok(GateReport {
         policy: policy.name(),
         passed: reason.is_none(),

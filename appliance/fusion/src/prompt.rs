@@ -26,28 +26,39 @@ pub fn chunk_tokens(tokenizer: &Tokenizer, text: &str) -> engram_tokenizer::Resu
     tokenizer.encode(&chunk_text(text), false)
 }
 
-/// Neutral text a chunk is precomputed after (see [`rag_frame`]): invented, encyclopedic prose
-/// about nothing a user would ask about, in the lower-case style of the evaluation passages.
-pub const FRAME_CONTEXT: &str = "the valley of the upper river lies between two ranges of low hills and has been farmed since the bronze age. its soils are deep and well drained, and the summers are long enough for wheat, barley and orchards of apples and pears. the river itself is slow and wide in its lower course, and for many centuries it carried grain, timber and wool to the market towns downstream. a canal built in the eighteenth century allowed larger boats to pass the rapids near the old mill, and a railway line followed about eighty years later. the population grew quickly while the railway was new, then fell again when many families moved to the industrial cities of the coast.
+/// Neutral passages a chunk is precomputed after (see [`rag_frame`]): invented, encyclopedic
+/// prose about nothing a user would ask about, in the lower-case style of the evaluation
+/// passages; about 1,400 tokens together.
+pub const FRAME_CONTEXT: [&str; 2] = [
+    "the valley of the upper river lies between two ranges of low hills and has been farmed since the bronze age. its soils are deep and well drained, and the summers are long enough for wheat, barley and orchards of apples and pears. the river itself is slow and wide in its lower course, and for many centuries it carried grain, timber and wool to the market towns downstream. a canal built in the eighteenth century allowed larger boats to pass the rapids near the old mill, and a railway line followed about eighty years later. the population grew quickly while the railway was new, then fell again when many families moved to the industrial cities of the coast.
 the largest settlement in the valley is a market town with a stone bridge of seven arches, a parish church with a tall spire and a town hall that now houses a small museum. the museum keeps tools, maps and photographs of the river trade, as well as the records of the local school, which was founded by a group of merchants in 1854. the town holds a fair every autumn, when farmers bring livestock and produce from the surrounding villages. visitors come for the walking paths along the river, the ruins of a medieval abbey on the northern bank and the views from the hills, where a line of beacons was once kept ready to warn of invasion.
 the climate is temperate. winters are cool and wet, with occasional snow on the higher ground, and most of the rain falls between october and february. floods were common until a series of embankments and sluices was completed in the 1930s; the worst recorded flood, in 1891, reached the steps of the church and destroyed two of the wooden footbridges. since then the river has been monitored by a network of gauges, and the water authority publishes daily readings of its level and flow.
 the valley's economy today depends on agriculture, tourism and a number of small manufacturing firms. a dairy cooperative founded after the second world war collects milk from more than a hundred farms, and a brewery in the market town uses barley grown within a few miles of its gates. several of the old warehouses by the river have been converted into offices and apartments, and the former railway station is now a library. the local council has tried to attract new businesses with improved roads and faster internet connections, while preserving the character of the historic centre.
-scholars have studied the valley for its well preserved field systems, its dialect and its records of land ownership, which go back to the thirteenth century. a survey carried out in the 1950s mapped every hedge and boundary stone, and later studies used the survey to show how farms were merged and divided over time. the valley has also appeared in novels and paintings, most famously in a series of watercolours of the river at different seasons, which now hang in the national gallery. each year a festival of music and literature brings writers and performers to the town, and the proceeds support the museum and the upkeep of the abbey ruins.";
+scholars have studied the valley for its well preserved field systems, its dialect and its records of land ownership, which go back to the thirteenth century. a survey carried out in the 1950s mapped every hedge and boundary stone, and later studies used the survey to show how farms were merged and divided over time. the valley has also appeared in novels and paintings, most famously in a series of watercolours of the river at different seasons, which now hang in the national gallery. each year a festival of music and literature brings writers and performers to the town, and the proceeds support the museum and the upkeep of the abbey ruins.",
+    "the observatory on the northern ridge was built in the early twentieth century by a society of amateur astronomers, who raised the money through subscriptions and public lectures. its first telescope, a refractor with a lens of about thirty centimetres, was made by a workshop in the capital and carried up the ridge on a cart pulled by horses. the dome was turned by hand until an electric motor was fitted in the 1950s. for several decades the observatory recorded the positions of comets and variable stars, and its notebooks are still consulted by historians of science.
+the ridge is exposed to strong winds from the west, and the weather changes quickly. in winter the road to the summit is often closed by snow, and the staff who lived there kept a store of food and fuel for several weeks. a small weather station beside the dome has measured temperature, pressure, rainfall and wind speed every day since 1921, one of the longest unbroken records in the region. the readings show that the average temperature has risen slowly over the century, while the number of days with frost has fallen.
+today the observatory belongs to a university, which uses it for teaching and for a programme of public evenings. students learn to align the old telescope, to take photographs through a modern camera attached to it and to reduce the images on a computer. visitors climb a spiral staircase to the dome, where a guide explains the instruments and, on clear nights, shows them the moon, the planets and a few bright clusters of stars. the university has also restored the library of the original society, which holds star atlases, catalogues and the correspondence of its founders.
+the forest below the ridge is managed for timber and for wildlife. beech and oak grow on the lower slopes and spruce higher up, and the forestry service keeps a network of tracks that walkers and cyclists may use. deer, foxes, badgers and many kinds of birds live there, and a survey of bats found nine species roosting in old trees and in the cellars of a ruined hunting lodge. each spring volunteers count the nesting birds along fixed routes, and their results are published in a yearly report that compares them with earlier counts.
+a narrow railway once carried timber from the forest to a sawmill in the village at the foot of the ridge. the line closed in the 1960s, but part of it has been reopened as a heritage railway, run by volunteers, with a steam engine and two restored carriages. the sawmill became a museum of rural crafts, where visitors can watch demonstrations of wood turning, basket making and the repair of wooden wheels. the village holds a market on the first saturday of each month, and its inn, which dates from the seventeenth century, still serves travellers on the road over the pass.",
+];
 
 /// The frame chunks are computed in by default: the RAG prompt's own prefix (chat template,
 /// default system prompt, "Passages:") followed by [`FRAME_CONTEXT`]. A chunk then sees at
 /// precompute time what it sees in a real prompt: the same attention sink at position 0, the
-/// instructions, and several hundred tokens of other passages before it, over which its
-/// attention spreads as it does in a prompt of many chunks. Without that context a chunk's
-/// tokens attend only to the sink and to themselves, and their stored KV drifts far from what
-/// full prefill computes (measured in `docs/bench/2026-11-21-fusion.md`: mean KL of `reuse`
-/// 0.25 with the prefix alone, 0.04 with it and this passage).
+/// instructions, and about 1,400 tokens of other passages before it, over which its attention
+/// spreads as it does in a prompt of many chunks. Without that context a chunk's tokens attend
+/// only to the sink and to themselves, and their stored KV drifts far from what full prefill
+/// computes (measured in `docs/bench/2026-11-21-fusion.md`: mean KL of `reuse` 0.25 with the
+/// prefix alone, 0.02-0.03 with these passages; 700 tokens gave 0.03, 2,800 no better than
+/// 1,400).
 pub fn rag_frame(
     tokenizer: &Tokenizer,
     template: Option<&ChatTemplate>,
 ) -> engram_tokenizer::Result<Vec<u32>> {
     let mut frame = rag_prompt(tokenizer, template, DEFAULT_SYSTEM, Vec::new(), "")?.prefix;
-    frame.extend(chunk_tokens(tokenizer, FRAME_CONTEXT)?);
+    for passage in FRAME_CONTEXT {
+        frame.extend(chunk_tokens(tokenizer, passage)?);
+    }
     Ok(frame)
 }
 
