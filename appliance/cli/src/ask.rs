@@ -255,19 +255,11 @@ pub fn ask(a: AskArgs) -> Result<()> {
             })
         })
         .collect();
-    let timings = serde_json::json!({
-        "retrieve_ms": ms(retrieve),
-        "kv_load_ms": ms(s.kv_read_time + s.kv_decode_time + s.kv_place_time),
-        "kv_chunks": {"dram": s.chunks_from_dram, "nvme": s.chunks_from_nvme, "computed": s.chunks_computed},
-        "kv_bytes": s.kv_bytes_read,
-        "recompute_ms": ms(s.recompute_time),
-        "recomputed_tokens": s.recomputed_chunk_tokens,
-        "question_prefill_ms": ms(s.suffix_time),
-        "prefill_total_ms": ms(s.total_time),
-        "first_token_ms": first_token.map_or(0.0, ms),
-        "decode_ms": ms(decode),
-        "generated_tokens": generated,
-    });
+    let mut timings = s.timings_json();
+    timings.insert("retrieve_ms".into(), ms(retrieve).into());
+    timings.insert("first_token_ms".into(), first_token.map_or(0.0, ms).into());
+    timings.insert("decode_ms".into(), ms(decode).into());
+    timings.insert("generated_tokens".into(), generated.into());
     if a.json {
         println!(
             "{}",
@@ -300,7 +292,7 @@ pub fn ask(a: AskArgs) -> Result<()> {
          recompute {:.0} ms ({} tokens) | question {:.0} ms | first token {:.0} ms | decode {:.0} ms ({} tokens)",
         policy.name(),
         ms(retrieve),
-        ms(s.kv_read_time + s.kv_decode_time + s.kv_place_time),
+        ms(s.kv_load_time()),
         s.chunks_from_dram,
         s.chunks_from_nvme,
         s.chunks_computed,

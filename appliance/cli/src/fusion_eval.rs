@@ -199,8 +199,7 @@ pub fn run(a: FusionArgs) -> Result<()> {
             let s: &FuseStats = &done.stats;
             t.recompute_fraction.push(s.recompute_fraction());
             t.ttft_ms.push(ms(s.total_time));
-            t.kv_load_ms
-                .push(ms(s.kv_read_time + s.kv_decode_time + s.kv_place_time));
+            t.kv_load_ms.push(ms(s.kv_load_time()));
             t.recompute_ms.push(ms(s.recompute_time + s.suffix_time));
             if s.chunks_computed > 0 && policy != Policy::Full {
                 eprintln!(

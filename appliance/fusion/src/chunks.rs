@@ -128,9 +128,7 @@ impl ChunkStore {
         let frame_kv = match self.frame_kv.get() {
             Some(f) => f,
             None => {
-                let mut f = model.new_cache(self.frame.len());
-                let positions: Vec<i32> = (0..self.frame.len() as i32).collect();
-                model.forward(&self.frame, &positions, &mut f, Logits::None)?;
+                let f = frame_cache(model, &self.frame)?;
                 self.frame_kv.get_or_init(|| f)
             }
         };
@@ -142,12 +140,17 @@ impl ChunkStore {
     /// Stores a chunk's KV. Returns whether a tier kept it; a failure is counted, not fatal
     /// (the chunk is recomputed when next needed).
     pub fn put(&self, kv: &ChunkKv) -> bool {
+        self.encode_and_put(kv).1
+    }
+
+    /// Encodes `kv` and offers it to the tiers; returns the blob and whether a tier kept it.
+    fn encode_and_put(&self, kv: &ChunkKv) -> (Vec<u8>, bool) {
         let bytes = engram_kvstore::encode(kv, &self.fingerprint, self.dtype);
         let stored = self.store.put(&self.key(&kv.tokens), &bytes).stored();
         if !stored {
             self.counters.put_failed.fetch_add(1, Ordering::Relaxed);
         }
-        stored
+        (bytes, stored)
     }
 
     /// Ingestion: computes and stores the chunk's KV unless a tier already holds it. Returns
@@ -205,10 +208,7 @@ impl ChunkStore {
             }
             let t = Instant::now();
             let kv = self.precompute(model, tokens)?;
-            let bytes = engram_kvstore::encode(&kv, &self.fingerprint, self.dtype);
-            if !self.store.put(key, &bytes).stored() {
-                self.counters.put_failed.fetch_add(1, Ordering::Relaxed);
-            }
+            let (bytes, _) = self.encode_and_put(&kv);
             // Serve what a later request will read back (int8 rounding included), so an
             // answer does not depend on whether the chunk was stored before.
             let kv = engram_kvstore::decode(&bytes, &self.fingerprint, tokens, &expected)?;
@@ -226,12 +226,15 @@ impl ChunkStore {
 /// Prefills `frame ++ tokens` at positions `0..` and returns the chunk tokens' keys before
 /// RoPE and values, `[layer][head][token][dim]`.
 pub fn precompute(model: &Model, frame: &[u32], tokens: &[u32]) -> Result<ChunkKv> {
-    let mut frame_kv = model.new_cache(frame.len());
-    if !frame.is_empty() {
-        let positions: Vec<i32> = (0..frame.len() as i32).collect();
-        model.forward(frame, &positions, &mut frame_kv, Logits::None)?;
-    }
-    precompute_after(model, &frame_kv, tokens)
+    precompute_after(model, &frame_cache(model, frame)?, tokens)
+}
+
+/// The frame's KV at positions `0..frame.len()`.
+fn frame_cache(model: &Model, frame: &[u32]) -> Result<KvCache> {
+    let mut kv = model.new_cache(frame.len());
+    let positions: Vec<i32> = (0..frame.len() as i32).collect();
+    model.forward(frame, &positions, &mut kv, Logits::None)?;
+    Ok(kv)
 }
 
 /// [`precompute`] with the frame's KV already computed (`frame_kv` holds exactly the frame at

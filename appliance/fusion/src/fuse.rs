@@ -4,7 +4,7 @@
 
 use std::time::{Duration, Instant};
 
-use engram_model::{Blend, KvCache, Logits, Model, PREFILL_CHUNK};
+use engram_model::{Blend, KvCache, Logits, Model};
 
 use crate::chunks::{ChunkStore, FetchTimes, Source};
 use crate::error::{FusionError, Result};
@@ -96,6 +96,35 @@ fn ms<S: serde::Serializer>(d: &Duration, s: S) -> std::result::Result<S::Ok, S:
 }
 
 impl FuseStats {
+    /// KV fetch, verification and placement together.
+    pub fn kv_load_time(&self) -> Duration {
+        self.kv_read_time + self.kv_decode_time + self.kv_place_time
+    }
+
+    /// The stage timings of an answer as JSON (milliseconds), as `engram ask` and `engramd`
+    /// report them; callers add their own stages (retrieval, queue, first token, decode).
+    pub fn timings_json(&self) -> serde_json::Map<String, serde_json::Value> {
+        let ms = |d: Duration| d.as_secs_f64() * 1e3;
+        let v = serde_json::json!({
+            "kv_load_ms": ms(self.kv_load_time()),
+            "kv_chunks": {
+                "dram": self.chunks_from_dram,
+                "nvme": self.chunks_from_nvme,
+                "computed": self.chunks_computed,
+            },
+            "kv_bytes": self.kv_bytes_read,
+            "prefix_cached_tokens": self.prefix_cached_tokens,
+            "recompute_ms": ms(self.recompute_time),
+            "recomputed_tokens": self.recomputed_chunk_tokens,
+            "question_prefill_ms": ms(self.suffix_time),
+            "prefill_total_ms": ms(self.total_time),
+        });
+        match v {
+            serde_json::Value::Object(m) => m,
+            _ => unreachable!("a JSON object literal"),
+        }
+    }
+
     /// Share of the non-prefix prompt run through every layer: recomputed chunk tokens plus
     /// the suffix, over chunk plus suffix tokens (1 for `full`).
     pub fn recompute_fraction(&self) -> f64 {
@@ -237,12 +266,7 @@ pub fn fused_prefill(
                     positions.extend((at..at + s).map(|p| p as i32));
                 }
                 stats.recomputed_chunk_tokens = tokens.len();
-                for (tk, ps) in tokens
-                    .chunks(PREFILL_CHUNK)
-                    .zip(positions.chunks(PREFILL_CHUNK))
-                {
-                    model.forward(tk, ps, kv, Logits::None)?;
-                }
+                model.prefill(&tokens, &positions, kv, Logits::None)?;
                 stats.recompute_time = t.elapsed();
                 let t = Instant::now();
                 let logits = model.forward(&prompt.suffix, &suffix_pos, kv, Logits::Last)?;
@@ -303,23 +327,10 @@ fn top_rows(dev: &[f32], k: usize) -> Vec<usize> {
     idx
 }
 
-/// Runs `tokens` at positions `start..` in pieces of [`PREFILL_CHUNK`], returning the last
-/// position's logits.
+/// Runs `tokens` at positions `start..`, returning the last position's logits.
 fn prefill_run(model: &Model, kv: &mut KvCache, tokens: &[u32], start: usize) -> Result<Vec<f32>> {
-    let mut logits = Vec::new();
-    let mut pos = start;
-    let n_pieces = tokens.len().div_ceil(PREFILL_CHUNK);
-    for (i, piece) in tokens.chunks(PREFILL_CHUNK).enumerate() {
-        let positions: Vec<i32> = (pos..pos + piece.len()).map(|p| p as i32).collect();
-        let want = if i + 1 == n_pieces {
-            Logits::Last
-        } else {
-            Logits::None
-        };
-        logits = model.forward(piece, &positions, kv, want)?;
-        pos += piece.len();
-    }
-    Ok(logits)
+    let positions: Vec<i32> = (start..start + tokens.len()).map(|p| p as i32).collect();
+    Ok(model.prefill(tokens, &positions, kv, Logits::Last)?)
 }
 
 /// Fills `kv` (empty) with the prefix's exact KV, from `prefixes` as far as it has it; caches

@@ -8,6 +8,7 @@ use half::f16;
 
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
+use crate::generate::PREFILL_CHUNK;
 use crate::kv::KvCache;
 use crate::ops::{rms_norm, rms_norm_in_place, Rope};
 use crate::weights::{Matrix, Weights};
@@ -176,19 +177,39 @@ impl Model {
         kv: &mut KvCache,
         logits: Logits,
     ) -> Result<Vec<f32>> {
-        self.check_call(tokens, positions, kv)?;
-        if tokens.is_empty() {
-            return Ok(Vec::new());
+        self.forward_with(tokens, positions, kv, logits, None)
+    }
+
+    /// Runs `tokens` at `positions` in calls of at most [`PREFILL_CHUNK`] tokens (bounding the
+    /// activations held at once) and returns the logits asked for, of every call for
+    /// [`Logits::All`], of the last one for [`Logits::Last`].
+    pub fn prefill(
+        &self,
+        tokens: &[u32],
+        positions: &[i32],
+        kv: &mut KvCache,
+        logits: Logits,
+    ) -> Result<Vec<f32>> {
+        if tokens.len() != positions.len() {
+            return Err(ModelError::PositionCount {
+                tokens: tokens.len(),
+                positions: positions.len(),
+            });
         }
-        let call = Call {
-            tokens,
-            positions,
-            overwrite: &[],
-            logits,
-            observer: None,
-            blend: None,
-        };
-        self.run(call, kv).map(|(logits, _)| logits)
+        let n_pieces = tokens.len().div_ceil(PREFILL_CHUNK);
+        let mut out = Vec::new();
+        for (i, (t, p)) in tokens
+            .chunks(PREFILL_CHUNK)
+            .zip(positions.chunks(PREFILL_CHUNK))
+            .enumerate()
+        {
+            let want = match logits {
+                Logits::Last if i + 1 < n_pieces => Logits::None,
+                other => other,
+            };
+            out.extend(self.forward(t, p, kv, want)?);
+        }
+        Ok(out)
     }
 
     /// [`Model::forward`] that also hands `observer` every layer's fresh keys before RoPE and
@@ -201,6 +222,19 @@ impl Model {
         logits: Logits,
         observer: &mut LayerObserver<'_>,
     ) -> Result<Vec<f32>> {
+        // Shorten the observer's own lifetime to the borrow's (`Call` holds one lifetime).
+        let observer: &mut LayerObserver<'_> = observer;
+        self.forward_with(tokens, positions, kv, logits, Some(observer))
+    }
+
+    fn forward_with<'f>(
+        &self,
+        tokens: &[u32],
+        positions: &[i32],
+        kv: &mut KvCache,
+        logits: Logits,
+        observer: Option<&'f mut LayerObserver<'f>>,
+    ) -> Result<Vec<f32>> {
         self.check_call(tokens, positions, kv)?;
         if tokens.is_empty() {
             return Ok(Vec::new());
@@ -210,7 +244,7 @@ impl Model {
             positions,
             overwrite: &[],
             logits,
-            observer: Some(observer),
+            observer,
             blend: None,
         };
         self.run(call, kv).map(|(logits, _)| logits)

@@ -575,20 +575,15 @@ impl Engine {
             .inc_by(generated as u64);
         let s = &done.stats;
         let ms = |d: Duration| d.as_secs_f64() * 1e3;
-        let timings = serde_json::json!({
-            "queue_ms": ms(started.duration_since(job.enqueued)),
-            "kv_load_ms": ms(s.kv_read_time + s.kv_decode_time + s.kv_place_time),
-            "kv_chunks": {"dram": s.chunks_from_dram, "nvme": s.chunks_from_nvme, "computed": s.chunks_computed},
-            "kv_bytes": s.kv_bytes_read,
-            "prefix_cached_tokens": s.prefix_cached_tokens,
-            "recompute_ms": ms(s.recompute_time),
-            "recomputed_tokens": s.recomputed_chunk_tokens,
-            "question_prefill_ms": ms(s.suffix_time),
-            "prefill_total_ms": ms(s.total_time),
-            "first_token_ms": first_token.map_or(0.0, ms),
-            "decode_ms": ms(decode_start.elapsed()),
-            "generated_tokens": generated,
-        });
+        let mut timings = s.timings_json();
+        timings.insert(
+            "queue_ms".into(),
+            ms(started.duration_since(job.enqueued)).into(),
+        );
+        timings.insert("first_token_ms".into(), first_token.map_or(0.0, ms).into());
+        timings.insert("decode_ms".into(), ms(decode_start.elapsed()).into());
+        timings.insert("generated_tokens".into(), generated.into());
+        let timings = serde_json::Value::Object(timings);
         let _ = job.events.blocking_send(Event::Done(Summary {
             policy: policy.name(),
             fusion_disabled,
