@@ -2,7 +2,7 @@
 //! fixed frame, store it, fetch and verify it.
 //!
 //! **The frame.** A chunk is prefilled on its own, after `frame` tokens (by default the RAG
-//! prompt's prefix, see [`crate::rag_frame`]), at positions `0..frame.len() + n`. The frame's
+//! prompt's prefix and neutral passages, see [`crate::rag_frame`]), at positions `0..frame.len() + n`. The frame's
 //! own KV is not stored. What is stored is each chunk token's key before RoPE and its value,
 //! for every layer, so fusion can rotate the keys to any position. The frame tokens are bound
 //! into the store fingerprint: KV computed in another frame (or by other weights) never
