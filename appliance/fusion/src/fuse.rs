@@ -87,8 +87,13 @@ pub struct FuseStats {
     /// Prefilling the suffix (question).
     #[serde(serialize_with = "ms")]
     pub suffix_time: Duration,
+    /// The whole prefill, less `interleaved_time`.
     #[serde(serialize_with = "ms")]
     pub total_time: Duration,
+    /// Other sequences' decode steps run between this prefill's pieces (left out of every
+    /// stage time above).
+    #[serde(serialize_with = "ms")]
+    pub interleaved_time: Duration,
 }
 
 fn ms<S: serde::Serializer>(d: &Duration, s: S) -> std::result::Result<S::Ok, S::Error> {
@@ -118,6 +123,7 @@ impl FuseStats {
             "recomputed_tokens": self.recomputed_chunk_tokens,
             "question_prefill_ms": ms(self.suffix_time),
             "prefill_total_ms": ms(self.total_time),
+            "interleaved_decode_ms": ms(self.interleaved_time),
         });
         match v {
             serde_json::Value::Object(m) => m,
@@ -145,6 +151,49 @@ pub struct Prefilled {
     pub stats: FuseStats,
 }
 
+/// Other work to run between the pieces of a prefill (chunked prefill: a scheduler's decode
+/// steps of the sequences already generating).
+pub struct Interleave<'a> {
+    /// Prompt tokens run between two calls of `between` (capped at the model's prefill piece).
+    pub piece: usize,
+    pub between: &'a mut dyn FnMut(),
+}
+
+/// An [`Interleave`] that times what it runs, so stage times can leave it out.
+struct Pauses<'a> {
+    piece: usize,
+    between: Option<&'a mut dyn FnMut()>,
+    spent: Duration,
+}
+
+impl Pauses<'_> {
+    /// `model.prefill`, with the pauses between its pieces.
+    fn prefill(
+        &mut self,
+        model: &Model,
+        tokens: &[u32],
+        positions: &[i32],
+        kv: &mut KvCache,
+        logits: Logits,
+    ) -> Result<Vec<f32>> {
+        let Some(between) = self.between.as_deref_mut() else {
+            return Ok(model.prefill(tokens, positions, kv, logits)?);
+        };
+        let spent = &mut self.spent;
+        let mut timed = || {
+            let t = Instant::now();
+            between();
+            *spent += t.elapsed();
+        };
+        Ok(model.prefill_interleaved(tokens, positions, kv, logits, self.piece, &mut timed)?)
+    }
+
+    /// Time since `t` spent on this prefill's own work, given the pause time at `t`.
+    fn own(&self, t: Instant, spent_at_t: Duration) -> Duration {
+        t.elapsed().saturating_sub(self.spent - spent_at_t)
+    }
+}
+
 /// Prefills `prompt` into `kv` (cleared first) under `policy`. `store` serves chunk KV (not
 /// used by `full`); `prefixes`, when given, serves and keeps the prefix's exact KV.
 pub fn fused_prefill(
@@ -155,7 +204,33 @@ pub fn fused_prefill(
     policy: Policy,
     kv: &mut KvCache,
 ) -> Result<Prefilled> {
+    fused_prefill_interleaved(model, store, prefixes, prompt, policy, kv, None)
+}
+
+/// [`fused_prefill`] that runs `interleave.between` between the pieces of its longer prefills
+/// (prefix, `full`'s prompt, `boundary`'s recomputed tokens); the result is the same.
+pub fn fused_prefill_interleaved(
+    model: &Model,
+    store: &ChunkStore,
+    prefixes: Option<&PrefixCache>,
+    prompt: &FusedPrompt,
+    policy: Policy,
+    kv: &mut KvCache,
+    interleave: Option<Interleave<'_>>,
+) -> Result<Prefilled> {
     let start = Instant::now();
+    let mut pauses = match interleave {
+        Some(i) => Pauses {
+            piece: i.piece,
+            between: Some(i.between),
+            spent: Duration::ZERO,
+        },
+        None => Pauses {
+            piece: 0,
+            between: None,
+            spent: Duration::ZERO,
+        },
+    };
     if prompt.suffix.is_empty() {
         return Err(FusionError::EmptySuffix);
     }
@@ -181,8 +256,8 @@ pub fn fused_prefill(
 
     // The prefix: exact, from the prefix cache when possible.
     let t = Instant::now();
-    stats.prefix_cached_tokens = prefill_prefix(model, prefixes, &prompt.prefix, kv)?;
-    stats.prefix_time = t.elapsed();
+    stats.prefix_cached_tokens = prefill_prefix(model, prefixes, &prompt.prefix, kv, &mut pauses)?;
+    stats.prefix_time = pauses.own(t, Duration::ZERO);
 
     // Where each chunk starts.
     let mut starts = Vec::with_capacity(prompt.chunks.len());
@@ -194,14 +269,14 @@ pub fn fused_prefill(
     let suffix_pos: Vec<i32> = (pos..pos + prompt.suffix.len()).map(|p| p as i32).collect();
 
     let logits = if policy == Policy::Full {
-        let t = Instant::now();
+        let (t, spent) = (Instant::now(), pauses.spent);
         let mut rest: Vec<u32> = prompt.chunks.concat();
         let n_chunk = rest.len();
         rest.extend_from_slice(&prompt.suffix);
-        let logits = prefill_run(model, kv, &rest, prompt.prefix.len())?;
+        let logits = prefill_run(model, kv, &rest, prompt.prefix.len(), &mut pauses)?;
         stats.recomputed_chunk_tokens = n_chunk;
         // One pass: attribute it by token share.
-        let all = t.elapsed();
+        let all = pauses.own(t, spent);
         let share = n_chunk as f64 / rest.len() as f64;
         stats.recompute_time = all.mul_f64(share);
         stats.suffix_time = all - stats.recompute_time;
@@ -258,7 +333,7 @@ pub fn fused_prefill(
 
         match policy {
             Policy::Boundary(_) => {
-                let t = Instant::now();
+                let (t, spent) = (Instant::now(), pauses.spent);
                 let mut tokens = Vec::new();
                 let mut positions = Vec::new();
                 for ((c, &s), &at) in prompt.chunks.iter().zip(&skip).zip(&starts) {
@@ -266,8 +341,8 @@ pub fn fused_prefill(
                     positions.extend((at..at + s).map(|p| p as i32));
                 }
                 stats.recomputed_chunk_tokens = tokens.len();
-                model.prefill(&tokens, &positions, kv, Logits::None)?;
-                stats.recompute_time = t.elapsed();
+                pauses.prefill(model, &tokens, &positions, kv, Logits::None)?;
+                stats.recompute_time = pauses.own(t, spent);
                 let t = Instant::now();
                 let logits = model.forward(&prompt.suffix, &suffix_pos, kv, Logits::Last)?;
                 stats.suffix_time = t.elapsed();
@@ -307,7 +382,8 @@ pub fn fused_prefill(
             Policy::Full => unreachable!("handled above"),
         }
     };
-    stats.total_time = start.elapsed();
+    stats.interleaved_time = pauses.spent;
+    stats.total_time = pauses.own(start, Duration::ZERO);
     Ok(Prefilled {
         logits,
         next_position: prompt.len() as i32,
@@ -328,9 +404,15 @@ fn top_rows(dev: &[f32], k: usize) -> Vec<usize> {
 }
 
 /// Runs `tokens` at positions `start..`, returning the last position's logits.
-fn prefill_run(model: &Model, kv: &mut KvCache, tokens: &[u32], start: usize) -> Result<Vec<f32>> {
+fn prefill_run(
+    model: &Model,
+    kv: &mut KvCache,
+    tokens: &[u32],
+    start: usize,
+    pauses: &mut Pauses<'_>,
+) -> Result<Vec<f32>> {
     let positions: Vec<i32> = (start..start + tokens.len()).map(|p| p as i32).collect();
-    Ok(model.prefill(tokens, &positions, kv, Logits::Last)?)
+    pauses.prefill(model, tokens, &positions, kv, Logits::Last)
 }
 
 /// Fills `kv` (empty) with the prefix's exact KV, from `prefixes` as far as it has it; caches
@@ -340,6 +422,7 @@ fn prefill_prefix(
     prefixes: Option<&PrefixCache>,
     prefix: &[u32],
     kv: &mut KvCache,
+    pauses: &mut Pauses<'_>,
 ) -> Result<usize> {
     if prefix.is_empty() {
         return Ok(0);
@@ -350,7 +433,7 @@ fn prefill_prefix(
         kv.append_from(&h.entry.kv, 0..h.len)?;
     }
     if cached < prefix.len() {
-        prefill_run(model, kv, &prefix[cached..], cached)?;
+        prefill_run(model, kv, &prefix[cached..], cached, pauses)?;
         if let Some(p) = prefixes {
             let mut own = model.new_cache(prefix.len());
             own.append_from(kv, 0..prefix.len())?;

@@ -19,7 +19,9 @@ mod prompt;
 
 pub use chunks::{bos_frame, precompute, ChunkCounters, ChunkStore, FetchTimes, Fetched, Source};
 pub use error::{FusionError, Result};
-pub use fuse::{fused_prefill, FuseStats, FusedPrompt, Prefilled};
+pub use fuse::{
+    fused_prefill, fused_prefill_interleaved, FuseStats, FusedPrompt, Interleave, Prefilled,
+};
 pub use gate::{
     greedy, kl_divergence, recorded_gate, FidelityGate, GateLimits, GateReport, GATE_MAX_KL,
     GATE_MIN_AGREEMENT, GATE_TOKENS,

@@ -54,6 +54,8 @@ pub enum ModelError {
     },
     #[error("{overwrite} slots to overwrite given for {tokens} tokens")]
     OverwriteCount { overwrite: usize, tokens: usize },
+    #[error("sequence {index} of a batched call has no tokens")]
+    EmptySequence { index: usize },
     #[error("layer {layer} does not exist: the model has {n_layer} layers")]
     BadLayer { layer: usize, n_layer: usize },
     #[error("stored KV layout {found} does not match the cache's {expected}")]

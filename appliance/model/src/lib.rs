@@ -33,7 +33,7 @@ pub use generate::{
     PREFILL_CHUNK,
 };
 pub use kv::KvCache;
-pub use model::{Blend, LayerObserver, Logits, Model};
+pub use model::{Blend, LayerObserver, Logits, Model, Sequence};
 pub use ops::Rope;
 pub use sampling::{argmax, top_k, Sampler, SamplingParams};
 

@@ -49,10 +49,21 @@ pub struct Blend<'a> {
 /// Receives, per layer, the call's fresh keys before RoPE and values (`[tokens][kv_width]`).
 pub type LayerObserver<'f> = dyn FnMut(usize, &[f32], &[f32]) + 'f;
 
+/// One sequence of a [`Model::forward_batch`] call: its next tokens, their positions, and the
+/// sequence's own cache.
+pub struct Sequence<'a> {
+    pub tokens: &'a [u32],
+    pub positions: &'a [i32],
+    pub kv: &'a mut KvCache,
+}
+
 /// One forward call, as the public entry points describe it.
 struct Call<'a, 'f> {
+    /// Every sequence's tokens, one sequence after the other.
     tokens: &'a [u32],
     positions: &'a [i32],
+    /// Rows of sequence `s` are `bounds[s]..bounds[s + 1]`; each sequence has its own cache.
+    bounds: &'a [usize],
     /// Slots of the first `overwrite.len()` tokens (already cached); the rest are appended.
     overwrite: &'a [usize],
     logits: Logits,
@@ -190,26 +201,82 @@ impl Model {
         kv: &mut KvCache,
         logits: Logits,
     ) -> Result<Vec<f32>> {
+        self.prefill_interleaved(tokens, positions, kv, logits, PREFILL_CHUNK, &mut || {})
+    }
+
+    /// [`Model::prefill`] in pieces of at most `piece` tokens (at most [`PREFILL_CHUNK`]),
+    /// calling `between` after every piece but the last: a scheduler runs other sequences'
+    /// decode steps there, so a long prompt does not stall them (chunked prefill).
+    pub fn prefill_interleaved(
+        &self,
+        tokens: &[u32],
+        positions: &[i32],
+        kv: &mut KvCache,
+        logits: Logits,
+        piece: usize,
+        between: &mut dyn FnMut(),
+    ) -> Result<Vec<f32>> {
         if tokens.len() != positions.len() {
             return Err(ModelError::PositionCount {
                 tokens: tokens.len(),
                 positions: positions.len(),
             });
         }
-        let n_pieces = tokens.len().div_ceil(PREFILL_CHUNK);
+        let piece = piece.clamp(1, PREFILL_CHUNK);
+        let n_pieces = tokens.len().div_ceil(piece);
         let mut out = Vec::new();
         for (i, (t, p)) in tokens
-            .chunks(PREFILL_CHUNK)
-            .zip(positions.chunks(PREFILL_CHUNK))
+            .chunks(piece)
+            .zip(positions.chunks(piece))
             .enumerate()
         {
+            let last = i + 1 == n_pieces;
             let want = match logits {
-                Logits::Last if i + 1 < n_pieces => Logits::None,
+                Logits::Last if !last => Logits::None,
                 other => other,
             };
             out.extend(self.forward(t, p, kv, want)?);
+            if !last {
+                between();
+            }
         }
         Ok(out)
+    }
+
+    /// Runs several sequences, each over its own cache, through the model in one pass: every
+    /// weight matrix is read once for all the call's rows (continuous batching: one decode step
+    /// of many sequences costs about as much memory traffic as one), while attention stays per
+    /// sequence. Each sequence's logits equal, bit for bit, what [`Model::forward`] on it alone
+    /// returns (the kernels' results do not depend on the row count).
+    ///
+    /// Returns the logits asked for, sequence after sequence ([`Logits::Last`]: the last token
+    /// of each sequence). On error no cache keeps a slot of this call.
+    pub fn forward_batch(&self, seqs: &mut [Sequence<'_>], logits: Logits) -> Result<Vec<f32>> {
+        let mut bounds = Vec::with_capacity(seqs.len() + 1);
+        bounds.push(0);
+        for (index, s) in seqs.iter().enumerate() {
+            self.check_call(s.tokens, s.positions, s.kv)?;
+            if s.tokens.is_empty() {
+                return Err(ModelError::EmptySequence { index });
+            }
+            bounds.push(bounds[index] + s.tokens.len());
+        }
+        if seqs.is_empty() {
+            return Ok(Vec::new());
+        }
+        let tokens: Vec<u32> = seqs.iter().flat_map(|s| s.tokens).copied().collect();
+        let positions: Vec<i32> = seqs.iter().flat_map(|s| s.positions).copied().collect();
+        let mut kvs: Vec<&mut KvCache> = seqs.iter_mut().map(|s| &mut *s.kv).collect();
+        let call = Call {
+            tokens: &tokens,
+            positions: &positions,
+            bounds: &bounds,
+            overwrite: &[],
+            logits,
+            observer: None,
+            blend: None,
+        };
+        self.run(call, &mut kvs).map(|(logits, _)| logits)
     }
 
     /// [`Model::forward`] that also hands `observer` every layer's fresh keys before RoPE and
@@ -242,12 +309,13 @@ impl Model {
         let call = Call {
             tokens,
             positions,
+            bounds: &[0, tokens.len()],
             overwrite: &[],
             logits,
             observer,
             blend: None,
         };
-        self.run(call, kv).map(|(logits, _)| logits)
+        self.run(call, &mut [kv]).map(|(logits, _)| logits)
     }
 
     /// Selective recomputation (CacheBlend): the first `overwrite.len()` tokens already sit in
@@ -298,12 +366,13 @@ impl Model {
         let call = Call {
             tokens,
             positions,
+            bounds: &[0, tokens.len()],
             overwrite,
             logits,
             observer: None,
             blend: Some(blend),
         };
-        self.run(call, kv)
+        self.run(call, &mut [kv])
     }
 
     fn check_call(&self, tokens: &[u32], positions: &[i32], kv: &KvCache) -> Result<()> {
@@ -326,13 +395,29 @@ impl Model {
         kv.check_layout(cfg)
     }
 
-    /// Appends the call's new slots, runs it, and on error forgets the appended slots again.
-    fn run(&self, call: Call<'_, '_>, kv: &mut KvCache) -> Result<(Vec<f32>, Vec<usize>)> {
-        let first_slot = kv.append_slots(&call.positions[call.overwrite.len()..])?;
-        let result = self.run_slots(call, kv, first_slot);
+    /// Appends the call's new slots to each sequence's cache (`kvs[s]` for sequence `s`; only
+    /// the first sequence may overwrite), runs it, and on error forgets the appended slots again.
+    fn run(&self, call: Call<'_, '_>, kvs: &mut [&mut KvCache]) -> Result<(Vec<f32>, Vec<usize>)> {
+        let mut first_slots = Vec::with_capacity(kvs.len());
+        for (s, kv) in kvs.iter_mut().enumerate() {
+            let skip = if s == 0 { call.overwrite.len() } else { 0 };
+            let appended = &call.positions[call.bounds[s] + skip..call.bounds[s + 1]];
+            match kv.append_slots(appended) {
+                Ok(first) => first_slots.push(first),
+                Err(e) => {
+                    kvs.iter_mut()
+                        .zip(&first_slots)
+                        .for_each(|(kv, &first)| kv.truncate(first));
+                    return Err(e);
+                }
+            }
+        }
+        let result = self.run_slots(call, kvs, &first_slots);
         if result.is_err() {
             // Leave no half-written slots behind.
-            kv.truncate(first_slot);
+            kvs.iter_mut()
+                .zip(&first_slots)
+                .for_each(|(kv, &first)| kv.truncate(first));
         }
         result
     }
@@ -340,12 +425,13 @@ impl Model {
     fn run_slots(
         &self,
         call: Call<'_, '_>,
-        kv: &mut KvCache,
-        first_slot: usize,
+        kvs: &mut [&mut KvCache],
+        first_slots: &[usize],
     ) -> Result<(Vec<f32>, Vec<usize>)> {
         let Call {
             tokens,
             positions,
+            bounds,
             overwrite,
             logits,
             mut observer,
@@ -353,12 +439,19 @@ impl Model {
         } = call;
         let cfg = &self.cfg;
         let mut n = tokens.len();
-        // Destination slot, position and original index of each row still running.
-        let mut slots: Vec<usize> = overwrite
-            .iter()
-            .copied()
-            .chain(first_slot..first_slot + (n - overwrite.len()))
-            .collect();
+        let mut bounds = bounds.to_vec();
+        // Destination slot, sequence, position and original index of each row still running.
+        let mut slots: Vec<usize> = Vec::with_capacity(n);
+        let mut seq_of: Vec<usize> = Vec::with_capacity(n);
+        for (s, &first) in first_slots.iter().enumerate() {
+            let skip = if s == 0 { overwrite.len() } else { 0 };
+            let appended = bounds[s + 1] - bounds[s] - skip;
+            if s == 0 {
+                slots.extend_from_slice(overwrite);
+            }
+            slots.extend(first..first + appended);
+            seq_of.resize(bounds[s + 1], s);
+        }
         let mut positions: Vec<i32> = positions.to_vec();
         let mut kept: Vec<usize> = (0..n).collect();
 
@@ -427,7 +520,7 @@ impl Model {
             // (appended rows have none and always continue).
             let deviation: Option<Vec<f32>> = match &blend {
                 Some(b) if b.check_layer == li => {
-                    Some(self.value_deviation(kv, li, &slots[..n], overwrite.len(), &s.v))
+                    Some(self.value_deviation(kvs[0], li, &slots[..n], overwrite.len(), &s.v))
                 }
                 _ => None,
             };
@@ -435,7 +528,7 @@ impl Model {
                 let a = &angles[t * pairs..(t + 1) * pairs];
                 self.rope.rotate(&mut s.q[t * qw..(t + 1) * qw], a);
                 self.rope.rotate(&mut s.k[t * kvw..(t + 1) * kvw], a);
-                kv.write(
+                kvs[seq_of[t]].write(
                     li,
                     slots[t],
                     &s.k[t * kvw..(t + 1) * kvw],
@@ -451,8 +544,18 @@ impl Model {
                 positions = keep.iter().map(|&r| positions[r]).collect();
                 kept = keep.iter().map(|&r| kept[r]).collect();
                 n = keep.len();
+                // Blending runs on one sequence only.
+                seq_of.truncate(n);
+                bounds = vec![0, n];
             }
-            self.attention(li, kv, &positions, &s.q[..n * qw], &mut s.attn[..n * qw])?;
+            self.attention(
+                li,
+                kvs,
+                &bounds,
+                &positions,
+                &s.q[..n * qw],
+                &mut s.attn[..n * qw],
+            )?;
             self.matmul(&layer.wo, &s.attn[..n * qw], n, &mut s.proj[..n * d])?;
             add_assign(&mut s.x[..n * d], &s.proj[..n * d]);
 
@@ -474,9 +577,18 @@ impl Model {
             add_assign(&mut s.x[..n * d], &s.proj[..n * d]);
         }
 
+        let last_rows: Vec<f32>;
         let rows: &[f32] = match logits {
             Logits::None => return Ok((Vec::new(), kept)),
-            Logits::Last => &s.x[(n - 1) * d..n * d],
+            Logits::Last if bounds.len() == 2 => &s.x[(n - 1) * d..n * d],
+            Logits::Last => {
+                last_rows = bounds[1..]
+                    .iter()
+                    .flat_map(|&end| &s.x[(end - 1) * d..end * d])
+                    .copied()
+                    .collect();
+                &last_rows
+            }
             Logits::All => &s.x[..n * d],
         };
         let m = rows.len() / d;
@@ -541,32 +653,63 @@ impl Model {
         Ok(())
     }
 
-    /// Scaled dot-product attention of the call's queries over the whole cache of layer `li`,
-    /// masked by position (the tiled kernel in `engram-kernels`). Writes `n * q_width` values.
+    /// Scaled dot-product attention of each sequence's queries (rows `bounds[s]..bounds[s+1]`
+    /// of `q`) over the whole cache of layer `li` of its own cache `kvs[s]`, masked by
+    /// position: the tiled kernel in `engram-kernels`, every sequence in one dispatch. Writes
+    /// `q.len()` values.
     fn attention(
         &self,
         li: usize,
-        kv: &KvCache,
+        kvs: &[&mut KvCache],
+        bounds: &[usize],
         positions: &[i32],
         q: &[f32],
         out: &mut [f32],
     ) -> Result<()> {
         let cfg = &self.cfg;
-        let len = kv.len();
-        let keys: Vec<&[f16]> = (0..cfg.n_head_kv).map(|h| kv.keys(li, h, len)).collect();
-        let values: Vec<&[f16]> = (0..cfg.n_head_kv).map(|h| kv.values(li, h, len)).collect();
-        let a = engram_kernels::Attention {
-            n_head: cfg.n_head,
-            n_head_kv: cfg.n_head_kv,
-            head_dim: cfg.head_dim,
-            scale: 1.0 / (cfg.head_dim as f32).sqrt(),
-            q,
-            q_pos: positions,
-            keys: &keys,
-            values: &values,
-            kv_pos: kv.positions(),
-        };
-        engram_kernels::attention(&a, out, &self.pool)?;
+        let qw = cfg.q_width();
+        let keys: Vec<Vec<&[f16]>> = kvs
+            .iter()
+            .map(|kv| {
+                (0..cfg.n_head_kv)
+                    .map(|h| kv.keys(li, h, kv.len()))
+                    .collect()
+            })
+            .collect();
+        let values: Vec<Vec<&[f16]>> = kvs
+            .iter()
+            .map(|kv| {
+                (0..cfg.n_head_kv)
+                    .map(|h| kv.values(li, h, kv.len()))
+                    .collect()
+            })
+            .collect();
+        let calls: Vec<engram_kernels::Attention<'_>> = kvs
+            .iter()
+            .enumerate()
+            .map(|(si, kv)| {
+                let rows = bounds[si]..bounds[si + 1];
+                engram_kernels::Attention {
+                    n_head: cfg.n_head,
+                    n_head_kv: cfg.n_head_kv,
+                    head_dim: cfg.head_dim,
+                    scale: 1.0 / (cfg.head_dim as f32).sqrt(),
+                    q: &q[rows.start * qw..rows.end * qw],
+                    q_pos: &positions[rows],
+                    keys: &keys[si],
+                    values: &values[si],
+                    kv_pos: kv.positions(),
+                }
+            })
+            .collect();
+        let mut outs: Vec<&mut [f32]> = Vec::with_capacity(kvs.len());
+        let mut rest = out;
+        for si in 0..kvs.len() {
+            let (head, tail) = rest.split_at_mut((bounds[si + 1] - bounds[si]) * qw);
+            outs.push(head);
+            rest = tail;
+        }
+        engram_kernels::attention_many(&calls, &mut outs, &self.pool)?;
         Ok(())
     }
 }

@@ -25,7 +25,7 @@ use half::f16;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
-use crate::{KvCache, Logits, Model, ModelError, Result};
+use crate::{KvCache, Logits, Model, ModelError, Result, Sequence};
 
 /// Model vs exact-math reference, f32 weights: the largest |logit difference| over a sequence,
 /// divided by the largest |reference logit| (the logit scale, about 10 here).
@@ -1029,6 +1029,121 @@ fn incremental_decoding_matches_full_pass() {
             TOL_SAME,
         );
     }
+}
+
+/// Three sequences at different points (a prefill piece, two decode steps at other lengths)
+/// in one batched call give each sequence's logits and cache exactly as separate calls do.
+#[test]
+fn batched_sequences_match_separate_calls_bit_for_bit() {
+    for spec in all_specs() {
+        let model = Tiny::build(&spec).model();
+        let vocab = spec.vocab;
+        let seqs: Vec<Vec<u32>> = (0..3)
+            .map(|i| tokens(spec.seed + 20 + i, SEQ_LEN, vocab))
+            .collect();
+        // Already cached per sequence before the batched call; then each takes `step` tokens.
+        let cached = [0usize, 6, 3];
+        let step = [4usize, 1, 1];
+        let prepare = || -> Vec<KvCache> {
+            seqs.iter()
+                .zip(cached)
+                .map(|(seq, c)| {
+                    let mut kv = model.new_cache(SEQ_LEN);
+                    model
+                        .forward(&seq[..c], &positions(0..c as i32), &mut kv, Logits::None)
+                        .expect("prefix");
+                    kv
+                })
+                .collect()
+        };
+
+        let mut alone = prepare();
+        let mut expected = Vec::new();
+        for (s, kv) in alone.iter_mut().enumerate() {
+            let (from, to) = (cached[s], cached[s] + step[s]);
+            expected.extend(
+                model
+                    .forward(
+                        &seqs[s][from..to],
+                        &positions(from as i32..to as i32),
+                        kv,
+                        Logits::Last,
+                    )
+                    .expect("alone"),
+            );
+        }
+
+        let mut batched = prepare();
+        let pos: Vec<Vec<i32>> = (0..3)
+            .map(|s| positions(cached[s] as i32..(cached[s] + step[s]) as i32))
+            .collect();
+        let mut call: Vec<Sequence<'_>> = batched
+            .iter_mut()
+            .enumerate()
+            .map(|(s, kv)| Sequence {
+                tokens: &seqs[s][cached[s]..cached[s] + step[s]],
+                positions: &pos[s],
+                kv,
+            })
+            .collect();
+        let got = model
+            .forward_batch(&mut call, Logits::Last)
+            .expect("batched");
+        assert_eq!(got.len(), 3 * vocab, "{}", spec.label());
+        assert_eq!(got, expected, "{}: batched logits", spec.label());
+        for (a, b) in alone.iter().zip(&batched) {
+            assert_eq!(a.positions(), b.positions());
+            for h in 0..spec.n_head_kv {
+                assert_eq!(a.keys(1, h, a.len()), b.keys(1, h, b.len()), "keys");
+                assert_eq!(a.values(1, h, a.len()), b.values(1, h, b.len()), "values");
+            }
+        }
+    }
+}
+
+/// A batched call that cannot run leaves every sequence's cache as it was.
+#[test]
+fn batched_call_errors_leave_every_cache_unchanged() {
+    let model = Tiny::build(&Spec::new("llama")).model();
+    let mut a = model.new_cache(8);
+    let mut b = model.new_cache(2);
+    model
+        .forward(&[1, 2], &[0, 1], &mut b, Logits::None)
+        .expect("fills b");
+    let err = model
+        .forward_batch(
+            &mut [
+                Sequence {
+                    tokens: &[3],
+                    positions: &[0],
+                    kv: &mut a,
+                },
+                Sequence {
+                    tokens: &[4],
+                    positions: &[2],
+                    kv: &mut b,
+                },
+            ],
+            Logits::Last,
+        )
+        .unwrap_err();
+    assert!(matches!(err, ModelError::CacheFull { .. }), "{err:?}");
+    assert!(a.is_empty(), "the first sequence's slot was given back");
+    assert_eq!(b.positions(), &[0, 1]);
+    let err = model
+        .forward_batch(
+            &mut [Sequence {
+                tokens: &[],
+                positions: &[],
+                kv: &mut a,
+            }],
+            Logits::Last,
+        )
+        .unwrap_err();
+    assert!(
+        matches!(err, ModelError::EmptySequence { index: 0 }),
+        "{err:?}"
+    );
 }
 
 #[test]

@@ -136,6 +136,7 @@ fn main() {
                 let a = a.clone();
                 std::thread::spawn(move || {
                     let mut tokens = 0u64;
+                    let mut timings = Vec::new();
                     for r in 0..a.requests {
                         let (status, body) = post(
                             a.addr,
@@ -146,12 +147,20 @@ fn main() {
                         .expect("the daemon answers");
                         assert_eq!(status, 200, "{body}");
                         tokens += body["usage"]["completion_tokens"].as_u64().unwrap_or(0);
+                        if let Some(t) = body["engram"]["timings"].as_object() {
+                            timings.push(t.clone());
+                        }
                     }
-                    tokens
+                    (tokens, timings)
                 })
             })
             .collect();
-        let tokens: u64 = handles.into_iter().map(|h| h.join().unwrap()).sum();
+        let (mut tokens, mut timings) = (0u64, Vec::new());
+        for h in handles {
+            let (t, ts) = h.join().unwrap();
+            tokens += t;
+            timings.extend(ts);
+        }
         let rate = tokens as f64 / start.elapsed().as_secs_f64();
         let ratio = *base.get_or_insert(rate);
         println!(
@@ -159,6 +168,27 @@ fn main() {
             start.elapsed().as_secs_f64(),
             rate / ratio
         );
+        if !timings.is_empty() {
+            // Where a request's time went, as the daemon reports it (means, milliseconds).
+            let mean = |k: &str| {
+                timings
+                    .iter()
+                    .filter_map(|t| t.get(k)?.as_f64())
+                    .sum::<f64>()
+                    / timings.len() as f64
+            };
+            println!(
+                "            mean ms: queue {:.0}  retrieve {:.0}  prefill {:.0} (kv load {:.0}, recompute {:.0}, question {:.0})  first token {:.0}  decode {:.0}",
+                mean("queue_ms"),
+                mean("retrieve_ms"),
+                mean("prefill_total_ms"),
+                mean("kv_load_ms"),
+                mean("recompute_ms"),
+                mean("question_prefill_ms"),
+                mean("first_token_ms"),
+                mean("decode_ms"),
+            );
+        }
     }
 
     let stop = Arc::new(AtomicBool::new(false));

@@ -86,6 +86,7 @@ pub struct RawFusion {
 pub struct RawLimits {
     pub max_upload_bytes: Option<usize>,
     pub queue_depth: Option<usize>,
+    pub batch_size: Option<usize>,
     pub max_tokens: Option<usize>,
     pub max_top_k: Option<usize>,
     pub ingest_concurrency: Option<usize>,
@@ -125,6 +126,8 @@ pub struct Config {
     pub gate_max_kl: f64,
     pub max_upload_bytes: usize,
     pub queue_depth: Option<usize>,
+    /// Sequences decoded together at most; `None`: the profile's.
+    pub batch_size: Option<usize>,
     pub max_tokens: usize,
     pub max_top_k: usize,
     pub ingest_concurrency: usize,
@@ -259,11 +262,13 @@ impl RawConfig {
             l.ingest_concurrency,
             DEFAULT_INGEST_CONCURRENCY,
         )?;
-        if let Some(0) = l.queue_depth {
-            return Err(ServerError::config(
-                "limits.queue_depth",
-                "must be at least 1",
-            ));
+        for (key, v) in [
+            ("limits.queue_depth", l.queue_depth),
+            ("limits.batch_size", l.batch_size),
+        ] {
+            if v == Some(0) {
+                return Err(ServerError::config(key, "must be at least 1"));
+            }
         }
         let auth_failures_per_minute = self
             .auth
@@ -292,6 +297,7 @@ impl RawConfig {
             gate_max_kl,
             max_upload_bytes,
             queue_depth: l.queue_depth,
+            batch_size: l.batch_size,
             max_tokens,
             max_top_k,
             ingest_concurrency,

@@ -1,24 +1,31 @@
 //! The generation engine's one owner: a thread holding the model, tokenizer, chat template,
-//! chunk KV store and prefix cache, serving jobs from a bounded queue one at a time and
-//! streaming each job's tokens back over its own channel. A job whose receiver is gone (the
-//! client left) stops at the next token. When no job is waiting, the engine computes and
-//! stores the KV of newly indexed chunks (the chunk KV stage of ingestion), one chunk at a
-//! time, so a job waits behind at most one chunk's prefill.
+//! chunk KV store and prefix cache. It serves jobs from a bounded queue with continuous
+//! batching and streams each job's tokens back over its own channel:
 //!
-//! Continuous batching across sequences is a later step: a job runs alone from prefill to
-//! its last token.
+//! - up to `max_batch` sequences decode together, one [`Model::forward_batch`] per step, so a
+//!   step of eight sequences reads the weights once instead of eight times;
+//! - a waiting job joins the batch between two steps: its prompt is prefilled (fused) in
+//!   pieces of [`INTERLEAVE_PIECE`] tokens with a decode step of the batch between pieces, so
+//!   a long prompt delays the others' next token by one piece, not by the whole prompt;
+//! - a sequence leaves the batch at its end, at `max_tokens`, or when its receiver is gone (the
+//!   client left), and its cache is freed at once.
+//!
+//! When no job is waiting or running, the engine computes and stores the KV of newly indexed
+//! chunks (the chunk KV stage of ingestion), one chunk at a time, so a job waits behind at most
+//! one chunk's prefill.
 
+use std::cell::RefCell;
 use std::collections::{HashMap, VecDeque};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use engram_fusion::{
-    chunk_tokens, fused_prefill, rag_frame, rag_prompt, ChunkStore, FusedPrompt, GateLimits,
-    Policy, PrefixCache, DEFAULT_SYSTEM,
+    chunk_tokens, fused_prefill_interleaved, rag_frame, rag_prompt, ChunkStore, FusedPrompt,
+    GateLimits, Interleave, Policy, PrefixCache, DEFAULT_SYSTEM,
 };
 use engram_kvstore::{DramTier, IoMode, KvDtype, KvStore, NvmeOptions, NvmeTier};
-use engram_model::{Logits, Model, Sampler, SamplingParams};
+use engram_model::{KvCache, Logits, Model, Sampler, SamplingParams, Sequence};
 use engram_tokenizer::{ChatTemplate, Detokenizer, Message, Tokenizer};
 use tokio::sync::mpsc;
 
@@ -28,9 +35,14 @@ use crate::metrics::Metrics;
 
 /// Seconds a client told "queue full" should wait: about one short answer on a small CPU.
 pub const RETRY_AFTER_S: u64 = 2;
-/// Tokens buffered per job between the engine and the HTTP response: enough that a slow
-/// reader does not stall the engine on every token, small enough to notice a gone client.
-const TOKEN_BUFFER: usize = 64;
+/// Events a job can send beyond one per generated token (the detokenizer's tail, the summary,
+/// an error): a job's channel holds all of its events, so the engine never waits on a slow
+/// reader (the memory is bounded by `max_tokens`).
+const EXTRA_EVENTS: usize = 4;
+/// Prompt tokens prefilled between two decode steps of the running batch: about half a second
+/// on 2 cores with the default model, the longest pause a running stream sees when a long
+/// prompt joins.
+pub const INTERLEAVE_PIECE: usize = 128;
 
 /// What the engine is started with.
 #[derive(Clone, Debug)]
@@ -45,6 +57,8 @@ pub struct EngineOptions {
     pub policy: Policy,
     pub gate_max_kl: f64,
     pub queue_depth: usize,
+    /// Sequences decoded together at most (the profile's `batch_size`).
+    pub max_batch: usize,
 }
 
 /// The prompt of a job.
@@ -156,7 +170,7 @@ impl EngineHandle {
         let join = std::thread::Builder::new()
             .name("engram-engine".into())
             .spawn(move || match Engine::load(&opts, m) {
-                Ok(mut engine) => {
+                Ok(engine) => {
                     // The fidelity gate of the configured policy runs before the engine says
                     // it is ready, so no request pays for it.
                     if let Err(e) = engine.gated(opts.policy) {
@@ -198,7 +212,7 @@ impl EngineHandle {
         seed: u64,
         policy: Option<Policy>,
     ) -> std::result::Result<mpsc::Receiver<Event>, ApiError> {
-        let (events, rx) = mpsc::channel(TOKEN_BUFFER);
+        let (events, rx) = mpsc::channel(max_tokens.saturating_add(EXTRA_EVENTS));
         let job = Job {
             prompt,
             max_tokens,
@@ -259,8 +273,43 @@ struct Engine {
     opts: EngineOptions,
     metrics: Arc<Metrics>,
     /// Policy asked -> policy used, and why fusion is off when the gate failed.
-    gates: HashMap<String, (Policy, Option<String>)>,
-    last_kv: engram_kvstore::StoreMetrics,
+    gates: RefCell<HashMap<String, (Policy, Option<String>)>>,
+    last_kv: RefCell<engram_kvstore::StoreMetrics>,
+}
+
+/// A job in the decode batch: its own cache, sampler and output state.
+struct Active<'t> {
+    job: Job,
+    kv: KvCache,
+    sampler: Sampler,
+    /// Prompt and generated tokens (the repetition penalty looks at them).
+    history: Vec<u32>,
+    detok: Detokenizer<'t>,
+    /// The logits the next token is sampled from.
+    logits: Vec<f32>,
+    /// The last sampled token, fed at `position` by the next step.
+    pending: u32,
+    position: i32,
+    max_tokens: usize,
+    generated: usize,
+    /// When the engine took the job, when its decode began, its time to first token.
+    started: Instant,
+    decode_start: Instant,
+    first_token: Option<Duration>,
+    policy: Policy,
+    fusion_disabled: Option<String>,
+    prompt_tokens: usize,
+    stats: engram_fusion::FuseStats,
+}
+
+/// What sampling one token did to a sequence.
+enum Advance {
+    /// Feed `pending` at the next step.
+    Continue,
+    /// The sequence is complete (`stop` or `length`).
+    Finished(&'static str),
+    /// The client is gone.
+    Cancelled,
 }
 
 impl Engine {
@@ -297,7 +346,7 @@ impl Engine {
             store,
             opts: opts.clone(),
             metrics,
-            gates: HashMap::new(),
+            gates: RefCell::new(HashMap::new()),
             last_kv: Default::default(),
         })
     }
@@ -322,9 +371,11 @@ impl Engine {
         }
     }
 
-    /// Jobs first; chunk KV work only when no job waits; blocks on both when idle. Stops
-    /// when every handle is gone (chunk KV work left then is only a cache not yet filled).
-    fn run(mut self, mut rx: mpsc::Receiver<Job>, mut kv: mpsc::UnboundedReceiver<KvWork>) {
+    /// The scheduler: admit one waiting job when the batch has room, run one decode step of
+    /// the batch, repeat; chunk KV work only when no job waits or runs; block on both when
+    /// idle. Stops when every handle is gone and the batch has finished (chunk KV work left
+    /// then is only a cache not yet filled).
+    fn run(self, mut rx: mpsc::Receiver<Job>, mut kv: mpsc::UnboundedReceiver<KvWork>) {
         enum Next {
             Job(Option<Job>),
             Kv(Option<KvWork>),
@@ -335,30 +386,51 @@ impl Engine {
             .expect("a current-thread runtime builds");
         let mut chunks: VecDeque<String> = VecDeque::new();
         let mut kv_open = true;
+        let mut jobs_open = true;
+        let mut batch: Vec<Active<'_>> = Vec::new();
         loop {
-            let next = match rx.try_recv() {
-                Ok(job) => Next::Job(Some(job)),
-                Err(mpsc::error::TryRecvError::Disconnected) => Next::Job(None),
-                Err(mpsc::error::TryRecvError::Empty) => {
-                    if let Some(text) = chunks.pop_front() {
-                        self.precompute(&text);
-                        continue;
+            if jobs_open && batch.len() < self.opts.max_batch.max(1) {
+                match rx.try_recv() {
+                    Ok(job) => {
+                        if let Some(a) = self.admit(job, &mut batch) {
+                            batch.push(a);
+                        }
                     }
-                    match kv.try_recv() {
-                        Ok(w) => Next::Kv(Some(w)),
-                        Err(_) => waiter.block_on(async {
-                            tokio::select! {
-                                biased;
-                                j = rx.recv() => Next::Job(j),
-                                w = kv.recv(), if kv_open => Next::Kv(w),
-                            }
-                        }),
-                    }
+                    Err(mpsc::error::TryRecvError::Disconnected) => jobs_open = false,
+                    Err(mpsc::error::TryRecvError::Empty) => {}
                 }
+            }
+            if !batch.is_empty() {
+                self.step(&mut batch);
+                continue;
+            }
+            if !jobs_open {
+                break;
+            }
+            if !rx.is_empty() {
+                continue;
+            }
+            if let Some(text) = chunks.pop_front() {
+                self.precompute(&text);
+                continue;
+            }
+            let next = match kv.try_recv() {
+                Ok(w) => Next::Kv(Some(w)),
+                Err(_) => waiter.block_on(async {
+                    tokio::select! {
+                        biased;
+                        j = rx.recv() => Next::Job(j),
+                        w = kv.recv(), if kv_open => Next::Kv(w),
+                    }
+                }),
             };
             match next {
-                Next::Job(Some(job)) => self.handle(job),
-                Next::Job(None) => break,
+                Next::Job(Some(job)) => {
+                    if let Some(a) = self.admit(job, &mut batch) {
+                        batch.push(a);
+                    }
+                }
+                Next::Job(None) => jobs_open = false,
                 Next::Kv(Some(w)) => chunks.extend(w),
                 Next::Kv(None) => kv_open = false,
             }
@@ -366,25 +438,159 @@ impl Engine {
         tracing::info!("engine stopped");
     }
 
-    fn handle(&mut self, job: Job) {
+    /// Takes a job off the queue: prefills its prompt (decode steps of `batch` between the
+    /// pieces) and samples its first token. Returns it when it goes on to decode.
+    fn admit<'t>(&'t self, job: Job, batch: &mut Vec<Active<'t>>) -> Option<Active<'t>> {
         self.metrics.queue_depth.dec();
         if job.events.is_closed() {
             tracing::info!("job cancelled while queued");
-            return;
+            return None;
         }
         let events = job.events.clone();
-        if let Err(e) = self.serve(job) {
-            let _ = events.blocking_send(Event::Error(e));
-        }
+        let admitted = self.start(job, batch);
         let now = self.store.store().metrics();
-        self.metrics.record_kv(&now, &self.last_kv);
-        self.last_kv = now;
+        self.metrics.record_kv(&now, &self.last_kv.borrow());
+        *self.last_kv.borrow_mut() = now;
+        match admitted {
+            Ok(mut a) => match self.advance(&mut a) {
+                Advance::Continue => Some(a),
+                Advance::Finished(reason) => {
+                    self.finish(a, reason);
+                    None
+                }
+                Advance::Cancelled => None,
+            },
+            Err(e) => {
+                let _ = events.try_send(Event::Error(e));
+                None
+            }
+        }
+    }
+
+    /// One decode step of every sequence in `batch`: drops the ones whose client left, runs
+    /// the rest in one batched forward pass, samples each one's next token, and finishes the
+    /// ones that are done.
+    fn step(&self, batch: &mut Vec<Active<'_>>) {
+        batch.retain(|a| {
+            let gone = a.job.events.is_closed();
+            if gone {
+                tracing::info!(generated = a.generated, "client gone; generation cancelled");
+            }
+            !gone
+        });
+        if batch.is_empty() {
+            return;
+        }
+        let tokens: Vec<[u32; 1]> = batch.iter().map(|a| [a.pending]).collect();
+        let positions: Vec<[i32; 1]> = batch.iter().map(|a| [a.position]).collect();
+        let mut seqs: Vec<Sequence<'_>> = batch
+            .iter_mut()
+            .zip(tokens.iter().zip(&positions))
+            .map(|(a, (t, p))| Sequence {
+                tokens: t,
+                positions: p,
+                kv: &mut a.kv,
+            })
+            .collect();
+        let t = Instant::now();
+        let result = self.model.forward_batch(&mut seqs, Logits::Last);
+        drop(seqs);
+        let n = batch.len();
+        self.metrics.batch_size.observe(n as f64);
+        let logits = match result {
+            Ok(l) => l,
+            Err(e) => {
+                tracing::error!("decode step of {n} sequences: {e}");
+                for a in batch.drain(..) {
+                    let _ = a.job.events.try_send(Event::Error(ApiError::internal(&e)));
+                }
+                return;
+            }
+        };
+        let step_s = t.elapsed().as_secs_f64();
+        let vocab = self.model.config().vocab_size;
+        let mut rest = Vec::with_capacity(n);
+        for (mut a, row) in batch.drain(..).zip(logits.chunks_exact(vocab)) {
+            a.logits.copy_from_slice(row);
+            a.position += 1;
+            self.metrics
+                .tpot
+                .with_label_values(&[a.job.kind])
+                .observe(step_s);
+            match self.advance(&mut a) {
+                Advance::Continue => rest.push(a),
+                Advance::Finished(reason) => self.finish(a, reason),
+                Advance::Cancelled => {
+                    tracing::info!(generated = a.generated, "client gone; generation cancelled");
+                }
+            }
+        }
+        *batch = rest;
+    }
+
+    /// Samples a sequence's next token from its logits and sends its text.
+    fn advance(&self, a: &mut Active<'_>) -> Advance {
+        let id = a.sampler.sample(&a.logits, &a.history);
+        if a.first_token.is_none() {
+            a.first_token = Some(a.started.elapsed());
+            self.metrics
+                .ttft
+                .with_label_values(&[a.job.kind])
+                .observe(a.job.enqueued.elapsed().as_secs_f64());
+        }
+        if self.tokenizer.is_eog(id) {
+            return Advance::Finished("stop");
+        }
+        a.generated += 1;
+        a.history.push(id);
+        let piece = a.detok.push(id);
+        if !piece.is_empty() && a.job.events.try_send(Event::Token(piece)).is_err() {
+            // Closed: the client left (the channel has room for every event of the job).
+            return Advance::Cancelled;
+        }
+        if a.generated >= a.max_tokens {
+            return Advance::Finished("length");
+        }
+        a.pending = id;
+        Advance::Continue
+    }
+
+    /// Sends a finished sequence's last text and its summary.
+    fn finish(&self, a: Active<'_>, finish_reason: &'static str) {
+        let tail = a.detok.finish();
+        if !tail.is_empty() && a.job.events.try_send(Event::Token(tail)).is_err() {
+            return;
+        }
+        self.metrics
+            .generated_tokens
+            .with_label_values(&[a.job.kind])
+            .inc_by(a.generated as u64);
+        let ms = |d: Duration| d.as_secs_f64() * 1e3;
+        let mut timings = a.stats.timings_json();
+        timings.insert(
+            "queue_ms".into(),
+            ms(a.started.duration_since(a.job.enqueued)).into(),
+        );
+        timings.insert(
+            "first_token_ms".into(),
+            a.first_token.map_or(0.0, ms).into(),
+        );
+        timings.insert("decode_ms".into(), ms(a.decode_start.elapsed()).into());
+        timings.insert("generated_tokens".into(), a.generated.into());
+        let _ = a.job.events.try_send(Event::Done(Summary {
+            policy: a.policy.name(),
+            fusion_disabled: a.fusion_disabled,
+            prompt_tokens: a.prompt_tokens,
+            generated_tokens: a.generated,
+            finish_reason,
+            timings: serde_json::Value::Object(timings),
+        }));
     }
 
     /// The chunk KV stage for one chunk: computes and stores its KV unless a tier holds it
     /// (the key is the one a question over this chunk looks up). Failures are logged: the
     /// chunk is then computed when a question first needs it.
-    fn precompute(&mut self, text: &str) {
+    fn precompute(&self, text: &str) {
         self.metrics
             .ingest_pending
             .with_label_values(&["chunk_kv"])
@@ -408,11 +614,11 @@ impl Engine {
 
     /// The policy to use after the fidelity gate (run once per policy, recorded next to the
     /// NVMe tier), as `engram ask` does.
-    fn gated(&mut self, asked: Policy) -> std::result::Result<(Policy, Option<String>), ApiError> {
+    fn gated(&self, asked: Policy) -> std::result::Result<(Policy, Option<String>), ApiError> {
         if asked == Policy::Full {
             return Ok((Policy::Full, None));
         }
-        if let Some(g) = self.gates.get(&asked.name()) {
+        if let Some(g) = self.gates.borrow().get(&asked.name()) {
             return Ok(g.clone());
         }
         let limits = GateLimits {
@@ -438,7 +644,7 @@ impl Engine {
             tracing::warn!(policy = %asked, %reason, "fusion disabled; using full prefill");
             (Policy::Full, Some(reason))
         };
-        self.gates.insert(asked.name(), g.clone());
+        self.gates.borrow_mut().insert(asked.name(), g.clone());
         Ok(g)
     }
 
@@ -485,7 +691,13 @@ impl Engine {
         })
     }
 
-    fn serve(&mut self, job: Job) -> std::result::Result<(), ApiError> {
+    /// Builds a job's prompt and prefills it, running decode steps of `batch` between the
+    /// pieces of a long prefill.
+    fn start<'t>(
+        &'t self,
+        job: Job,
+        batch: &mut Vec<Active<'t>>,
+    ) -> std::result::Result<Active<'t>, ApiError> {
         let started = Instant::now();
         let (prompt, policy, fusion_disabled) = match &job.prompt {
             Prompt::Rag { question, passages } => {
@@ -517,82 +729,48 @@ impl Engine {
         }
         let max_tokens = job.max_tokens.min(context - prompt.len());
         let mut kv = self.model.new_cache(prompt.len() + max_tokens + 1);
-        let done = fused_prefill(
+        let mut between = || {
+            if !batch.is_empty() {
+                self.step(batch);
+            }
+        };
+        let done = fused_prefill_interleaved(
             &self.model,
             &self.store,
             Some(&self.prefixes),
             &prompt,
             policy,
             &mut kv,
+            Some(Interleave {
+                piece: INTERLEAVE_PIECE,
+                between: &mut between,
+            }),
         )?;
-        let mut sampler = Sampler::new(SamplingParams {
+        let sampler = Sampler::new(SamplingParams {
             temperature: job.temperature,
             seed: job.seed,
             ..SamplingParams::default()
         })
         .map_err(|e| ApiError::invalid("temperature", e.to_string()))?;
-        let mut history = prompt.tokens();
-        let mut detok = Detokenizer::new(&self.tokenizer, true);
-        let mut logits = done.logits;
-        let decode_start = Instant::now();
-        let mut first_token: Option<Duration> = None;
-        let mut generated = 0;
-        let mut finish_reason = "length";
-        for (i, pos) in (done.next_position..).take(max_tokens).enumerate() {
-            let id = sampler.sample(&logits, &history);
-            if first_token.is_none() {
-                first_token = Some(started.elapsed());
-                self.metrics
-                    .ttft
-                    .with_label_values(&[job.kind])
-                    .observe(job.enqueued.elapsed().as_secs_f64());
-            }
-            if self.tokenizer.is_eog(id) {
-                finish_reason = "stop";
-                break;
-            }
-            generated += 1;
-            history.push(id);
-            let piece = detok.push(id);
-            if !piece.is_empty() && job.events.blocking_send(Event::Token(piece)).is_err() {
-                tracing::info!(generated, "client gone; generation cancelled");
-                return Ok(());
-            }
-            if i + 1 < max_tokens {
-                logits = self
-                    .model
-                    .forward(&[id], &[pos], &mut kv, Logits::Last)
-                    .map_err(ApiError::internal)?;
-            }
-        }
-        let tail = detok.finish();
-        if !tail.is_empty() && job.events.blocking_send(Event::Token(tail)).is_err() {
-            return Ok(());
-        }
-        self.metrics
-            .generated_tokens
-            .with_label_values(&[job.kind])
-            .inc_by(generated as u64);
-        let s = &done.stats;
-        let ms = |d: Duration| d.as_secs_f64() * 1e3;
-        let mut timings = s.timings_json();
-        timings.insert(
-            "queue_ms".into(),
-            ms(started.duration_since(job.enqueued)).into(),
-        );
-        timings.insert("first_token_ms".into(), first_token.map_or(0.0, ms).into());
-        timings.insert("decode_ms".into(), ms(decode_start.elapsed()).into());
-        timings.insert("generated_tokens".into(), generated.into());
-        let timings = serde_json::Value::Object(timings);
-        let _ = job.events.blocking_send(Event::Done(Summary {
-            policy: policy.name(),
+        Ok(Active {
+            kv,
+            sampler,
+            history: prompt.tokens(),
+            detok: Detokenizer::new(&self.tokenizer, true),
+            logits: done.logits,
+            pending: 0,
+            position: done.next_position,
+            max_tokens,
+            generated: 0,
+            started,
+            decode_start: Instant::now(),
+            first_token: None,
+            policy,
             fusion_disabled,
             prompt_tokens: prompt.len(),
-            generated_tokens: generated,
-            finish_reason,
-            timings,
-        }));
-        Ok(())
+            stats: done.stats,
+            job,
+        })
     }
 }
 

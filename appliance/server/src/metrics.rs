@@ -2,8 +2,8 @@
 //! generation queue, KV tier hits and bytes, the ingestion queues. Listed with types and units in docs/engramd.md.
 
 use prometheus::{
-    Encoder, HistogramOpts, HistogramVec, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry,
-    TextEncoder,
+    Encoder, Histogram, HistogramOpts, HistogramVec, IntCounterVec, IntGauge, IntGaugeVec, Opts,
+    Registry, TextEncoder,
 };
 
 /// Request latency buckets in seconds: 1 ms (health, auth cache hits) to 2 minutes (long
@@ -17,12 +17,24 @@ const TTFT_BUCKETS: &[f64] = &[
     0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0,
 ];
 
+/// Time-per-output-token buckets in seconds: one decode step, from a batch of one on a small
+/// model (tens of milliseconds) to a large batch on a big model.
+const TPOT_BUCKETS: &[f64] = &[
+    0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.0,
+];
+/// Sequences per decode step.
+const BATCH_BUCKETS: &[f64] = &[1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 32.0, 64.0];
+
 /// Every metric the daemon exports, in one registry.
 pub struct Metrics {
     registry: Registry,
     pub requests: IntCounterVec,
     pub latency: HistogramVec,
     pub ttft: HistogramVec,
+    /// Seconds per output token: the decode step that produced it (shared by the batch).
+    pub tpot: HistogramVec,
+    /// Sequences per decode step (continuous batching).
+    pub batch_size: Histogram,
     pub queue_depth: IntGauge,
     pub rejected: IntCounterVec,
     pub kv_hits: IntCounterVec,
@@ -63,6 +75,23 @@ impl Metrics {
             )
             .buckets(TTFT_BUCKETS.to_vec()),
             &["kind"],
+        )
+        .expect("valid metric");
+        let tpot = HistogramVec::new(
+            HistogramOpts::new(
+                "engram_time_per_output_token_seconds",
+                "Decode step time per generated token (one step serves the whole batch)",
+            )
+            .buckets(TPOT_BUCKETS.to_vec()),
+            &["kind"],
+        )
+        .expect("valid metric");
+        let batch_size = Histogram::with_opts(
+            HistogramOpts::new(
+                "engram_decode_batch_size",
+                "Sequences decoded together per step",
+            )
+            .buckets(BATCH_BUCKETS.to_vec()),
         )
         .expect("valid metric");
         let queue_depth = IntGauge::new(
@@ -114,6 +143,8 @@ impl Metrics {
             Box::new(ingested.clone()),
             Box::new(latency.clone()),
             Box::new(ttft.clone()),
+            Box::new(tpot.clone()),
+            Box::new(batch_size.clone()),
             Box::new(queue_depth.clone()),
             Box::new(rejected.clone()),
             Box::new(kv_hits.clone()),
@@ -128,6 +159,8 @@ impl Metrics {
             requests,
             latency,
             ttft,
+            tpot,
+            batch_size,
             queue_depth,
             rejected,
             kv_hits,

@@ -46,6 +46,7 @@ impl Daemon {
             .min(machine.cores)
             .max(1);
         let queue_depth = config.queue_depth.unwrap_or(p.queue_depth);
+        let max_batch = config.batch_size.unwrap_or(p.batch_size);
         let metrics = Arc::new(Metrics::new());
         let auth = Arc::new(Authenticator::new(
             &config.data_dir,
@@ -94,11 +95,12 @@ impl Daemon {
                 policy: config.policy,
                 gate_max_kl: config.gate_max_kl,
                 queue_depth,
+                max_batch,
             },
             metrics.clone(),
             kv_rx,
         )?;
-        tracing::info!(model = %engine.info.model_id, threads, queue_depth, "engine ready");
+        tracing::info!(model = %engine.info.model_id, threads, queue_depth, max_batch, "engine ready");
         if engine.info.kv_model_changed {
             // Every indexed chunk's KV again, in the background (the engine computes it when
             // no question waits); until then a question computes what it needs.

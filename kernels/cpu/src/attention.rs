@@ -106,80 +106,132 @@ pub fn key_tile_index(slot: usize, d: usize, head_dim: usize) -> usize {
 /// Computes `out[i] = softmax(scale * q_i K^T, masked by position) V` for every query token and
 /// head, on the pool's threads. Rows that see no slot at all get zeros.
 pub fn attention(a: &Attention<'_>, out: &mut [f32], pool: &ThreadPool) -> Result<()> {
-    a.validate(out)?;
-    let n_q = a.q_pos.len();
-    if n_q == 0 {
+    attention_many(std::slice::from_ref(a), &mut [out], pool)
+}
+
+/// [`attention`] of several independent calls (the sequences of a batched decode step, each
+/// over its own cache) in one pool dispatch: `outs[i]` gets call `i`'s result, bit for bit what
+/// [`attention`] on it alone gives (each call is split into tasks as it would be alone).
+pub fn attention_many(
+    calls: &[Attention<'_>],
+    outs: &mut [&mut [f32]],
+    pool: &ThreadPool,
+) -> Result<()> {
+    if calls.len() != outs.len() {
+        return Err(KernelError::LengthMismatch {
+            what: "attention outputs",
+            expected: calls.len(),
+            actual: outs.len(),
+        });
+    }
+    for (a, out) in calls.iter().zip(outs.iter()) {
+        a.validate(out)?;
+    }
+    let threads = pool.n_threads();
+    // Per call: the position range of each key tile (to skip tiles no query of a task can see
+    // and to drop the mask where every query sees the whole tile) and its split count.
+    let mut ranges: Vec<Vec<(i32, i32)>> = Vec::with_capacity(calls.len());
+    let mut splits_of: Vec<usize> = Vec::with_capacity(calls.len());
+    // (call, task), call after call.
+    let mut tasks: Vec<(usize, Task)> = Vec::new();
+    for (ci, a) in calls.iter().enumerate() {
+        let n_q = a.q_pos.len();
+        let n_kv_tiles = a.kv_pos.len().div_ceil(KV_TILE);
+        let n_q_tiles = n_q.div_ceil(Q_TILE);
+        ranges.push(
+            a.kv_pos
+                .chunks(KV_TILE)
+                .map(|c| (*c.iter().min().unwrap(), *c.iter().max().unwrap()))
+                .collect(),
+        );
+        let base_tasks = a.n_head_kv * n_q_tiles;
+        // Few tasks (decode): split the cache into slices so there are at least two tasks per
+        // thread and a multiple of the thread count (3 KV heads on 2 threads would leave one
+        // thread idle for a third of the call).
+        let splits = if n_q == 0 || base_tasks >= 2 * threads || n_kv_tiles < 2 {
+            1
+        } else {
+            let mut s = (2 * threads).div_ceil(base_tasks);
+            while !(base_tasks * s).is_multiple_of(threads) && s < n_kv_tiles {
+                s += 1;
+            }
+            s.min(n_kv_tiles)
+        };
+        splits_of.push(splits);
+        let tiles_per_split = n_kv_tiles.div_ceil(splits);
+        for kvh in 0..a.n_head_kv {
+            for qt in 0..n_q_tiles {
+                for sp in 0..splits {
+                    tasks.push((
+                        ci,
+                        Task {
+                            kvh,
+                            q0: qt * Q_TILE,
+                            q1: ((qt + 1) * Q_TILE).min(n_q),
+                            t0: sp * tiles_per_split,
+                            t1: ((sp + 1) * tiles_per_split).min(n_kv_tiles),
+                        },
+                    ));
+                }
+            }
+        }
+    }
+    if tasks.is_empty() {
         return Ok(());
     }
-    let len = a.kv_pos.len();
-    let group = a.n_head / a.n_head_kv;
-    let hd = a.head_dim;
-    let n_kv_tiles = len.div_ceil(KV_TILE);
-    let n_q_tiles = n_q.div_ceil(Q_TILE);
-
-    // Position range of each key tile, to skip tiles no query of a task can see and to drop the
-    // mask where every query sees the whole tile.
-    let tile_ranges: Vec<(i32, i32)> = a
-        .kv_pos
-        .chunks(KV_TILE)
-        .map(|c| (*c.iter().min().unwrap(), *c.iter().max().unwrap()))
-        .collect();
-
-    let base_tasks = a.n_head_kv * n_q_tiles;
-    let threads = pool.n_threads();
-    // Few tasks (decode): split the cache into slices so there are at least two tasks per
-    // thread and a multiple of the thread count (3 KV heads on 2 threads would leave one
-    // thread idle for a third of the call).
-    let splits = if base_tasks >= 2 * threads || n_kv_tiles < 2 {
-        1
-    } else {
-        let mut s = (2 * threads).div_ceil(base_tasks);
-        while !(base_tasks * s).is_multiple_of(threads) && s < n_kv_tiles {
-            s += 1;
-        }
-        s.min(n_kv_tiles)
-    };
-    let tiles_per_split = n_kv_tiles.div_ceil(splits);
-    let tasks: Vec<Task> = (0..a.n_head_kv)
-        .flat_map(|kvh| {
-            (0..n_q_tiles).flat_map(move |qt| {
-                (0..splits).map(move |s| Task {
-                    kvh,
-                    q0: qt * Q_TILE,
-                    q1: ((qt + 1) * Q_TILE).min(n_q),
-                    t0: s * tiles_per_split,
-                    t1: ((s + 1) * tiles_per_split).min(n_kv_tiles),
-                })
-            })
-        })
-        .collect();
 
     let isa = Isa::detected();
     let results: Vec<OnceLock<Partial>> = tasks.iter().map(|_| OnceLock::new()).collect();
     pool.run(tasks.len(), |i| {
+        let (ci, task) = &tasks[i];
         let partial = SCRATCH.with(|sc| {
             let mut sc = sc.borrow_mut();
-            sc.fit(hd);
-            run_task(isa, a, &tasks[i], &tile_ranges, &mut sc)
+            sc.fit(calls[*ci].head_dim);
+            run_task(isa, &calls[*ci], task, &ranges[*ci], &mut sc)
         });
         // Each index runs exactly once, so the slot is empty.
         let _ = results[i].set(partial);
     });
-    let partials: Vec<(usize, Partial)> = results
+    let mut partials = results
         .into_iter()
-        .enumerate()
-        .map(|(i, r)| (i, r.into_inner().expect("the pool ran every task")))
-        .collect();
+        .map(|r| r.into_inner().expect("the pool ran every task"));
 
-    // Merge the splits of each (KV head, query tile) and write normalised rows.
+    // Merge the splits of each (call, KV head, query tile) and write normalised rows.
+    let mut next = 0;
+    for (ci, a) in calls.iter().enumerate() {
+        let n_tasks = a.n_head_kv * a.q_pos.len().div_ceil(Q_TILE) * splits_of[ci];
+        let own: Vec<Partial> = partials.by_ref().take(n_tasks).collect();
+        merge(
+            a,
+            &tasks[next..next + n_tasks],
+            own,
+            splits_of[ci],
+            outs[ci],
+        );
+        next += n_tasks;
+    }
+    Ok(())
+}
+
+/// Merges the partial softmax states of one call's tasks (`splits` consecutive tasks per KV
+/// head and query tile) into normalised output rows.
+fn merge(
+    a: &Attention<'_>,
+    tasks: &[(usize, Task)],
+    partials: Vec<Partial>,
+    splits: usize,
+    out: &mut [f32],
+) {
+    let hd = a.head_dim;
+    let group = a.n_head / a.n_head_kv;
     let qw = a.n_head * hd;
-    for chunk in partials.chunks(splits) {
-        let task = &tasks[chunk[0].0];
+    for (chunk, tchunk) in partials.chunks(splits).zip(tasks.chunks(splits)) {
+        let task = &tchunk[0].1;
         let rows = group * (task.q1 - task.q0);
         for r in 0..rows {
             let m = chunk
                 .iter()
-                .map(|(_, p)| p.m[r])
+                .map(|p| p.m[r])
                 .fold(f32::NEG_INFINITY, f32::max);
             let (qi, hg) = (task.q0 + r / group, r % group);
             let h = task.kvh * group + hg;
@@ -189,7 +241,7 @@ pub fn attention(a: &Attention<'_>, out: &mut [f32], pool: &ThreadPool) -> Resul
                 continue;
             }
             let mut l = 0.0;
-            for (_, p) in chunk {
+            for p in chunk {
                 if p.m[r] == f32::NEG_INFINITY {
                     continue;
                 }
@@ -203,7 +255,6 @@ pub fn attention(a: &Attention<'_>, out: &mut [f32], pool: &ThreadPool) -> Resul
             dst.iter_mut().for_each(|d| *d *= inv);
         }
     }
-    Ok(())
 }
 
 /// A unit of work: one KV head, query tokens `q0..q1`, key tiles `t0..t1`.
@@ -804,6 +855,57 @@ mod tests {
         }
         assert_eq!(exp_approx(f32::NEG_INFINITY), 0.0);
         assert_eq!(exp_approx(0.0), 1.0);
+    }
+
+    /// Several calls in one dispatch (a batched decode step's sequences, plus a prefill tile
+    /// and an empty call) give each call exactly what it gets alone.
+    #[test]
+    fn many_calls_in_one_dispatch_equal_each_call_alone() {
+        let cases = [
+            case(11, 1, 300, 3, 3, 64),
+            case(12, 1, 70, 3, 3, 64),
+            case(13, 40, 90, 2, 4, 32),
+            case(14, 0, 10, 3, 3, 64),
+            case(15, 1, 1, 3, 3, 64),
+        ];
+        for threads in [1, 2, 3] {
+            let pool = ThreadPool::new(threads).unwrap();
+            let keys: Vec<Vec<&[f16]>> = cases
+                .iter()
+                .map(|c| c.k.iter().map(|v| &v[..]).collect())
+                .collect();
+            let values: Vec<Vec<&[f16]>> = cases
+                .iter()
+                .map(|c| c.v.iter().map(|v| &v[..]).collect())
+                .collect();
+            let calls: Vec<Attention<'_>> = cases
+                .iter()
+                .zip(keys.iter().zip(&values))
+                .map(|(c, (k, v))| Attention {
+                    n_head: c.n_head,
+                    n_head_kv: c.n_head_kv,
+                    head_dim: c.hd,
+                    scale: 1.0 / (c.hd as f32).sqrt(),
+                    q: &c.q,
+                    q_pos: &c.q_pos,
+                    keys: k,
+                    values: v,
+                    kv_pos: &c.kv_pos,
+                })
+                .collect();
+            let mut together: Vec<Vec<f32>> =
+                cases.iter().map(|c| vec![f32::NAN; c.q.len()]).collect();
+            let mut outs: Vec<&mut [f32]> = together.iter_mut().map(|o| &mut o[..]).collect();
+            attention_many(&calls, &mut outs, &pool).unwrap();
+            for (i, (a, got)) in calls.iter().zip(&together).enumerate() {
+                let mut alone = vec![0.0; got.len()];
+                attention(a, &mut alone, &pool).unwrap();
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(got), bits(&alone), "call {i}, {threads} threads");
+            }
+            let err = attention_many(&calls, &mut [], &pool).unwrap_err();
+            assert!(matches!(err, KernelError::LengthMismatch { .. }), "{err:?}");
+        }
     }
 
     #[test]

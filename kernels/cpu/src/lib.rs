@@ -53,7 +53,7 @@ mod pool;
 mod quantize;
 
 pub use act::swiglu;
-pub use attention::{attention, key_tile_index, Attention, KV_TILE, Q_TILE};
+pub use attention::{attention, attention_many, key_tile_index, Attention, KV_TILE, Q_TILE};
 pub use dequant::dequantize_row;
 pub use dot::{vec_dot, vec_dot_f32};
 pub use dtype::{GgmlType, QK_K};

@@ -15,9 +15,9 @@ const R_MAX: usize = 2;
 const T_MAX: usize = 4;
 
 /// Up to this many tokens per task the kernels read the ggml blocks directly, unpacking in
-/// registers (decode); beyond, each row is unpacked once into a buffer and reused for every
-/// token tile, as in the AVX-512 kernels.
-const RAW_MAX_TOKENS: usize = T_MAX;
+/// registers (decode, batched decode); beyond, each row is unpacked once into a buffer and
+/// reused for every token tile, as in the AVX-512 kernels (see their `RAW_MAX_TOKENS`).
+const RAW_MAX_TOKENS: usize = 4 * T_MAX;
 
 /// Computes `s` into `out` with the AVX2 kernels.
 pub(super) fn run_span(s: &Span<'_>, out: OutPtr) {

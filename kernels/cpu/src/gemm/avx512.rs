@@ -22,10 +22,13 @@ const R_MAX: usize = 4;
 const T_MAX: usize = 4;
 
 /// Up to this many tokens per task the kernels read the ggml blocks directly, unpacking in
-/// registers; beyond, each row is unpacked once into a buffer and reused for every token tile.
-/// Unpacking in registers costs as much as one token's arithmetic, so it only pays for a
-/// single token tile (decode and short calls).
-const RAW_MAX_TOKENS: usize = T_MAX;
+/// registers for each token tile; beyond, each row is unpacked once into a buffer and reused
+/// for every token tile. Unpacking in registers costs about one token's arithmetic per tile;
+/// the buffered unpack costs about as much in total at 2 to 4 tiles (a batched decode step of
+/// 8 sequences: 33-39 ms direct, 36 ms buffered; 16 sequences: 59-62 ms either way, with
+/// `engram-model`'s `examples/batch_decode`, context 512, 2 threads), and wins beyond, where
+/// prefill's 64-token chunks are.
+const RAW_MAX_TOKENS: usize = 4 * T_MAX;
 
 /// How far ahead (in rows) the direct (decode) path prefetches the weights: the next register
 /// tile's rows, issued before the current tile is computed. Without it a 30-layer Q4_1 decode
