@@ -15,3 +15,4 @@ cargo fmt --all --check
 cargo clippy --workspace --all-targets --locked -- -D warnings
 cargo test --workspace --locked
 scripts/test-api.sh
+scripts/test-ui.sh

@@ -279,15 +279,7 @@ struct Loaded {
 impl Loaded {
     /// Token ids of prompt text, with BOS prepended when the model asks for it.
     fn encode_prompt(&self, text: &str) -> Result<Vec<u32>> {
-        let mut ids = self.tokenizer.encode(text, true)?;
-        if self.tokenizer.add_bos() {
-            if let Some(bos) = self.tokenizer.bos_id() {
-                if ids.first() != Some(&bos) {
-                    ids.insert(0, bos);
-                }
-            }
-        }
-        Ok(ids)
+        Ok(self.tokenizer.encode_prompt(text)?)
     }
 
     fn render(&self, messages: &[Message]) -> Result<String> {

@@ -94,15 +94,8 @@ pub fn rag_prompt(
     let (before, after) = rendered
         .split_once(MARKER)
         .unwrap_or((rendered.as_str(), ""));
-    // BOS as the model asks for it, unless the template wrote it already.
-    let mut prefix = tokenizer.encode(before, true)?;
-    if let Some(bos) = tokenizer.bos_id().filter(|_| tokenizer.add_bos()) {
-        if prefix.first() != Some(&bos) {
-            prefix.insert(0, bos);
-        }
-    }
     Ok(FusedPrompt {
-        prefix,
+        prefix: tokenizer.encode_prompt(before)?,
         chunks,
         suffix: tokenizer.encode(after, true)?,
     })

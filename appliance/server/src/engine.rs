@@ -673,13 +673,8 @@ impl Engine {
         };
         let mut tokens = self
             .tokenizer
-            .encode(&text, true)
+            .encode_prompt(&text)
             .map_err(|e| ApiError::invalid("messages", e.to_string()))?;
-        if let Some(bos) = self.tokenizer.bos_id().filter(|_| self.tokenizer.add_bos()) {
-            if tokens.first() != Some(&bos) {
-                tokens.insert(0, bos);
-            }
-        }
         let Some(last) = tokens.pop() else {
             return Err(ApiError::invalid("messages", "the prompt is empty"));
         };

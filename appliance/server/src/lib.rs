@@ -4,12 +4,14 @@
 //!
 //! Data flow of a question: `api` (auth, validation) -> `kbtask` (the knowledge base's one
 //! owner: hybrid retrieval) -> `engine` (the model's one owner: fused prefill, decode) ->
-//! tokens streamed back per job. Start-up: `config` -> `profile` -> `server`.
+//! tokens streamed back per job. Start-up: `config` -> `profile` -> `server`. The admin
+//! console (`console`) serves HTML pages under `/console/` from the same state.
 #![forbid(unsafe_code)]
 
 mod api;
 mod auth;
 mod config;
+pub mod console;
 mod engine;
 mod error;
 mod kbtask;

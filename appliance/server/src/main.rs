@@ -1,4 +1,5 @@
-//! The `engramd` binary: `serve` (the default), `keys create|list|revoke`, `openapi`.
+//! The `engramd` binary: `serve` (the default), `keys create|list|revoke`,
+//! `users create|list|delete` (console accounts), `openapi`.
 
 use std::path::PathBuf;
 
@@ -36,6 +37,11 @@ enum Command {
     Keys {
         #[command(subcommand)]
         command: KeysCommand,
+    },
+    /// Manage admin console accounts.
+    Users {
+        #[command(subcommand)]
+        command: engram_server::console::UsersCommand,
     },
     /// Print the OpenAPI document.
     Openapi,
@@ -80,6 +86,11 @@ fn main() -> Result<()> {
     match cli.command.unwrap_or(Command::Serve) {
         Command::Openapi => {
             print!("{}", engram_server::openapi_json());
+            Ok(())
+        }
+        Command::Users { command } => {
+            let config = engram_server::load_config(cli.serve.config.as_deref(), &overrides)?;
+            engram_server::console::run_users_command(&config.data_dir, command)?;
             Ok(())
         }
         Command::Keys { command } => {

@@ -127,6 +127,11 @@ impl Daemon {
                 Err(e) => tracing::warn!("scheduling the chunk KV re-precompute: {e:?}"),
             }
         }
+        let console = Arc::new(crate::console::Console::open(
+            &config,
+            crate::console::Facts::new(&config, p, &machine, threads, queue_depth),
+            metrics.clone(),
+        )?);
         let listener = tokio::net::TcpListener::bind(config.listen)
             .await
             .map_err(|e| ServerError::io("binding", config.listen.to_string(), e))?;
@@ -142,6 +147,7 @@ impl Daemon {
                 max_top_k: config.max_top_k,
             },
             profile: Arc::from(p.name.as_str()),
+            console,
         };
         Ok(Daemon {
             listener,

@@ -390,6 +390,22 @@ fn sentencepiece_matches_the_reference_algorithm() {
 }
 
 #[test]
+fn prompts_get_one_bos_when_the_model_asks_for_it() {
+    let t = spm();
+    let hello = t.token_id("▁hello").unwrap();
+    assert_eq!(t.encode_prompt("hello").unwrap(), vec![1, hello]);
+    // A template that wrote BOS already does not get a second one.
+    assert_eq!(t.encode_prompt("<s>hello").unwrap(), vec![1, hello]);
+    // add_bos_token = false: none.
+    let b = bpe(None);
+    assert!(!b.add_bos());
+    assert_eq!(
+        b.encode_prompt("ab").unwrap(),
+        b.encode("ab", true).unwrap()
+    );
+}
+
+#[test]
 fn sentencepiece_matches_the_reference_on_random_text() {
     let t = spm();
     let (tokens, scores, _) = spm_vocab();

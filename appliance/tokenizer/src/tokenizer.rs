@@ -126,6 +126,19 @@ impl Tokenizer {
         Ok(out)
     }
 
+    /// The token ids of a prompt: `text` encoded with control tokens parsed, BOS prepended when
+    /// the model asks for it ([`Self::add_bos`]) unless the text (a chat template) already
+    /// starts with it. Every prompt the engine runs starts here.
+    pub fn encode_prompt(&self, text: &str) -> Result<Vec<u32>> {
+        let mut ids = self.encode(text, true)?;
+        if let Some(bos) = self.bos_id().filter(|_| self.add_bos()) {
+            if ids.first() != Some(&bos) {
+                ids.insert(0, bos);
+            }
+        }
+        Ok(ids)
+    }
+
     /// Cuts special tokens out of `text`, longest token first, like llama.cpp's
     /// `tokenizer_st_partition`.
     fn partition<'t>(&self, text: &'t str, parse_special: bool) -> Vec<Fragment<'t>> {

@@ -14,8 +14,8 @@ mod extract;
 mod health;
 mod openai;
 mod openapi;
-mod qa;
-mod search;
+pub(crate) mod qa;
+pub(crate) mod search;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -57,6 +57,8 @@ pub struct AppState {
     pub ingest: Arc<tokio::sync::Semaphore>,
     pub limits: Limits,
     pub profile: Arc<str>,
+    /// The admin console: accounts, sessions, audit log, dashboard history.
+    pub console: Arc<crate::console::Console>,
 }
 
 /// The whole router.
@@ -108,10 +110,13 @@ pub fn router(state: AppState) -> Router {
     let public = Router::new()
         .route("/healthz", get(health::healthz))
         .route_layer(middleware::from_fn_with_state(state.clone(), track));
+    let console = crate::console::router(state.clone());
     api.merge(public)
         .fallback(not_found)
         .layer(DefaultBodyLimit::max(state.limits.max_upload_bytes))
         .layer(middleware::from_fn(one_error_shape))
+        // After the error-shape layer: console errors are HTML pages, not JSON.
+        .merge(console)
         .with_state(state)
 }
 

@@ -183,6 +183,7 @@ pub async fn search(
     Json(b): Json<SearchBody>,
 ) -> Result<axum::Json<SearchResponse>, ApiError> {
     caller.require(Scope::Search)?;
+    let t = std::time::Instant::now();
     let hits = retrieve(
         &s,
         &caller,
@@ -193,6 +194,17 @@ pub async fn search(
         &b.filters,
     )
     .await?;
+    let mode = serde_json::to_value(b.mode)
+        .map_or_else(|_| String::new(), |m| m.as_str().unwrap_or("").to_owned());
+    s.console.queries().record(
+        "api",
+        &caller.key_id,
+        &b.query,
+        &mode,
+        &b.collections,
+        hits.len(),
+        t.elapsed().as_secs_f64() * 1e3,
+    );
     Ok(axum::Json(SearchResponse {
         query: b.query,
         mode: b.mode,
@@ -246,6 +258,7 @@ pub async fn dify_retrieval(
 ) -> Result<axum::Json<DifyResponse>, ApiError> {
     caller.require(Scope::Search)?;
     let filters = dify_filters(b.metadata_condition.as_ref())?;
+    let t = std::time::Instant::now();
     let hits = retrieve(
         &s,
         &caller,
@@ -256,6 +269,15 @@ pub async fn dify_retrieval(
         &filters,
     )
     .await?;
+    s.console.queries().record(
+        "dify",
+        &caller.key_id,
+        &b.query,
+        "hybrid",
+        std::slice::from_ref(&b.knowledge_id),
+        hits.len(),
+        t.elapsed().as_secs_f64() * 1e3,
+    );
     let threshold = b.retrieval_setting.score_threshold;
     Ok(axum::Json(DifyResponse {
         records: hits

@@ -1,0 +1,304 @@
+//! `/console/`: the machine, the hardware profile, the models, the KV tiers, traffic over
+//! the last hour (SVG charts from the sampler's history) and ingestion in progress.
+
+use askama::Template;
+use axum::extract::{Query, State};
+use axum::response::Response;
+use axum::Extension;
+use engram_kb::Stage;
+use serde::Deserialize;
+
+use crate::api::AppState;
+use crate::console::chart;
+use crate::console::sampler::{self, counter_of, Sample};
+use crate::console::view::{bytes, datetime, html, Chrome, Failure, Viewer};
+
+/// Documents in progress listed on the dashboard (the documents page has them all).
+const IN_PROGRESS_SHOWN: usize = 20;
+
+pub struct Disk {
+    pub mount: String,
+    pub total: String,
+    pub used: String,
+    pub percent: u64,
+}
+
+pub struct Tier {
+    pub name: &'static str,
+    pub budget: String,
+    pub hits: u64,
+    pub misses: u64,
+    pub hit_rate: String,
+    pub read: String,
+}
+
+pub struct InProgress {
+    pub collection: String,
+    pub name: String,
+    pub id: u64,
+    pub stage: &'static str,
+    pub since: String,
+}
+
+pub struct Chart {
+    pub title_key: &'static str,
+    pub now: String,
+    pub svg: String,
+}
+
+#[derive(Template)]
+#[template(path = "dashboard.html", config = "../../web/askama.toml")]
+pub struct DashboardPage {
+    pub c: Chrome,
+    pub cores: usize,
+    pub gpus: usize,
+    pub cpu: String,
+    pub memory_used: String,
+    pub memory_total: String,
+    pub memory_percent: u64,
+    pub disks: Vec<Disk>,
+    pub profile: String,
+    pub profile_description: String,
+    pub threads: usize,
+    pub queue_capacity: usize,
+    pub batch_size: usize,
+    pub llm: String,
+    pub context_length: usize,
+    pub embedder: String,
+    pub embed_dim: usize,
+    pub policy: String,
+    pub kv_dtype: String,
+    pub tiers: Vec<Tier>,
+    pub qps: String,
+    pub ttft_p50: String,
+    pub ttft_p95: String,
+    pub tpot_p50: String,
+    pub tpot_p95: String,
+    pub queue_depth: i64,
+    pub generated: u64,
+    pub rejected: u64,
+    pub charts: Vec<Chart>,
+    pub pending_documents: i64,
+    pub pending_chunk_kv: i64,
+    pub in_progress: Vec<InProgress>,
+    pub sampled_at: String,
+}
+
+#[derive(Deserialize)]
+pub struct FlashQuery {
+    pub ok: Option<String>,
+}
+
+fn ms(v: Option<f64>) -> String {
+    v.map_or_else(|| "–".to_owned(), |s| format!("{:.0} ms", s * 1e3))
+}
+
+/// Percentile of a small list (nearest rank).
+fn percentile(xs: &[f64], q: f64) -> Option<f64> {
+    if xs.is_empty() {
+        return None;
+    }
+    let mut v = xs.to_vec();
+    v.sort_by(f64::total_cmp);
+    let i = ((q * v.len() as f64).ceil() as usize).clamp(1, v.len()) - 1;
+    Some(v[i])
+}
+
+/// `GET /console/`.
+pub async fn page(
+    State(s): State<AppState>,
+    Extension(v): Extension<Viewer>,
+    Query(q): Query<FlashQuery>,
+) -> Result<Response, Failure> {
+    let con = &s.console;
+    let m = &s.metrics;
+    let f = &con.facts;
+    let mut hist = con.history.snapshot();
+    let mut sys = sysinfo::System::new();
+    // The headline numbers are read now (the ring may be up to 10 s old); CPU use needs two
+    // readings apart, so it comes from the ring.
+    let mut now = sampler::sample(m, &mut sys);
+    if hist.len() < 2 {
+        hist.push(now.clone());
+    }
+    let last = hist.last().cloned().unwrap_or_default();
+    now.cpu_percent = last.cpu_percent;
+    let memory_total = sys.total_memory();
+    let disks = sysinfo::Disks::new_with_refreshed_list()
+        .iter()
+        .filter(|d| d.total_space() > 0)
+        .map(|d| {
+            let used = d.total_space().saturating_sub(d.available_space());
+            Disk {
+                mount: d.mount_point().display().to_string(),
+                total: bytes(d.total_space()),
+                used: bytes(used),
+                percent: used * 100 / d.total_space(),
+            }
+        })
+        .collect();
+    let tiers = [("dram", f.kv_dram_mib << 20), ("nvme", f.kv_nvme_gib << 30)]
+        .into_iter()
+        .filter(|(name, _)| s.engine.info.kv_tiers.contains(name))
+        .map(|(name, budget)| {
+            let hits = counter_of(&m.kv_hits, name);
+            let misses = counter_of(&m.kv_misses, name);
+            Tier {
+                name,
+                budget: bytes(budget),
+                hits,
+                misses,
+                hit_rate: if hits + misses == 0 {
+                    "–".into()
+                } else {
+                    format!("{:.1} %", hits as f64 * 100.0 / (hits + misses) as f64)
+                },
+                read: bytes(counter_of(&m.kv_bytes_read, name)),
+            }
+        })
+        .collect();
+    // QPS over the last minute (6 samples back), TTFT percentiles over the hour kept.
+    let first = hist.first().cloned().unwrap_or_default();
+    let back = &hist[hist.len().saturating_sub(6)];
+    let dt = (now.at_ms.saturating_sub(back.at_ms)) as f64 / 1e3;
+    let qps = if dt > 0.0 {
+        format!("{:.2}", (now.requests - back.requests) / dt)
+    } else {
+        "–".into()
+    };
+    let tpot: Vec<f64> = con
+        .tpot_ms
+        .lock()
+        .expect("tpot lock")
+        .iter()
+        .copied()
+        .collect();
+    let tpot_fmt = |q| percentile(&tpot, q).map_or_else(|| "–".into(), |v| format!("{v:.0} ms"));
+    let charts = charts(&hist);
+    // The documents in the pipeline, looked up only while the queue has any: a scan of every
+    // document on each (live-refreshed) render would load the knowledge-base thread for
+    // nothing on a large, idle appliance.
+    let pending_documents = m.ingest_pending.with_label_values(&["documents"]).get();
+    let in_progress = if pending_documents == 0 {
+        Vec::new()
+    } else {
+        s.kb.call(|kb| -> engram_kb::Result<Vec<InProgress>> {
+            let mut out = Vec::new();
+            for c in kb.collections()? {
+                for d in kb.documents(&c.name)? {
+                    if !matches!(d.stage, Stage::Done | Stage::Failed) {
+                        out.push(InProgress {
+                            collection: c.name.clone(),
+                            name: d.name.clone(),
+                            id: d.id,
+                            stage: d.stage.name(),
+                            since: d
+                                .stages
+                                .last()
+                                .map_or_else(String::new, |t| datetime(t.at_ms)),
+                        });
+                    }
+                }
+            }
+            Ok(out)
+        })
+        .await??
+    };
+    let page = DashboardPage {
+        c: v.chrome("dashboard", "nav.dashboard", "/console/")
+            .with_flash(q.ok.as_deref()),
+        cores: f.machine.cores,
+        gpus: f.machine.gpus,
+        cpu: format!("{:.0} %", last.cpu_percent),
+        memory_used: bytes(now.memory_used),
+        memory_total: bytes(memory_total),
+        memory_percent: (now.memory_used * 100)
+            .checked_div(memory_total)
+            .unwrap_or(0),
+        disks,
+        profile: f.profile.name.clone(),
+        profile_description: f.profile.description.clone(),
+        threads: f.threads,
+        queue_capacity: f.queue_depth,
+        batch_size: f.profile.batch_size,
+        llm: s.engine.info.model_id.clone(),
+        context_length: s.engine.info.context_length,
+        embedder: s.kb.embed_model.to_string(),
+        embed_dim: s.kb.embed_dim,
+        policy: f.policy.clone(),
+        kv_dtype: f.kv_dtype.clone(),
+        tiers,
+        qps,
+        ttft_p50: ms(sampler::quantile(&now.ttft, &first.ttft, 0.5)),
+        ttft_p95: ms(sampler::quantile(&now.ttft, &first.ttft, 0.95)),
+        tpot_p50: tpot_fmt(0.5),
+        tpot_p95: tpot_fmt(0.95),
+        queue_depth: m.queue_depth.get(),
+        generated: sampler::counter_total(&m.generated_tokens) as u64,
+        rejected: sampler::counter_total(&m.rejected) as u64,
+        charts,
+        pending_documents,
+        pending_chunk_kv: m.ingest_pending.with_label_values(&["chunk_kv"]).get(),
+        in_progress: in_progress.into_iter().take(IN_PROGRESS_SHOWN).collect(),
+        sampled_at: datetime(last.at_ms),
+    };
+    Ok(html(&page))
+}
+
+/// The four charts: requests per second, TTFT median per interval, queue depth, CPU.
+fn charts(hist: &[Sample]) -> Vec<Chart> {
+    let pairs = || hist.windows(2).map(|w| (&w[0], &w[1]));
+    let qps: Vec<(f64, f64)> = pairs()
+        .map(|(a, b)| {
+            let dt = (b.at_ms.saturating_sub(a.at_ms)) as f64 / 1e3;
+            (
+                b.at_ms as f64,
+                if dt > 0.0 {
+                    (b.requests - a.requests) / dt
+                } else {
+                    0.0
+                },
+            )
+        })
+        .collect();
+    let ttft: Vec<(f64, f64)> = pairs()
+        .map(|(a, b)| {
+            let p = sampler::quantile(&b.ttft, &a.ttft, 0.5).unwrap_or(0.0) * 1e3;
+            (b.at_ms as f64, p)
+        })
+        .collect();
+    let queue: Vec<(f64, f64)> = hist
+        .iter()
+        .map(|s| (s.at_ms as f64, s.queue_depth as f64))
+        .collect();
+    let cpu: Vec<(f64, f64)> = hist
+        .iter()
+        .map(|s| (s.at_ms as f64, f64::from(s.cpu_percent)))
+        .collect();
+    let last = |v: &[(f64, f64)], unit: &str| {
+        v.last()
+            .map_or_else(|| "–".into(), |p| format!("{:.1}{unit}", p.1))
+    };
+    vec![
+        Chart {
+            title_key: "dashboard.chart_qps",
+            now: last(&qps, ""),
+            svg: chart::line(&qps, 1.0, "requests per second"),
+        },
+        Chart {
+            title_key: "dashboard.chart_ttft",
+            now: last(&ttft, " ms"),
+            svg: chart::line(&ttft, 100.0, "time to first token"),
+        },
+        Chart {
+            title_key: "dashboard.chart_queue",
+            now: last(&queue, ""),
+            svg: chart::line(&queue, 1.0, "queue depth"),
+        },
+        Chart {
+            title_key: "dashboard.chart_cpu",
+            now: last(&cpu, " %"),
+            svg: chart::line(&cpu, 100.0, "CPU"),
+        },
+    ]
+}

@@ -1,0 +1,249 @@
+//! Documents of a knowledge base: upload (plain multipart form, or one XHR per file from
+//! the script for progress bars), the stage timeline and chunks of one document, and
+//! retry (re-index), cancel and delete.
+
+use std::collections::BTreeMap;
+
+use askama::Template;
+use axum::extract::{Multipart, Path, Query, State};
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::Extension;
+use engram_kb::{Admission, Document, NewDocument, Stage};
+use serde::Serialize;
+
+use super::dashboard::FlashQuery;
+use crate::api::AppState;
+use crate::console::view::{bytes, datetime_ms, enc, html, see_other, Chrome, Failure, Viewer};
+
+/// One row of the documents table.
+pub struct DocRow {
+    pub name: String,
+    pub href: String,
+    /// The catalog key of the stage (`stage.queued`, ...).
+    pub stage_key: String,
+    pub stage: &'static str,
+    pub size: String,
+    pub chunks: u32,
+    pub error: Option<String>,
+    pub busy: bool,
+    pub can_cancel: bool,
+    pub can_reindex: bool,
+    /// (stage key, time) of every stage reached.
+    pub stages: Vec<(String, String)>,
+}
+
+impl DocRow {
+    pub fn new(collection: &str, d: &Document) -> DocRow {
+        DocRow {
+            name: d.name.clone(),
+            href: format!("/console/kb/{}/doc/{}", enc(collection), d.id),
+            stage_key: format!("stage.{}", d.stage.name()),
+            stage: d.stage.name(),
+            size: bytes(d.size),
+            chunks: d.chunks,
+            error: d.error.clone(),
+            busy: !matches!(d.stage, Stage::Done | Stage::Failed),
+            can_cancel: d.stage == Stage::Queued,
+            can_reindex: matches!(d.stage, Stage::Done | Stage::Failed),
+            stages: d
+                .stages
+                .iter()
+                .map(|s| (format!("stage.{}", s.stage.name()), datetime_ms(s.at_ms)))
+                .collect(),
+        }
+    }
+}
+
+/// One file's outcome, for the script's progress list.
+#[derive(Serialize)]
+struct Uploaded {
+    name: String,
+    outcome: &'static str,
+    id: Option<u64>,
+    reason: Option<String>,
+}
+
+/// `POST /console/kb/{name}/upload` (admin): every file part is a document; answers JSON to
+/// the script (`Accept: application/json`), else redirects back to the knowledge base.
+pub async fn upload(
+    State(s): State<AppState>,
+    Extension(v): Extension<Viewer>,
+    Path(name): Path<String>,
+    headers: HeaderMap,
+    multipart: Result<Multipart, axum::extract::multipart::MultipartRejection>,
+) -> Result<Response, Failure> {
+    let bad = |e: String| Failure::new(StatusCode::BAD_REQUEST, e);
+    let mut mp = multipart.map_err(|e| bad(e.body_text()))?;
+    let mut docs = Vec::new();
+    while let Some(field) = mp.next_field().await.map_err(|e| bad(e.body_text()))? {
+        let file_name = field.file_name().map(str::to_owned);
+        let data = field.bytes().await.map_err(|e| bad(e.body_text()))?;
+        if let Some(f) = file_name.filter(|f| !f.is_empty()) {
+            docs.push(NewDocument {
+                name: f,
+                bytes: data.to_vec(),
+                metadata: BTreeMap::new(),
+            });
+        }
+    }
+    if docs.is_empty() {
+        return Err(Failure::new(StatusCode::BAD_REQUEST, "error.no_file"));
+    }
+    let _permit = s.ingest.clone().try_acquire_owned().map_err(|_| {
+        s.metrics.rejected.with_label_values(&["ingest_busy"]).inc();
+        Failure::new(StatusCode::TOO_MANY_REQUESTS, "error.busy")
+    })?;
+    let n = docs.len();
+    let c = name.clone();
+    let results =
+        s.kb.call(move |kb| -> engram_kb::Result<Vec<Uploaded>> {
+            kb.collection(&c)?;
+            Ok(docs
+                .into_iter()
+                .map(|nd| {
+                    let name = nd.name.clone();
+                    match kb.accept(&c, nd) {
+                        Ok(a) => Uploaded {
+                            name,
+                            outcome: match a.outcome {
+                                Admission::Queued => "queued",
+                                Admission::Replaced { .. } => "replaced",
+                                Admission::Requeued => "requeued",
+                                Admission::Unchanged => "unchanged",
+                            },
+                            id: Some(a.doc),
+                            reason: None,
+                        },
+                        Err(e) => Uploaded {
+                            name,
+                            outcome: "failed",
+                            id: None,
+                            reason: Some(e.to_string()),
+                        },
+                    }
+                })
+                .collect())
+        })
+        .await??;
+    let names: Vec<&str> = results.iter().map(|r| r.name.as_str()).collect();
+    s.console.audit.record(
+        &v.user,
+        "documents_uploaded",
+        &format!("{name}: {}", names.join(", ")),
+        &v.ip,
+    );
+    tracing::info!(collection = %name, documents = n, user = %v.user, "console upload accepted");
+    let wants_json = headers
+        .get(header::ACCEPT)
+        .and_then(|h| h.to_str().ok())
+        .is_some_and(|h| h.contains("application/json"));
+    if wants_json {
+        return Ok(axum::Json(serde_json::json!({ "documents": results })).into_response());
+    }
+    let flash = if results.iter().any(|r| r.outcome == "failed") {
+        "flash.upload_partial"
+    } else {
+        "flash.uploaded"
+    };
+    Ok(see_other(&format!("/console/kb/{}?ok={flash}", enc(&name))))
+}
+
+pub struct ChunkRow {
+    pub id: u64,
+    pub ordinal: u32,
+    pub tokens: u32,
+    pub chars: String,
+    pub page: String,
+    pub text: String,
+}
+
+#[derive(Template)]
+#[template(path = "doc_show.html", config = "../../web/askama.toml")]
+pub struct DocPage {
+    pub c: Chrome,
+    pub kb: String,
+    pub kb_href: String,
+    pub doc: DocRow,
+    pub title: String,
+    pub format: String,
+    pub hash: String,
+    pub metadata: Vec<(String, String)>,
+    pub chunks: Vec<ChunkRow>,
+}
+
+/// `GET /console/kb/{name}/doc/{id}`: stages with timestamps, failure reason, chunks.
+pub async fn show(
+    State(s): State<AppState>,
+    Extension(v): Extension<Viewer>,
+    Path((name, id)): Path<(String, String)>,
+    Query(q): Query<FlashQuery>,
+) -> Result<Response, Failure> {
+    let n = name.clone();
+    let (d, chunks) =
+        s.kb.call(move |kb| -> engram_kb::Result<_> {
+            let d = kb.document(&n, &id)?;
+            let c = kb.chunks(d.id)?;
+            Ok((d, c))
+        })
+        .await??;
+    let row = DocRow::new(&name, &d);
+    Ok(html(&DocPage {
+        c: v.chrome("kb", "doc.title", &row.href)
+            .with_flash(q.ok.as_deref()),
+        kb_href: format!("/console/kb/{}", enc(&name)),
+        kb: name,
+        title: d.title.clone().unwrap_or_default(),
+        format: d.format.clone().unwrap_or_default(),
+        hash: d.hash.clone(),
+        metadata: d.metadata.clone().into_iter().collect(),
+        chunks: chunks
+            .into_iter()
+            .map(|c| ChunkRow {
+                id: c.id,
+                ordinal: c.ordinal,
+                tokens: c.tokens,
+                chars: format!("{}..{}", c.chars.start, c.chars.end),
+                page: c.page.map_or_else(String::new, |p| p.to_string()),
+                text: c.text,
+            })
+            .collect(),
+        doc: row,
+    }))
+}
+
+/// `POST /console/kb/{name}/doc/{id}/{reindex|cancel|delete}` (admin).
+pub async fn act(
+    State(s): State<AppState>,
+    Extension(v): Extension<Viewer>,
+    Path((name, id, action)): Path<(String, String, String)>,
+) -> Result<Response, Failure> {
+    let (n, i) = (name.clone(), id.clone());
+    let (d, flash) = match action.as_str() {
+        "reindex" => (
+            s.kb.call(move |kb| kb.reindex(&n, &i)).await??,
+            "flash.reindexed",
+        ),
+        "cancel" => (
+            s.kb.call(move |kb| kb.cancel(&n, &i)).await??,
+            "flash.cancelled",
+        ),
+        "delete" => (
+            s.kb.call(move |kb| kb.delete_document(&n, &i)).await??,
+            "flash.doc_deleted",
+        ),
+        _ => return Err(Failure::not_found()),
+    };
+    let what = if action == "delete" {
+        "document_deleted".to_owned()
+    } else {
+        format!("document_{action}")
+    };
+    s.console.audit.record(
+        &v.user,
+        &what,
+        &format!("{name}/{} ({})", d.name, d.id),
+        &v.ip,
+    );
+    Ok(see_other(&format!("/console/kb/{}?ok={flash}", enc(&name))))
+}

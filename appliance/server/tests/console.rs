@@ -1,0 +1,679 @@
+//! The admin console against a real `engramd` (real models from `$ENGRAM_MODELS_DIR`, default
+//! `<workspace>/models`; a temporary data directory), over plain HTTP/1.1 with cookies.
+//!
+//! One server serves every test; it starts with three console accounts: `root` (admin),
+//! `watcher` (operator) and `locky` (admin, used only by the lockout test).
+//!
+//! - sessions: every page but sign-in redirects to sign-in without a session;
+//! - sign-in: right and wrong passwords, lockout after repeated failures, sign-out;
+//! - CSRF: a POST without or with a wrong token is 403;
+//! - roles: an operator reads pages but gets 403 on key creation and settings;
+//! - languages: the catalogs have the same keys; `Accept-Language: zh-CN` gets Chinese;
+//! - without script: a knowledge base, a multipart upload, a retrieval test and a chat answer
+//!   through plain forms; deleting a knowledge base needs its name typed.
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::path::PathBuf;
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use engram_server::console::{Role, UserStore, EN_SOURCE, ZH_CN_SOURCE};
+use engram_server::{Daemon, Overrides, RawConfig};
+
+const ADMIN_PW: &str = "root password 123";
+const OPERATOR_PW: &str = "watcher password 456";
+const LOCKY_PW: &str = "locky password 789";
+
+struct Server {
+    addr: SocketAddr,
+    dir: tempfile::TempDir,
+}
+
+fn models_dir() -> PathBuf {
+    std::env::var_os("ENGRAM_MODELS_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../models")))
+}
+
+fn server() -> &'static Server {
+    static SERVER: OnceLock<Server> = OnceLock::new();
+    SERVER.get_or_init(|| {
+        let dir = tempfile::tempdir().unwrap();
+        let users = UserStore::new(dir.path());
+        users.create("root", Role::Admin, ADMIN_PW).unwrap();
+        users
+            .create("watcher", Role::Operator, OPERATOR_PW)
+            .unwrap();
+        users.create("locky", Role::Admin, LOCKY_PW).unwrap();
+        let mut raw =
+            RawConfig::parse("[limits]\nmax_tokens = 16\n[kv]\ndram_mib = 64\nnvme_gib = 1\n")
+                .unwrap();
+        raw.models.dir = Some(models_dir());
+        raw.models.threads = Some(2);
+        raw.apply_overrides(&Overrides {
+            listen: Some("127.0.0.1:0".into()),
+            data_dir: Some(dir.path().to_owned()),
+        });
+        let config = raw.validate().unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .enable_all()
+                .build()
+                .unwrap();
+            rt.block_on(async move {
+                let d = Daemon::build(config).await.expect("the daemon starts");
+                tx.send(d.local_addr()).unwrap();
+                d.serve(std::future::pending()).await.unwrap();
+            });
+        });
+        let addr = rx
+            .recv_timeout(Duration::from_secs(300))
+            .expect("server up");
+        Server { addr, dir }
+    })
+}
+
+struct Resp {
+    status: u16,
+    headers: Vec<(String, String)>,
+    body: String,
+}
+
+impl Resp {
+    fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(k, _)| k.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.as_str())
+    }
+
+    /// The value a `Set-Cookie` header gives `name`.
+    fn cookie(&self, name: &str) -> Option<String> {
+        self.headers
+            .iter()
+            .filter(|(k, _)| k.eq_ignore_ascii_case("set-cookie"))
+            .find_map(|(_, v)| {
+                let first = v.split(';').next()?;
+                let (k, val) = first.split_once('=')?;
+                (k == name).then(|| val.to_owned())
+            })
+    }
+
+    /// The value of the first hidden `csrf` field (or the page's csrf meta tag).
+    fn csrf(&self) -> String {
+        for pat in ["name=\"csrf\" value=\"", "name=\"csrf-token\" content=\""] {
+            if let Some(at) = self.body.find(pat) {
+                let rest = &self.body[at + pat.len()..];
+                return rest[..rest.find('"').unwrap()].to_owned();
+            }
+        }
+        panic!("no csrf token in {}", self.body)
+    }
+}
+
+/// One request with `Connection: close`; `cookies` as a `Cookie` header value; `form` as a
+/// urlencoded body.
+fn request(
+    method: &str,
+    path: &str,
+    cookies: &str,
+    extra: &[(&str, &str)],
+    form: Option<&str>,
+) -> Resp {
+    let body = form.map(|f| {
+        (
+            "application/x-www-form-urlencoded".to_owned(),
+            f.as_bytes().to_vec(),
+        )
+    });
+    request_raw(method, path, cookies, extra, body)
+}
+
+fn request_raw(
+    method: &str,
+    path: &str,
+    cookies: &str,
+    extra: &[(&str, &str)],
+    body: Option<(String, Vec<u8>)>,
+) -> Resp {
+    let mut s = TcpStream::connect(server().addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(300))).unwrap();
+    let mut head = format!("{method} {path} HTTP/1.1\r\nHost: test\r\nConnection: close\r\n");
+    if !cookies.is_empty() {
+        head.push_str(&format!("Cookie: {cookies}\r\n"));
+    }
+    for (k, v) in extra {
+        head.push_str(&format!("{k}: {v}\r\n"));
+    }
+    let body = match body {
+        Some((ct, b)) => {
+            head.push_str(&format!(
+                "Content-Type: {ct}\r\nContent-Length: {}\r\n",
+                b.len()
+            ));
+            b
+        }
+        None => Vec::new(),
+    };
+    head.push_str("\r\n");
+    s.write_all(head.as_bytes()).unwrap();
+    s.write_all(&body).unwrap();
+    let mut raw = Vec::new();
+    let _ = s.read_to_end(&mut raw);
+    let split = raw
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .expect("a response head");
+    let head = String::from_utf8_lossy(&raw[..split]).into_owned();
+    let mut lines = head.lines();
+    let status = lines
+        .next()
+        .unwrap()
+        .split(' ')
+        .nth(1)
+        .unwrap()
+        .parse()
+        .unwrap();
+    let headers: Vec<(String, String)> = lines
+        .filter_map(|l| l.split_once(':'))
+        .map(|(k, v)| (k.trim().to_owned(), v.trim().to_owned()))
+        .collect();
+    let mut body = raw[split + 4..].to_vec();
+    let chunked = headers.iter().any(|(k, v)| {
+        k.eq_ignore_ascii_case("transfer-encoding") && v.eq_ignore_ascii_case("chunked")
+    });
+    if chunked {
+        body = dechunk(&body);
+    }
+    Resp {
+        status,
+        headers,
+        body: String::from_utf8_lossy(&body).into_owned(),
+    }
+}
+
+fn dechunk(mut b: &[u8]) -> Vec<u8> {
+    let mut out = Vec::new();
+    loop {
+        let Some(eol) = b.windows(2).position(|w| w == b"\r\n") else {
+            return out;
+        };
+        let size =
+            usize::from_str_radix(std::str::from_utf8(&b[..eol]).unwrap().trim(), 16).unwrap_or(0);
+        if size == 0 {
+            return out;
+        }
+        out.extend_from_slice(&b[eol + 2..eol + 2 + size]);
+        b = &b[eol + 2 + size + 2..];
+    }
+}
+
+fn form_encode(pairs: &[(&str, &str)]) -> String {
+    pairs
+        .iter()
+        .map(|(k, v)| {
+            let enc: String = v
+                .bytes()
+                .map(|b| {
+                    if b.is_ascii_alphanumeric() {
+                        (b as char).to_string()
+                    } else {
+                        format!("%{b:02X}")
+                    }
+                })
+                .collect();
+            format!("{k}={enc}")
+        })
+        .collect::<Vec<_>>()
+        .join("&")
+}
+
+/// Posts the sign-in form the way a browser does (token from the page, cookie kept).
+fn try_sign_in(name: &str, password: &str) -> Resp {
+    try_sign_in_with(name, password, &[])
+}
+
+fn try_sign_in_with(name: &str, password: &str, extra: &[(&str, &str)]) -> Resp {
+    let page = request("GET", "/console/signin", "", &[], None);
+    assert_eq!(page.status, 200);
+    let pre = page.cookie("engram_signin").expect("a sign-in cookie");
+    let body = form_encode(&[
+        ("name", name),
+        ("password", password),
+        ("csrf", &page.csrf()),
+        ("next", "/console/"),
+    ]);
+    request(
+        "POST",
+        "/console/signin",
+        &format!("engram_signin={pre}"),
+        extra,
+        Some(&body),
+    )
+}
+
+/// A signed-in session: its cookie header value and CSRF token.
+struct Session {
+    cookie: String,
+    csrf: String,
+}
+
+fn sign_in(name: &str, password: &str) -> Session {
+    let r = try_sign_in(name, password);
+    assert_eq!(r.status, 303, "{}", r.body);
+    let id = r.cookie("engram_session").expect("a session cookie");
+    let set = r
+        .headers
+        .iter()
+        .find(|(k, v)| k.eq_ignore_ascii_case("set-cookie") && v.starts_with("engram_session="))
+        .unwrap()
+        .1
+        .clone();
+    assert!(
+        set.contains("HttpOnly") && set.contains("SameSite=Strict"),
+        "{set}"
+    );
+    let cookie = format!("engram_session={id}");
+    let page = request("GET", "/console/", &cookie, &[], None);
+    assert_eq!(page.status, 200, "{}", page.body);
+    Session {
+        csrf: page.csrf(),
+        cookie,
+    }
+}
+
+#[test]
+fn pages_need_a_session() {
+    for path in [
+        "/console/",
+        "/console/kb",
+        "/console/retrieval",
+        "/console/chat",
+        "/console/keys",
+        "/console/users",
+        "/console/settings",
+        "/console/audit",
+    ] {
+        let r = request("GET", path, "", &[], None);
+        assert_eq!(r.status, 303, "{path}");
+        let to = r.header("location").unwrap();
+        assert!(to.starts_with("/console/signin?next="), "{path} -> {to}");
+    }
+    // A made-up session id is no session.
+    let r = request("GET", "/console/", "engram_session=00ff", &[], None);
+    assert_eq!(r.status, 303);
+    // `/` leads to the console.
+    let r = request("GET", "/", "", &[], None);
+    assert_eq!(r.header("location"), Some("/console/"));
+}
+
+#[test]
+fn sign_in_works_and_a_wrong_password_fails() {
+    let s = sign_in("root", ADMIN_PW);
+    let page = request("GET", "/console/kb", &s.cookie, &[], None);
+    assert_eq!(page.status, 200);
+    assert!(page.body.contains("root"), "the user is shown");
+    let missing = request("GET", "/console/no/such/page", &s.cookie, &[], None);
+    assert_eq!(missing.status, 404);
+    assert!(missing.body.contains("<html") && missing.body.contains("Not found"));
+    // Behind a TLS proxy the cookie is Secure.
+    let tls = try_sign_in_with("root", ADMIN_PW, &[("X-Forwarded-Proto", "https")]);
+    assert_eq!(tls.status, 303);
+    assert!(tls
+        .headers
+        .iter()
+        .any(|(k, v)| k.eq_ignore_ascii_case("set-cookie")
+            && v.starts_with("engram_session=")
+            && v.contains("; Secure")));
+    let r = try_sign_in("root", "not the password");
+    assert_eq!(r.status, 401);
+    assert!(r.cookie("engram_session").is_none());
+    assert!(r.body.contains("Wrong user name or password"));
+    let r = try_sign_in("nobody", "not the password");
+    assert_eq!(r.status, 401);
+    // The sign-in form itself needs its token.
+    let r = request(
+        "POST",
+        "/console/signin",
+        "",
+        &[],
+        Some(&form_encode(&[("name", "root"), ("password", ADMIN_PW)])),
+    );
+    assert_eq!(r.status, 403);
+    // Sign-out ends the session.
+    let out = request(
+        "POST",
+        "/console/signout",
+        &s.cookie,
+        &[],
+        Some(&form_encode(&[("csrf", &s.csrf)])),
+    );
+    assert_eq!(out.status, 303);
+    let r = request("GET", "/console/", &s.cookie, &[], None);
+    assert_eq!(r.status, 303, "signed out");
+}
+
+#[test]
+fn repeated_failures_lock_the_account() {
+    for i in 0..5 {
+        let r = try_sign_in("locky", "wrong password");
+        assert_eq!(r.status, 401, "attempt {i}");
+    }
+    let r = try_sign_in("locky", LOCKY_PW);
+    assert_eq!(r.status, 429, "locked even with the right password");
+    assert!(r.body.contains("locked"), "{}", r.body);
+    let audit = std::fs::read_to_string(server().dir.path().join("audit.jsonl")).unwrap();
+    assert!(audit.contains("\"signin_failed\"") && audit.contains("\"signin_locked\""));
+    // Other accounts are not affected.
+    sign_in("root", ADMIN_PW);
+}
+
+#[test]
+fn posts_need_the_csrf_token() {
+    let s = sign_in("root", ADMIN_PW);
+    let missing = request(
+        "POST",
+        "/console/kb",
+        &s.cookie,
+        &[],
+        Some(&form_encode(&[("name", "csrf-missing")])),
+    );
+    assert_eq!(missing.status, 403);
+    assert!(missing.body.contains("security token"), "a clear page");
+    let wrong = request(
+        "POST",
+        "/console/kb",
+        &s.cookie,
+        &[],
+        Some(&form_encode(&[("name", "csrf-wrong"), ("csrf", "00")])),
+    );
+    assert_eq!(wrong.status, 403);
+    // Another session's token is wrong too.
+    let other = sign_in("root", ADMIN_PW);
+    let r = request(
+        "POST",
+        "/console/settings",
+        &s.cookie,
+        &[("X-CSRF-Token", &other.csrf)],
+        Some("session_idle_minutes=30&lockout_failures=5&lockout_minutes=15&chat_max_tokens=8"),
+    );
+    assert_eq!(r.status, 403);
+    let ok = request(
+        "POST",
+        "/console/kb",
+        &s.cookie,
+        &[],
+        Some(&form_encode(&[("name", "csrf-ok"), ("csrf", &s.csrf)])),
+    );
+    assert_eq!(ok.status, 303, "{}", ok.body);
+    let list = request("GET", "/console/kb", &s.cookie, &[], None);
+    assert!(list.body.contains("csrf-ok") && !list.body.contains("csrf-wrong"));
+}
+
+#[test]
+fn operators_cannot_change_keys_or_settings() {
+    let op = sign_in("watcher", OPERATOR_PW);
+    for path in [
+        "/console/keys",
+        "/console/settings",
+        "/console/users",
+        "/console/audit",
+    ] {
+        let r = request("GET", path, &op.cookie, &[], None);
+        assert_eq!(r.status, 200, "{path}");
+    }
+    let key = request(
+        "POST",
+        "/console/keys",
+        &op.cookie,
+        &[],
+        Some(&form_encode(&[("scopes", "search"), ("csrf", &op.csrf)])),
+    );
+    assert_eq!(key.status, 403);
+    assert!(key.body.contains("read-only"), "{}", key.body);
+    let settings = request(
+        "POST",
+        "/console/settings",
+        &op.cookie,
+        &[],
+        Some(&form_encode(&[
+            ("session_idle_minutes", "60"),
+            ("lockout_failures", "5"),
+            ("lockout_minutes", "15"),
+            ("chat_max_tokens", "8"),
+            ("csrf", &op.csrf),
+        ])),
+    );
+    assert_eq!(settings.status, 403);
+    for (path, body) in [
+        ("/console/kb", "name=op-made"),
+        (
+            "/console/users",
+            "name=op2&role=admin&password=aaaaaaaaaaaaaaaa",
+        ),
+    ] {
+        let r = request(
+            "POST",
+            path,
+            &op.cookie,
+            &[],
+            Some(&format!("{body}&csrf={}", op.csrf)),
+        );
+        assert_eq!(r.status, 403, "{path}");
+    }
+    // An admin may: the key is shown once, and a revocation removes it.
+    let admin = sign_in("root", ADMIN_PW);
+    let r = request(
+        "POST",
+        "/console/keys",
+        &admin.cookie,
+        &[],
+        Some(&form_encode(&[("scopes", "search"), ("csrf", &admin.csrf)])),
+    );
+    assert_eq!(r.status, 200);
+    let at = r.body.find("egk_").expect("the new key is shown");
+    let id = &r.body[at + 4..at + 12];
+    let revoke = request(
+        "POST",
+        &format!("/console/keys/{id}/revoke"),
+        &admin.cookie,
+        &[],
+        Some(&form_encode(&[("csrf", &admin.csrf)])),
+    );
+    assert_eq!(revoke.status, 303);
+    let keys = std::fs::read_to_string(server().dir.path().join("keys.json")).unwrap();
+    assert!(!keys.contains(id));
+}
+
+fn flat_keys(source: &str) -> Vec<String> {
+    fn walk(prefix: &str, t: &toml::Table, out: &mut Vec<String>) {
+        for (k, v) in t {
+            let key = if prefix.is_empty() {
+                k.clone()
+            } else {
+                format!("{prefix}.{k}")
+            };
+            match v {
+                toml::Value::Table(t) => walk(&key, t, out),
+                _ => out.push(key),
+            }
+        }
+    }
+    let mut out = Vec::new();
+    walk("", &toml::from_str(source).unwrap(), &mut out);
+    out.sort();
+    out
+}
+
+#[test]
+fn catalogs_have_the_same_keys() {
+    let en = flat_keys(EN_SOURCE);
+    let zh = flat_keys(ZH_CN_SOURCE);
+    let only_en: Vec<_> = en.iter().filter(|k| !zh.contains(k)).collect();
+    let only_zh: Vec<_> = zh.iter().filter(|k| !en.contains(k)).collect();
+    assert!(
+        only_en.is_empty() && only_zh.is_empty(),
+        "only in en: {only_en:?}; only in zh-CN: {only_zh:?}"
+    );
+    assert!(en.len() > 100);
+}
+
+#[test]
+fn chinese_for_accept_language_zh_cn() {
+    let r = request(
+        "GET",
+        "/console/signin",
+        "",
+        &[("Accept-Language", "zh-CN,zh;q=0.9,en;q=0.8")],
+        None,
+    );
+    assert_eq!(r.status, 200);
+    assert!(r.body.contains("<html lang=\"zh-CN\">") && r.body.contains("登录"));
+    let r = request(
+        "GET",
+        "/console/signin",
+        "",
+        &[("Accept-Language", "en-US")],
+        None,
+    );
+    assert!(r.body.contains("<html lang=\"en\">") && r.body.contains("Sign in"));
+    let s = sign_in("root", ADMIN_PW);
+    let zh = [("Accept-Language", "zh-CN")];
+    let r = request("GET", "/console/", &s.cookie, &zh, None);
+    assert!(r.body.contains("仪表盘"), "dashboard in Chinese");
+    // The switch's cookie wins over the header.
+    let sw = request("GET", "/console/lang/en?back=%2Fconsole%2F", "", &[], None);
+    let lang = sw.cookie("engram_lang").unwrap();
+    assert_eq!(lang, "en");
+    let r = request(
+        "GET",
+        "/console/",
+        &format!("{}; engram_lang=en", s.cookie),
+        &zh,
+        None,
+    );
+    assert!(r.body.contains("Dashboard") && !r.body.contains("仪表盘"));
+}
+
+/// A multipart body with a `csrf` field and one file.
+fn multipart(csrf: &str, file_name: &str, text: &str) -> (String, Vec<u8>) {
+    let b = "engramtestboundary";
+    let body = format!(
+        "--{b}\r\nContent-Disposition: form-data; name=\"csrf\"\r\n\r\n{csrf}\r\n\
+         --{b}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"{file_name}\"\r\n\
+         Content-Type: text/markdown\r\n\r\n{text}\r\n--{b}--\r\n"
+    );
+    (
+        format!("multipart/form-data; boundary={b}"),
+        body.into_bytes(),
+    )
+}
+
+#[test]
+fn documents_retrieval_and_chat_work_without_script() {
+    let s = sign_in("root", ADMIN_PW);
+    let r = request(
+        "POST",
+        "/console/kb",
+        &s.cookie,
+        &[],
+        Some(&form_encode(&[("name", "nojs"), ("csrf", &s.csrf)])),
+    );
+    assert_eq!(r.status, 303, "{}", r.body);
+    // An operator may not upload; an upload without the token is refused too.
+    let op = sign_in("watcher", OPERATOR_PW);
+    let text = "# Leave\n\nEvery employee gets 25 days of paid leave per year.";
+    let r = request_raw(
+        "POST",
+        "/console/kb/nojs/upload",
+        &op.cookie,
+        &[],
+        Some(multipart(&op.csrf, "leave.md", text)),
+    );
+    assert_eq!(r.status, 403);
+    let r = request_raw(
+        "POST",
+        "/console/kb/nojs/upload",
+        &s.cookie,
+        &[],
+        Some(multipart("wrong", "leave.md", text)),
+    );
+    assert_eq!(r.status, 403);
+    let r = request_raw(
+        "POST",
+        "/console/kb/nojs/upload",
+        &s.cookie,
+        &[],
+        Some(multipart(&s.csrf, "leave.md", text)),
+    );
+    assert_eq!(r.status, 303, "{}", r.body);
+    assert_eq!(
+        r.header("location"),
+        Some("/console/kb/nojs?ok=flash.uploaded")
+    );
+    let deadline = std::time::Instant::now() + Duration::from_secs(300);
+    loop {
+        let page = request("GET", "/console/kb/nojs", &s.cookie, &[], None);
+        if page.body.contains("data-stage=\"done\"") {
+            assert!(page.body.contains("leave.md"));
+            break;
+        }
+        assert!(
+            !page.body.contains("data-stage=\"failed\""),
+            "{}",
+            page.body
+        );
+        assert!(std::time::Instant::now() < deadline, "never indexed");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let r = request(
+        "GET",
+        "/console/retrieval?q=paid+leave&mode=hybrid&top_k=3&collections=nojs",
+        &s.cookie,
+        &[],
+        None,
+    );
+    assert_eq!(r.status, 200);
+    assert!(r.body.contains("<mark>"), "highlighted span");
+    assert!(r.body.contains("BM25") && r.body.contains("/console/kb/nojs/doc/"));
+    let chat = form_encode(&[
+        ("question", "How many days of paid leave?"),
+        ("collections", "nojs"),
+        ("policy", "boundary:4"),
+        ("max_tokens", "8"),
+        ("csrf", &s.csrf),
+    ]);
+    let r = request("POST", "/console/chat", &op.cookie, &[], Some(&chat));
+    assert_eq!(r.status, 403, "another session's token");
+    let r = request("POST", "/console/chat", &s.cookie, &[], Some(&chat));
+    assert_eq!(r.status, 200);
+    let cites = &r.body[r.body.find("id=\"citations\"").unwrap()..];
+    assert!(
+        cites.contains("href=\"/console/kb/nojs/doc/"),
+        "a citation link"
+    );
+    assert!(r.body.contains("data-field=\"first_token_ms\""));
+    // Deleting needs the name typed.
+    let r = request(
+        "POST",
+        "/console/kb/nojs/delete",
+        &s.cookie,
+        &[],
+        Some(&form_encode(&[("confirm", "nope"), ("csrf", &s.csrf)])),
+    );
+    assert_eq!(r.status, 400);
+    let r = request(
+        "POST",
+        "/console/kb/nojs/delete",
+        &s.cookie,
+        &[],
+        Some(&form_encode(&[("confirm", "nojs"), ("csrf", &s.csrf)])),
+    );
+    assert_eq!(r.status, 303);
+    let r = request("GET", "/console/kb/nojs", &s.cookie, &[], None);
+    assert_eq!(r.status, 404);
+    assert!(r.body.contains("<html"), "an HTML error page");
+}

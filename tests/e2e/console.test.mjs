@@ -1,0 +1,176 @@
+// End-to-end test of the admin console in a real headless Chromium (Debian's `chromium`,
+// driven by playwright-core). scripts/test-ui.sh starts a throwaway engramd and runs this
+// with ENGRAM_URL, ENGRAM_USER, ENGRAM_PASSWORD and SCREENSHOT_DIR set.
+//
+// Signs in, creates a knowledge base, uploads a document and waits for it to be indexed,
+// runs a retrieval test, asks a question in the chat and sees the answer stream in with a
+// citation, creates and revokes an API key, switches to Chinese; saves a screenshot of each
+// page. Every step prints a line; the first failure ends the run with a non-zero status.
+import { chromium } from "playwright-core";
+import { mkdirSync, mkdtempSync, rmSync } from "node:fs";
+import { tmpdir } from "node:os";
+import { join } from "node:path";
+import assert from "node:assert/strict";
+
+const URL = process.env.ENGRAM_URL ?? "http://127.0.0.1:8080";
+const USER = process.env.ENGRAM_USER ?? "admin";
+const PASSWORD = process.env.ENGRAM_PASSWORD;
+const SHOTS = process.env.SCREENSHOT_DIR ?? "target/ui-screenshots";
+const KB = "handbook";
+assert.ok(PASSWORD, "set ENGRAM_PASSWORD");
+mkdirSync(SHOTS, { recursive: true });
+
+const profile = mkdtempSync(join(tmpdir(), "engram-e2e-chromium-"));
+const context = await chromium.launchPersistentContext(profile, {
+  executablePath: process.env.CHROMIUM ?? "/usr/bin/chromium",
+  headless: true,
+  args: [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+  ],
+  locale: "en-US",
+  viewport: { width: 1366, height: 900 },
+});
+const page = context.pages()[0] ?? (await context.newPage());
+page.setDefaultTimeout(30_000);
+const started = Date.now();
+const step = (what) => console.log(`e2e: ${((Date.now() - started) / 1000).toFixed(1)}s ${what}`);
+const shot = async (name) => {
+  await page.screenshot({ path: join(SHOTS, `${name}.png`), fullPage: true });
+  step(`screenshot ${name}.png`);
+};
+const errors = [];
+page.on("pageerror", (e) => errors.push(String(e)));
+page.on("console", (m) => m.type() === "error" && errors.push(m.text()));
+
+try {
+  step("sign in");
+  await page.goto(`${URL}/console/`);
+  assert.match(page.url(), /\/console\/signin/, "a page without a session goes to sign-in");
+  await shot("01-signin");
+  await page.fill('input[name="name"]', USER);
+  await page.fill('input[name="password"]', PASSWORD);
+  await Promise.all([page.waitForURL(`${URL}/console/`), page.click('button[type="submit"]')]);
+  await page.waitForSelector("svg.chart");
+  await shot("02-dashboard");
+
+  step("create a knowledge base");
+  await page.goto(`${URL}/console/kb`);
+  await page.fill('#kb-create input[name="name"]', KB);
+  await Promise.all([page.waitForURL(/\/console\/kb\/handbook/), page.click('#kb-create button[type="submit"]')]);
+  assert.ok(await page.isVisible(".flash.ok"), "a notice says the knowledge base exists");
+
+  step("upload a document and wait for it to be indexed");
+  await page.setInputFiles("#upload-files", [
+    {
+      name: "leave-policy.md",
+      mimeType: "text/markdown",
+      buffer: Buffer.from(
+        "# Leave policy\n\nEvery employee gets 25 days of paid leave per year. " +
+          "Unused leave expires at the end of March of the following year.\n\n" +
+          "# Travel\n\nBook trains for trips under 500 km; flights need a manager's approval.\n",
+      ),
+    },
+  ]);
+  await Promise.all([
+    page.waitForURL(/ok=flash\.uploaded/, { timeout: 60_000 }),
+    page.click('#upload-form button[type="submit"]'),
+  ]);
+  await page.waitForSelector('tr[data-doc="leave-policy.md"][data-stage="done"]', { timeout: 180_000 });
+  await shot("03-documents");
+  await page.click('tr[data-doc="leave-policy.md"] a');
+  await page.waitForSelector("article.chunk");
+  await shot("04-document-chunks");
+  await page.goto(`${URL}/console/kb`);
+  await shot("05-knowledge-bases");
+
+  step("retrieval test");
+  await page.goto(`${URL}/console/retrieval`);
+  await page.fill('#retrieval-form input[name="q"]', "paid leave days");
+  await Promise.all([page.waitForURL(/q=paid/), page.click('#retrieval-form button[type="submit"]')]);
+  await page.waitForSelector(".hit mark");
+  const hits = await page.locator(".hit").count();
+  assert.ok(hits >= 1, "at least one hit");
+  assert.match(await page.locator(".hit .scores").first().innerText(), /BM25/);
+  await shot("06-retrieval");
+
+  step("chat: a streamed answer with a citation");
+  await page.goto(`${URL}/console/chat`);
+  await page.fill('#chat-form textarea[name="question"]', "How many days of paid leave does an employee get?");
+  await page.fill('#chat-form input[name="max_tokens"]', "16");
+  const chatUrl = page.url();
+  const streamed = page.waitForResponse((r) => r.url().endsWith("/console/chat/stream"));
+  await page.click("#chat-submit");
+  const res = await streamed;
+  assert.match(res.headers()["content-type"] ?? "", /text\/event-stream/);
+  await page.waitForSelector('#answer[data-done="1"]', { timeout: 120_000 });
+  assert.equal(page.url(), chatUrl, "the answer streamed into the page (no navigation)");
+  assert.ok((await page.innerText("#answer")).trim().length > 0, "an answer");
+  assert.ok((await page.locator("#citations a").count()) >= 1, "a citation");
+  assert.notEqual(await page.innerText('#timings tr[data-field="first_token_ms"] td'), "–");
+  await shot("07-chat");
+  await Promise.all([page.waitForURL(/#chunk-\d+$/), page.click("#citations a >> nth=0")]);
+  await page.waitForSelector("article.chunk:target");
+  await shot("08-citation");
+
+  step("create and revoke an API key");
+  await page.goto(`${URL}/console/keys`);
+  await page.check('#key-form input[name="scopes"][value="search"]');
+  await page.check(`#key-form input[name="collections"][value="${KB}"]`);
+  await page.click('#key-form button[type="submit"]');
+  const key = (await page.innerText("#new-key-value")).trim();
+  assert.match(key, /^egk_[A-Za-z0-9]{8}_[A-Za-z0-9]{32}$/);
+  const id = key.slice(4, 12);
+  const check = await fetch(`${URL}/api/v1/collections`, { headers: { Authorization: `Bearer ${key}` } });
+  assert.equal(check.status, 200, "the new key works on the API");
+  await shot("09-api-key-created");
+  await Promise.all([
+    page.waitForURL(/ok=flash\.key_revoked/),
+    page.click(`tr[data-key="${id}"] button`),
+  ]);
+  assert.equal(await page.locator(`tr[data-key="${id}"]`).count(), 0, "the key is gone");
+  const after = await fetch(`${URL}/api/v1/collections`, { headers: { Authorization: `Bearer ${key}` } });
+  assert.equal(after.status, 401, "the revoked key is refused");
+  await shot("10-api-key-revoked");
+
+  step("users, settings, audit");
+  for (const [path, name] of [
+    ["users", "11-users"],
+    ["settings", "12-settings"],
+    ["audit", "13-audit"],
+  ]) {
+    await page.goto(`${URL}/console/${path}`);
+    await shot(name);
+  }
+  assert.ok(await page.isVisible("tr.audit-key_revoked"), "the audit log shows the revocation");
+
+  step("switch to Chinese");
+  await page.goto(`${URL}/console/`);
+  await Promise.all([page.waitForURL(`${URL}/console/`), page.click('a[lang="zh-CN"]')]);
+  assert.equal(await page.getAttribute("html", "lang"), "zh-CN");
+  assert.match(await page.innerText("nav.sidebar"), /仪表盘/);
+  await shot("14-dashboard-zh");
+  await page.goto(`${URL}/console/kb/${KB}`);
+  assert.match(await page.innerText("main"), /已索引/);
+  await shot("15-documents-zh");
+  await page.goto(`${URL}/console/chat`);
+  await shot("16-chat-zh");
+  await page.goto(`${URL}/console/audit`);
+  await shot("17-audit-zh");
+
+  assert.deepEqual(errors, [], "no script errors in the pages");
+  step("ok");
+} catch (e) {
+  await page.screenshot({ path: join(SHOTS, "failure.png"), fullPage: true }).catch(() => {});
+  console.error(`e2e: FAILED at ${page.url()}: ${e.stack ?? e}`);
+  process.exitCode = 1;
+} finally {
+  await context.close();
+  rmSync(profile, { recursive: true, force: true });
+}
