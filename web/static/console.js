@@ -12,7 +12,7 @@
     if (!secs || !el.id) return;
     setTimeout(function () {
       if (document.hidden || el.contains(document.activeElement)) return live(el);
-      fetch(location.href, { credentials: "same-origin" })
+      fetch(location.href, { credentials: "same-origin", headers: { "X-Engram-Live": "1" } })
         .then(function (r) { return r.ok ? r.text() : Promise.reject(r.status); })
         .then(function (html) {
           var fresh = new DOMParser().parseFromString(html, "text/html").getElementById(el.id);

@@ -13,6 +13,7 @@ use argon2::Argon2;
 use rand::Rng;
 use serde::{Deserialize, Serialize};
 
+use crate::atomic::{locked_update, write_atomic};
 use crate::error::{ApiError, Result, ServerError};
 
 /// Every key starts with this, so leaked keys are easy to find by secret scanners.
@@ -179,30 +180,11 @@ impl KeyStore {
         }
     }
 
-    /// Temp file, fsync, rename, fsync the directory.
     fn write(&self, f: &KeyFile) -> Result<()> {
-        use std::io::Write;
-        let dir = self.path.parent().unwrap_or(Path::new("."));
-        std::fs::create_dir_all(dir).map_err(|e| ServerError::io("creating", dir, e))?;
-        let tmp = self.path.with_extension("json.tmp");
-        let bytes = serde_json::to_vec_pretty(f).expect("key records serialize");
-        let io = |op, e| ServerError::io(op, &tmp, e);
-        let mut file = {
-            let mut o = std::fs::OpenOptions::new();
-            o.write(true).create(true).truncate(true);
-            #[cfg(unix)]
-            std::os::unix::fs::OpenOptionsExt::mode(&mut o, 0o600);
-            o.open(&tmp).map_err(|e| io("creating", e))?
-        };
-        file.write_all(&bytes).map_err(|e| io("writing", e))?;
-        file.sync_all().map_err(|e| io("syncing", e))?;
-        drop(file);
-        std::fs::rename(&tmp, &self.path)
-            .map_err(|e| ServerError::io("renaming", &self.path, e))?;
-        std::fs::File::open(dir)
-            .and_then(|d| d.sync_all())
-            .map_err(|e| ServerError::io("syncing", dir, e))?;
-        Ok(())
+        write_atomic(
+            &self.path,
+            &serde_json::to_vec_pretty(f).expect("key records serialize"),
+        )
     }
 
     /// Creates a key; returns its record and the key itself (shown once, never stored).
@@ -211,28 +193,15 @@ impl KeyStore {
         scopes: Vec<Scope>,
         collections: Option<Vec<String>>,
     ) -> Result<(KeyRecord, String)> {
-        let mut f = self.read()?;
-        let id = loop {
-            let id = random_base62(ID_LEN);
-            if !f.keys.iter().any(|k| k.id == id) {
-                break id;
-            }
-        };
-        let key = format!("{KEY_PREFIX}{id}_{}", random_base62(SECRET_LEN));
-        let salt = SaltString::generate(&mut argon2::password_hash::rand_core::OsRng);
-        let hash = argon2()
-            .hash_password(key.as_bytes(), &salt)
-            .map_err(|e| ServerError::Keys(format!("hashing the key: {e}")))?
-            .to_string();
-        let rec = KeyRecord {
-            id,
-            hash,
-            scopes,
-            collections,
-            created_ms: now_ms(),
-        };
-        f.keys.push(rec.clone());
-        self.write(&f)?;
+        let mut key = String::new();
+        let rec = locked_update(&self.path, || -> Result<KeyRecord> {
+            let mut f = self.read()?;
+            let (rec, k) = new_key(&f, scopes, collections)?;
+            f.keys.push(rec.clone());
+            self.write(&f)?;
+            key = k;
+            Ok(rec)
+        })?;
         Ok((rec, key))
     }
 
@@ -245,16 +214,46 @@ impl KeyStore {
         let id = id
             .strip_prefix(KEY_PREFIX)
             .map_or(id, |r| r.split('_').next().unwrap_or(r));
-        let mut f = self.read()?;
-        let at = f
-            .keys
-            .iter()
-            .position(|k| k.id == id)
-            .ok_or_else(|| ServerError::Keys(format!("no key with id `{id}`")))?;
-        let rec = f.keys.remove(at);
-        self.write(&f)?;
-        Ok(rec)
+        locked_update(&self.path, || -> Result<KeyRecord> {
+            let mut f = self.read()?;
+            let at = f
+                .keys
+                .iter()
+                .position(|k| k.id == id)
+                .ok_or_else(|| ServerError::Keys(format!("no key with id `{id}`")))?;
+            let rec = f.keys.remove(at);
+            self.write(&f)?;
+            Ok(rec)
+        })
     }
+}
+
+/// A fresh key (an id not in `f`) and its record with the argon2 hash (the slow part).
+fn new_key(
+    f: &KeyFile,
+    scopes: Vec<Scope>,
+    collections: Option<Vec<String>>,
+) -> Result<(KeyRecord, String)> {
+    let id = loop {
+        let id = random_base62(ID_LEN);
+        if !f.keys.iter().any(|k| k.id == id) {
+            break id;
+        }
+    };
+    let key = format!("{KEY_PREFIX}{id}_{}", random_base62(SECRET_LEN));
+    let salt = SaltString::generate(&mut argon2::password_hash::rand_core::OsRng);
+    let hash = argon2()
+        .hash_password(key.as_bytes(), &salt)
+        .map_err(|e| ServerError::Keys(format!("hashing the key: {e}")))?
+        .to_string();
+    let rec = KeyRecord {
+        id,
+        hash,
+        scopes,
+        collections,
+        created_ms: now_ms(),
+    };
+    Ok((rec, key))
 }
 
 /// Who is calling: the verified key's id, scopes and collection grants.

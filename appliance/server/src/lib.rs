@@ -9,6 +9,7 @@
 #![forbid(unsafe_code)]
 
 mod api;
+mod atomic;
 mod auth;
 mod config;
 pub mod console;

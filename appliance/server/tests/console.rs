@@ -5,9 +5,13 @@
 //! `watcher` (operator) and `locky` (admin, used only by the lockout test).
 //!
 //! - sessions: every page but sign-in redirects to sign-in without a session;
-//! - sign-in: right and wrong passwords, lockout after repeated failures, sign-out;
+//! - sign-in: right and wrong passwords, lockout after repeated failures, sign-out; an empty
+//!   token, an impossible user name or an oversized body cost nothing; an account deleted
+//!   from the command line is signed out at its next request;
 //! - CSRF: a POST without or with a wrong token is 403;
-//! - roles: an operator reads pages but gets 403 on key creation and settings;
+//! - roles: an operator reads pages but gets 403 on every change (keys, settings, users,
+//!   knowledge bases, uploads, document actions);
+//! - a malformed form gets the console's error page, not axum's plain text;
 //! - languages: the catalogs have the same keys; `Accept-Language: zh-CN` gets Chinese;
 //! - without script: a knowledge base, a multipart upload, a retrieval test and a chat answer
 //!   through plain forms; deleting a knowledge base needs its name typed.
@@ -343,6 +347,38 @@ fn sign_in_works_and_a_wrong_password_fails() {
         Some(&form_encode(&[("name", "root"), ("password", ADMIN_PW)])),
     );
     assert_eq!(r.status, 403);
+    // An empty token in the cookie and in the form is no token.
+    let r = request(
+        "POST",
+        "/console/signin",
+        "engram_signin=",
+        &[],
+        Some(&form_encode(&[
+            ("name", "root"),
+            ("password", ADMIN_PW),
+            ("csrf", ""),
+        ])),
+    );
+    assert_eq!(r.status, 403);
+    // A name no account can have is refused before any work, and counts for no lockout.
+    let long = "x".repeat(5000);
+    for _ in 0..6 {
+        assert_eq!(try_sign_in(&long, "whatever").status, 401);
+    }
+    let audit = std::fs::read_to_string(server().dir.path().join("audit.jsonl")).unwrap();
+    assert!(!audit.contains(&long[..100]), "not audited");
+    // The public routes take small bodies only.
+    let page = request("GET", "/console/signin", "", &[], None);
+    let pre = page.cookie("engram_signin").unwrap();
+    let big = form_encode(&[("name", &"y".repeat(64 << 10)), ("csrf", &page.csrf())]);
+    let r = request(
+        "POST",
+        "/console/signin",
+        &format!("engram_signin={pre}"),
+        &[],
+        Some(&big),
+    );
+    assert_eq!(r.status, 413);
     // Sign-out ends the session.
     let out = request(
         "POST",
@@ -366,7 +402,7 @@ fn repeated_failures_lock_the_account() {
     assert_eq!(r.status, 429, "locked even with the right password");
     assert!(r.body.contains("locked"), "{}", r.body);
     let audit = std::fs::read_to_string(server().dir.path().join("audit.jsonl")).unwrap();
-    assert!(audit.contains("\"signin_failed\"") && audit.contains("\"signin_locked\""));
+    assert!(audit.contains("\"signin_failed\"") && audit.contains("\"account_locked\""));
     // Other accounts are not affected.
     sign_in("root", ADMIN_PW);
 }
@@ -448,12 +484,20 @@ fn operators_cannot_change_keys_or_settings() {
         ])),
     );
     assert_eq!(settings.status, 403);
+    // Every other change: whether or not its target exists, the role check answers first.
     for (path, body) in [
         ("/console/kb", "name=op-made"),
         (
             "/console/users",
             "name=op2&role=admin&password=aaaaaaaaaaaaaaaa",
         ),
+        ("/console/users/root/delete", ""),
+        ("/console/keys/abcdefgh/revoke", ""),
+        ("/console/kb/handbook/delete", "confirm=handbook"),
+        ("/console/kb/handbook/upload", ""),
+        ("/console/kb/handbook/doc/1/reindex", ""),
+        ("/console/kb/handbook/doc/1/cancel", ""),
+        ("/console/kb/handbook/doc/1/delete", ""),
     ] {
         let r = request(
             "POST",
@@ -486,6 +530,42 @@ fn operators_cannot_change_keys_or_settings() {
     assert_eq!(revoke.status, 303);
     let keys = std::fs::read_to_string(server().dir.path().join("keys.json")).unwrap();
     assert!(!keys.contains(id));
+}
+
+#[test]
+fn an_account_deleted_on_the_command_line_is_signed_out() {
+    let users = UserStore::new(server().dir.path());
+    users
+        .create("leaver", Role::Operator, "leaver password 000")
+        .unwrap();
+    let s = sign_in("leaver", "leaver password 000");
+    // What `engramd users delete` does: the file changes under the running daemon.
+    users.delete("leaver").unwrap();
+    let r = request("GET", "/console/", &s.cookie, &[], None);
+    assert_eq!(r.status, 303, "signed out");
+    assert!(r.header("location").unwrap().starts_with("/console/signin"));
+}
+
+#[test]
+fn a_malformed_form_gets_the_error_page() {
+    let s = sign_in("root", ADMIN_PW);
+    let r = request(
+        "POST",
+        "/console/kb",
+        &s.cookie,
+        &[],
+        Some(&form_encode(&[
+            ("name", "bad-form"),
+            ("chunk_tokens", "many"),
+            ("csrf", &s.csrf),
+        ])),
+    );
+    assert!(matches!(r.status, 400 | 422), "{}", r.status);
+    assert!(
+        r.body.contains("<html") && r.body.contains("wrong kind"),
+        "{}",
+        r.body
+    );
 }
 
 fn flat_keys(source: &str) -> Vec<String> {

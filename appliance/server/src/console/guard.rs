@@ -17,6 +17,9 @@ use crate::api::AppState;
 
 /// The header script requests carry the CSRF token in.
 pub const CSRF_HEADER: &str = "x-csrf-token";
+/// The header of the script's background refreshes (live dashboard, documents being indexed):
+/// they do not count as activity, so an unattended screen still reaches the idle timeout.
+pub const LIVE_HEADER: &str = "x-engram-live";
 
 /// Session, CSRF, error pages.
 pub async fn guard(
@@ -27,11 +30,21 @@ pub async fn guard(
 ) -> Response {
     let lang = lang_of(req.headers());
     let settings = s.console.settings.get();
+    let active = !req.headers().contains_key(LIVE_HEADER);
     let session = cookie(req.headers(), SESSION_COOKIE).and_then(|id| {
-        s.console
+        let sess = s
+            .console
             .sessions
-            .touch(id, settings.session_idle())
-            .map(|sess| (id.to_owned(), sess))
+            .touch(id, settings.session_idle(), active)?;
+        // The account must still exist with the same role: `engramd users delete` on the
+        // command line ends its sessions at their next request. Fails closed on a bad file.
+        match s.console.users.get(&sess.user) {
+            Ok(Some(u)) if u.role == sess.role => Some((id.to_owned(), sess)),
+            _ => {
+                s.console.sessions.remove(id);
+                None
+            }
+        }
     });
     let Some((id, sess)) = session else {
         if req.headers().contains_key(CSRF_HEADER) {
@@ -81,10 +94,19 @@ pub async fn guard(
     }
     req.extensions_mut().insert(viewer.clone());
     let res = next.run(req).await;
-    match res.extensions().get::<Failure>() {
-        Some(f) => error_page(&viewer, f),
-        None => res,
+    if let Some(f) = res.extensions().get::<Failure>() {
+        return error_page(&viewer, f);
     }
+    // An extractor's rejection (a form field missing or of the wrong kind) is axum's plain
+    // text: show the console's page in the viewer's language instead.
+    let plain = res
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .is_some_and(|v| v.as_bytes().starts_with(b"text/plain"));
+    if plain && matches!(res.status().as_u16(), 400 | 415 | 422) {
+        return error_page(&viewer, &Failure::new(res.status(), "error.bad_form"));
+    }
+    res
 }
 
 /// The `csrf` field of a urlencoded or multipart body.

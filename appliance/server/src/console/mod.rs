@@ -10,7 +10,6 @@
 //! - `pages`: the handlers, one file per page;
 //! - `cli`: `engramd users create|list|delete`.
 
-mod atomic;
 mod audit;
 mod chart;
 mod cli;
@@ -24,9 +23,8 @@ mod settings;
 mod users;
 mod view;
 
-use std::collections::VecDeque;
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use axum::extract::DefaultBodyLimit;
 use axum::handler::Handler;
@@ -45,8 +43,10 @@ use crate::error::Result;
 use crate::metrics::Metrics;
 use crate::profile::{Machine, Profile};
 
-/// Time-per-output-token readings kept (from the playground's answers).
-const TPOT_KEPT: usize = 200;
+/// Password verifications (argon2id, 19 MiB each) running at once; sign-ins beyond get 429.
+const VERIFY_SLOTS: usize = 2;
+/// Largest body of a public console route (the sign-in form is a few hundred bytes).
+const PUBLIC_BODY_LIMIT: usize = 16 << 10;
 
 /// Facts fixed at start, for the dashboard and the settings page.
 pub struct Facts {
@@ -129,12 +129,12 @@ pub struct Console {
     pub(crate) users: UserStore,
     pub(crate) sessions: session::Sessions,
     pub(crate) lockout: session::Lockout,
+    /// Permits for password verifications (sign-in is public: this bounds its cost).
+    pub(crate) verify_slots: Arc<tokio::sync::Semaphore>,
     pub(crate) audit: audit::AuditLog,
     pub(crate) queries: QueryLog,
     pub(crate) settings: settings::SettingsStore,
     pub(crate) history: Arc<sampler::History>,
-    /// Milliseconds per generated token of recent playground answers.
-    pub(crate) tpot_ms: Mutex<VecDeque<f64>>,
     pub(crate) facts: Facts,
 }
 
@@ -161,23 +161,14 @@ impl Console {
             users,
             sessions: Default::default(),
             lockout: Default::default(),
+            verify_slots: Arc::new(tokio::sync::Semaphore::new(VERIFY_SLOTS)),
             audit: audit::AuditLog::new(&data_dir),
             queries: QueryLog::default(),
             settings: settings::SettingsStore::open(&data_dir)?,
             history,
-            tpot_ms: Mutex::new(VecDeque::new()),
             facts,
             data_dir,
         })
-    }
-
-    /// Records a playground answer's time per output token.
-    pub(crate) fn record_tpot(&self, ms: f64) {
-        let mut q = self.tpot_ms.lock().expect("tpot lock");
-        if q.len() == TPOT_KEPT {
-            q.pop_front();
-        }
-        q.push_back(ms);
     }
 
     /// The recent-query log (the API's search handlers record into it).
@@ -243,15 +234,16 @@ pub fn router(state: AppState) -> Router<AppState> {
         .route("/console/audit", get(audit::page))
         // Any other console path: an HTML 404 in the viewer's language (not the API's JSON).
         .route("/console/{*rest}", get(not_found))
-        .route_layer(middleware::from_fn_with_state(state.clone(), guard::guard));
+        .route_layer(middleware::from_fn_with_state(state.clone(), guard::guard))
+        .layer(DefaultBodyLimit::max(limit));
     let public = Router::new()
         .route("/", get(signin::to_console))
         .route("/console", get(signin::to_console))
         .route("/console/signin", get(signin::page).post(signin::sign_in))
         .route("/console/lang/{tag}", get(signin::switch_lang))
-        .route("/console/static/{file}", get(assets::serve));
+        .route("/console/static/{file}", get(assets::serve))
+        .layer(DefaultBodyLimit::max(PUBLIC_BODY_LIMIT));
     signed_in
         .merge(public)
-        .layer(DefaultBodyLimit::max(limit))
         .layer(middleware::from_fn(guard::security_headers))
 }

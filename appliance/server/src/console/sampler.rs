@@ -25,6 +25,8 @@ pub struct Sample {
     pub requests: f64,
     /// Time-to-first-token histogram so far: (upper bound in seconds, cumulative count).
     pub ttft: Vec<(f64, u64)>,
+    /// Time-per-output-token histogram so far, the same way.
+    pub tpot: Vec<(f64, u64)>,
     pub queue_depth: i64,
     /// Whole-machine CPU use in percent.
     pub cpu_percent: f32,
@@ -70,10 +72,10 @@ pub fn counter_of(c: &prometheus::IntCounterVec, label: &str) -> u64 {
     c.with_label_values(&[label]).get()
 }
 
-/// The TTFT histogram, all kinds merged: (upper bound, cumulative count).
-pub fn ttft_buckets(m: &Metrics) -> Vec<(f64, u64)> {
+/// A histogram's buckets, all label values merged: (upper bound, cumulative count).
+pub fn buckets(h: &prometheus::HistogramVec) -> Vec<(f64, u64)> {
     let mut out: Vec<(f64, u64)> = Vec::new();
-    for f in m.ttft.collect() {
+    for f in h.collect() {
         for metric in f.get_metric() {
             let h = metric.get_histogram();
             for (i, b) in h.get_bucket().iter().enumerate() {
@@ -125,7 +127,8 @@ pub fn sample(m: &Metrics, sys: &mut sysinfo::System) -> Sample {
     Sample {
         at_ms: now_ms(),
         requests: counter_total(&m.requests),
-        ttft: ttft_buckets(m),
+        ttft: buckets(&m.ttft),
+        tpot: buckets(&m.tpot),
         queue_depth: m.queue_depth.get(),
         cpu_percent: sys.global_cpu_usage(),
         memory_used: sys.used_memory(),

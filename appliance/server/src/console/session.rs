@@ -20,6 +20,9 @@ pub const SIGNIN_COOKIE: &str = "engram_signin";
 pub const SESSION_MAX_AGE: Duration = Duration::from_secs(12 * 3600);
 /// Sessions kept at most; the oldest go first, so a flood of sign-ins cannot grow memory.
 const MAX_SESSIONS: usize = 10_000;
+/// Account names whose recent failures are kept at most (names are at most 64 bytes, so this
+/// bounds the lockout table near 1 MiB whatever is sent).
+const MAX_LOCKOUT_NAMES: usize = 10_000;
 
 /// 32 random bytes from the OS, hex.
 pub fn random_token() -> String {
@@ -89,8 +92,9 @@ impl Sessions {
         id
     }
 
-    /// The live session with this id, its idle timer reset; an expired one is removed.
-    pub fn touch(&self, id: &str, idle: Duration) -> Option<Session> {
+    /// The live session with this id, its idle timer reset when `active` (a person's request,
+    /// not a background refresh); an expired one is removed.
+    pub fn touch(&self, id: &str, idle: Duration, active: bool) -> Option<Session> {
         let now = Instant::now();
         let mut m = self.map.lock().expect("sessions lock");
         let s = m.get_mut(id)?;
@@ -99,7 +103,9 @@ impl Sessions {
             m.remove(id);
             return None;
         }
-        s.last_seen = now;
+        if active {
+            s.last_seen = now;
+        }
         Some(s.clone())
     }
 
@@ -130,31 +136,34 @@ impl Default for Lockout {
 }
 
 impl Lockout {
-    /// `Some(time left)` when `name` has `max` failures within `window`.
-    pub fn locked(&self, name: &str, max: u32, window: Duration) -> Option<Duration> {
+    /// Counts a sign-in attempt of `name` before its password is checked, so that parallel
+    /// guesses cannot all pass the check before any is counted: `Err(time left)` when `name`
+    /// already has `max` attempts within `window` (locked), else `Ok(attempts now in the
+    /// window)`. A successful sign-in then calls [`Lockout::clear`].
+    pub fn attempt(&self, name: &str, max: u32, window: Duration) -> Result<usize, Duration> {
         let now = Instant::now();
         let mut m = self.failures.lock().expect("lockout lock");
-        let f = m.get_mut(name)?;
-        f.retain(|t| now.duration_since(*t) < window);
-        if f.len() >= max as usize {
-            let oldest = f.iter().min().copied().unwrap_or(now);
-            Some(window.saturating_sub(now.duration_since(oldest)))
-        } else {
-            None
-        }
-    }
-
-    /// Records a failure; returns the failures now in the window.
-    pub fn fail(&self, name: &str, window: Duration) -> usize {
-        let now = Instant::now();
-        let mut m = self.failures.lock().expect("lockout lock");
-        if m.len() >= MAX_SESSIONS {
+        if m.len() >= MAX_LOCKOUT_NAMES && !m.contains_key(name) {
             m.retain(|_, f| f.iter().any(|t| now.duration_since(*t) < window));
+            if m.len() >= MAX_LOCKOUT_NAMES {
+                // Still full of live entries: forget the name whose last attempt is oldest.
+                if let Some(k) = m
+                    .iter()
+                    .min_by_key(|(_, f)| f.iter().max().copied())
+                    .map(|(k, _)| k.clone())
+                {
+                    m.remove(&k);
+                }
+            }
         }
         let f = m.entry(name.to_owned()).or_default();
         f.retain(|t| now.duration_since(*t) < window);
+        if f.len() >= max as usize {
+            let oldest = f.iter().min().copied().unwrap_or(now);
+            return Err(window.saturating_sub(now.duration_since(oldest)));
+        }
         f.push(now);
-        f.len()
+        Ok(f.len())
     }
 
     pub fn clear(&self, name: &str) {
@@ -205,24 +214,59 @@ mod tests {
         let s = Sessions::default();
         let id = s.create("a", Role::Admin);
         assert_eq!(id.len(), 64);
-        assert!(s.touch(&id, Duration::from_secs(60)).is_some());
-        assert!(s.touch(&id, Duration::ZERO).is_none());
-        assert!(s.touch(&id, Duration::from_secs(60)).is_none(), "removed");
+        assert!(s.touch(&id, Duration::from_secs(60), true).is_some());
+        assert!(s.touch(&id, Duration::ZERO, true).is_none());
+        assert!(
+            s.touch(&id, Duration::from_secs(60), true).is_none(),
+            "removed"
+        );
+        // A background refresh does not reset the idle timer.
+        let id = s.create("bob", Role::Operator);
+        std::thread::sleep(Duration::from_millis(30));
+        assert!(s.touch(&id, Duration::from_secs(60), false).is_some());
+        assert!(s.touch(&id, Duration::from_millis(20), false).is_none());
     }
 
     #[test]
-    fn lockout_after_max_failures() {
+    fn lockout_after_max_attempts() {
         let l = Lockout::default();
         let w = Duration::from_secs(900);
-        for _ in 0..4 {
-            l.fail("a", w);
+        for i in 1..=5 {
+            assert_eq!(l.attempt("a", 5, w), Ok(i));
         }
-        assert!(l.locked("a", 5, w).is_none());
-        l.fail("a", w);
-        assert!(l.locked("a", 5, w).is_some());
-        assert!(l.locked("b", 5, w).is_none());
+        assert!(l.attempt("a", 5, w).is_err());
+        assert_eq!(l.attempt("b", 5, w), Ok(1));
         l.clear("a");
-        assert!(l.locked("a", 5, w).is_none());
+        assert_eq!(l.attempt("a", 5, w), Ok(1));
+    }
+
+    #[test]
+    fn parallel_attempts_cannot_pass_the_lockout() {
+        let l = Lockout::default();
+        let w = Duration::from_secs(900);
+        let passed = std::sync::atomic::AtomicUsize::new(0);
+        std::thread::scope(|s| {
+            for _ in 0..8 {
+                s.spawn(|| {
+                    for _ in 0..10 {
+                        if l.attempt("admin", 5, w).is_ok() {
+                            passed.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                        }
+                    }
+                });
+            }
+        });
+        assert_eq!(passed.into_inner(), 5);
+    }
+
+    #[test]
+    fn the_lockout_table_is_bounded() {
+        let l = Lockout::default();
+        let w = Duration::from_secs(900);
+        for i in 0..MAX_LOCKOUT_NAMES + 50 {
+            l.attempt(&format!("u{i}"), 5, w).unwrap();
+        }
+        assert!(l.failures.lock().unwrap().len() <= MAX_LOCKOUT_NAMES);
     }
 
     #[test]

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use super::atomic::write_atomic;
+use crate::atomic::write_atomic;
 use crate::error::ServerError;
 
 /// The settings file inside the data directory.

@@ -9,7 +9,7 @@ use argon2::Argon2;
 use rand::Rng;
 use serde::{Deserialize, Serialize};
 
-use super::atomic::write_atomic;
+use crate::atomic::{locked_update, write_atomic};
 use crate::error::ServerError;
 
 /// The account file inside the data directory.
@@ -64,7 +64,7 @@ pub struct User {
     pub created_ms: u64,
 }
 
-#[derive(Debug, Default, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
 struct UserFile {
     version: u32,
     users: Vec<User>,
@@ -85,10 +85,24 @@ pub enum UserError {
     Store(#[from] ServerError),
 }
 
-/// The account file. One lock serialises the read-modify-write of every change.
+/// The account file. An exclusive file lock serialises the read-modify-write of every change,
+/// from the daemon and from `engramd users` alike; reads are cached until the file changes (the
+/// console's guard reads the account on every request).
 pub struct UserStore {
     path: PathBuf,
-    lock: Mutex<()>,
+    cache: Mutex<Option<(FileStamp, UserFile)>>,
+}
+
+/// What tells a replaced or changed file: inode, modification time and length.
+type FileStamp = (u64, std::time::SystemTime, u64);
+
+fn stamp(path: &Path) -> Option<FileStamp> {
+    let m = std::fs::metadata(path).ok()?;
+    #[cfg(unix)]
+    let ino = std::os::unix::fs::MetadataExt::ino(&m);
+    #[cfg(not(unix))]
+    let ino = 0;
+    Some((ino, m.modified().ok()?, m.len()))
 }
 
 fn argon2() -> Argon2<'static> {
@@ -109,6 +123,11 @@ pub fn generate_password() -> String {
     (0..GENERATED_PASSWORD_CHARS)
         .map(|_| BASE62[rng.gen_range(0..BASE62.len())] as char)
         .collect()
+}
+
+/// Whether `name` is one an account may have (sign-in refuses others before any other work).
+pub(crate) fn valid_name(name: &str) -> bool {
+    check_name(name).is_ok()
 }
 
 fn check_name(name: &str) -> Result<(), UserError> {
@@ -141,7 +160,7 @@ impl UserStore {
     pub fn new(data_dir: &Path) -> UserStore {
         UserStore {
             path: data_dir.join(USER_FILE),
-            lock: Mutex::new(()),
+            cache: Mutex::new(None),
         }
     }
 
@@ -150,6 +169,23 @@ impl UserStore {
     }
 
     fn read(&self) -> Result<UserFile, ServerError> {
+        let before = stamp(&self.path);
+        let mut cache = self.cache.lock().expect("user cache lock");
+        if let (Some(now), Some((at, f))) = (before, cache.as_ref()) {
+            if now == *at {
+                return Ok(f.clone());
+            }
+        }
+        let f = self.read_file()?;
+        // Cache only what was read from an unchanged file (a writer may replace it meanwhile).
+        match before {
+            Some(b) if stamp(&self.path) == Some(b) => *cache = Some((b, f.clone())),
+            _ => *cache = None,
+        }
+        Ok(f)
+    }
+
+    fn read_file(&self) -> Result<UserFile, ServerError> {
         match std::fs::read(&self.path) {
             Ok(bytes) => {
                 let f: UserFile =
@@ -203,38 +239,40 @@ impl UserStore {
                 reason: format!("hashing failed: {e}"),
             })?
             .to_string();
-        let _g = self.lock.lock().expect("user store lock");
-        let mut f = self.read()?;
-        if f.users.iter().any(|u| u.name == name) {
-            return Err(UserError::Exists { name: name.into() });
-        }
-        let user = User {
-            name: name.to_owned(),
-            role,
-            hash,
-            created_ms: now_ms(),
-        };
-        f.users.push(user.clone());
-        self.write(&f)?;
-        Ok(user)
+        locked_update(&self.path, || {
+            let mut f = self.read()?;
+            if f.users.iter().any(|u| u.name == name) {
+                return Err(UserError::Exists { name: name.into() });
+            }
+            let user = User {
+                name: name.to_owned(),
+                role,
+                hash,
+                created_ms: now_ms(),
+            };
+            f.users.push(user.clone());
+            self.write(&f)?;
+            Ok(user)
+        })
     }
 
     /// Deletes an account; the last admin cannot be deleted.
     pub fn delete(&self, name: &str) -> Result<User, UserError> {
-        let _g = self.lock.lock().expect("user store lock");
-        let mut f = self.read()?;
-        let at = f
-            .users
-            .iter()
-            .position(|u| u.name == name)
-            .ok_or_else(|| UserError::NotFound { name: name.into() })?;
-        let admins = f.users.iter().filter(|u| u.role == Role::Admin).count();
-        if f.users[at].role == Role::Admin && admins == 1 {
-            return Err(UserError::LastAdmin { name: name.into() });
-        }
-        let user = f.users.remove(at);
-        self.write(&f)?;
-        Ok(user)
+        locked_update(&self.path, || {
+            let mut f = self.read()?;
+            let at = f
+                .users
+                .iter()
+                .position(|u| u.name == name)
+                .ok_or_else(|| UserError::NotFound { name: name.into() })?;
+            let admins = f.users.iter().filter(|u| u.role == Role::Admin).count();
+            if f.users[at].role == Role::Admin && admins == 1 {
+                return Err(UserError::LastAdmin { name: name.into() });
+            }
+            let user = f.users.remove(at);
+            self.write(&f)?;
+            Ok(user)
+        })
     }
 
     /// The account when `password` is right (argon2 runs here: call from a blocking

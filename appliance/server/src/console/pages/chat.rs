@@ -5,7 +5,6 @@
 //! `timings`, `done`, `error`), with the session cookie and the `X-CSRF-Token` header.
 
 use std::convert::Infallible;
-use std::sync::Arc;
 use std::time::Instant;
 
 use askama::Template;
@@ -23,8 +22,7 @@ use crate::api::search::{retrieve, Mode};
 use crate::api::AppState;
 use crate::auth::{Principal, Scope};
 use crate::console::view::{enc, html, Chrome, Failure, Viewer};
-use crate::console::Console;
-use crate::engine::{Event, Summary};
+use crate::engine::Event;
 
 /// Passages retrieved into the prompt by default (as `/api/v1/qa`).
 const DEFAULT_TOP_K: usize = 5;
@@ -167,6 +165,7 @@ pub struct ChatPage {
     pub all: Vec<String>,
     pub policies: Vec<String>,
     pub max_tokens_limit: usize,
+    pub top_k_limit: usize,
     pub answered: bool,
     pub answer: String,
     pub error: Option<String>,
@@ -196,6 +195,7 @@ async fn chat_page(s: &AppState, v: &Viewer, f: ChatForm) -> Result<ChatPage, Fa
         all,
         policies,
         max_tokens_limit: s.limits.max_tokens,
+        top_k_limit: s.limits.max_top_k,
         answered: false,
         answer: String::new(),
         error: None,
@@ -274,13 +274,6 @@ async fn start(
     Ok((rx, cites, retrieve_ms))
 }
 
-fn note_tpot(console: &Console, sum: &Summary) {
-    let decode = sum.timings["decode_ms"].as_f64().unwrap_or(0.0);
-    if sum.generated_tokens > 1 {
-        console.record_tpot(decode / sum.generated_tokens as f64);
-    }
-}
-
 /// `POST /console/chat`: the whole answer as a page (no script needed).
 pub async fn answer(
     State(s): State<AppState>,
@@ -299,7 +292,6 @@ pub async fn answer(
     page.answered = true;
     match result {
         Ok((answer, sum, cites, retrieve_ms)) => {
-            note_tpot(&s.console, &sum);
             page.answer = answer.trim().to_owned();
             page.cites = cites.iter().map(CiteRow::from).collect();
             page.policy_used = sum.policy.clone();
@@ -323,7 +315,7 @@ pub async fn stream(
 ) -> Response {
     let f = ChatForm::parse(&body, &s.console.facts.policy, default_max_tokens(&s));
     match start(&s, &v, &f).await {
-        Ok((rx, cites, retrieve_ms)) => Sse::new(events(rx, cites, retrieve_ms, s.console.clone()))
+        Ok((rx, cites, retrieve_ms)) => Sse::new(events(rx, cites, retrieve_ms))
             .keep_alive(KeepAlive::default())
             .into_response(),
         Err(e) => {
@@ -339,51 +331,46 @@ fn events(
     rx: mpsc::Receiver<Event>,
     cites: Vec<Citation>,
     retrieve_ms: f64,
-    console: Arc<Console>,
 ) -> impl Stream<Item = Result<SseEvent, Infallible>> {
-    stream::unfold(Some((rx, cites)), move |state| {
-        let console = console.clone();
-        async move {
-            let (mut rx, cites) = state?;
-            match rx.recv().await {
-                Some(Event::Token(t)) => Some((
-                    vec![json_event("token", &serde_json::json!({ "text": t }))],
-                    Some((rx, cites)),
-                )),
-                Some(Event::Done(sum)) => {
-                    note_tpot(&console, &sum);
-                    let links: Vec<serde_json::Value> = cites
-                        .iter()
-                        .map(|c| {
-                            let mut j = serde_json::to_value(c).expect("json");
-                            j["href"] = cite_href(c).into();
-                            j
-                        })
-                        .collect();
-                    let done = serde_json::json!({
-                        "finish_reason": sum.finish_reason,
-                        "policy": sum.policy,
-                        "fusion_disabled": sum.fusion_disabled,
-                        "generated_tokens": sum.generated_tokens,
-                    });
-                    Some((
-                        vec![
-                            json_event("citations", &serde_json::Value::Array(links)),
-                            json_event("timings", &with_retrieve(sum.timings, retrieve_ms)),
-                            json_event("done", &done),
-                        ],
-                        None,
-                    ))
-                }
-                Some(Event::Error(e)) => Some((vec![json_event("error", &e.body())], None)),
-                None => Some((
-                    vec![json_event(
-                        "error",
-                        &serde_json::json!({"error": {"message": "the engine dropped the job"}}),
-                    )],
+    stream::unfold(Some((rx, cites)), move |state| async move {
+        let (mut rx, cites) = state?;
+        match rx.recv().await {
+            Some(Event::Token(t)) => Some((
+                vec![json_event("token", &serde_json::json!({ "text": t }))],
+                Some((rx, cites)),
+            )),
+            Some(Event::Done(sum)) => {
+                let links: Vec<serde_json::Value> = cites
+                    .iter()
+                    .map(|c| {
+                        let mut j = serde_json::to_value(c).expect("json");
+                        j["href"] = cite_href(c).into();
+                        j
+                    })
+                    .collect();
+                let done = serde_json::json!({
+                    "finish_reason": sum.finish_reason,
+                    "policy": sum.policy,
+                    "fusion_disabled": sum.fusion_disabled,
+                    "generated_tokens": sum.generated_tokens,
+                });
+                Some((
+                    vec![
+                        json_event("citations", &serde_json::Value::Array(links)),
+                        json_event("timings", &with_retrieve(sum.timings, retrieve_ms)),
+                        json_event("done", &done),
+                    ],
                     None,
-                )),
+                ))
             }
+            Some(Event::Error(e)) => Some((vec![json_event("error", &e.body())], None)),
+            None => Some((
+                vec![json_event(
+                    "error",
+                    &serde_json::json!({"error": {"message": "the engine dropped the job"}}),
+                )],
+                None,
+            )),
         }
     })
     .flat_map(|evs| stream::iter(evs.into_iter().map(Ok)))

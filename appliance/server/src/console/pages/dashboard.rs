@@ -10,6 +10,7 @@ use serde::Deserialize;
 
 use crate::api::AppState;
 use crate::console::chart;
+use crate::console::i18n::Catalog;
 use crate::console::sampler::{self, counter_of, Sample};
 use crate::console::view::{bytes, datetime, html, Chrome, Failure, Viewer};
 
@@ -37,6 +38,8 @@ pub struct InProgress {
     pub name: String,
     pub id: u64,
     pub stage: &'static str,
+    /// The stage's catalog key (`stage.parsing`, ...).
+    pub stage_key: String,
     pub since: String,
 }
 
@@ -93,17 +96,6 @@ fn ms(v: Option<f64>) -> String {
     v.map_or_else(|| "–".to_owned(), |s| format!("{:.0} ms", s * 1e3))
 }
 
-/// Percentile of a small list (nearest rank).
-fn percentile(xs: &[f64], q: f64) -> Option<f64> {
-    if xs.is_empty() {
-        return None;
-    }
-    let mut v = xs.to_vec();
-    v.sort_by(f64::total_cmp);
-    let i = ((q * v.len() as f64).ceil() as usize).clamp(1, v.len()) - 1;
-    Some(v[i])
-}
-
 /// `GET /console/`.
 pub async fn page(
     State(s): State<AppState>,
@@ -157,7 +149,8 @@ pub async fn page(
             }
         })
         .collect();
-    // QPS over the last minute (6 samples back), TTFT percentiles over the hour kept.
+    // QPS over the last minute (6 samples back), TTFT and TPOT percentiles (the engine's
+    // histograms: API and console traffic alike) over the hour kept.
     let first = hist.first().cloned().unwrap_or_default();
     let back = &hist[hist.len().saturating_sub(6)];
     let dt = (now.at_ms.saturating_sub(back.at_ms)) as f64 / 1e3;
@@ -166,15 +159,7 @@ pub async fn page(
     } else {
         "–".into()
     };
-    let tpot: Vec<f64> = con
-        .tpot_ms
-        .lock()
-        .expect("tpot lock")
-        .iter()
-        .copied()
-        .collect();
-    let tpot_fmt = |q| percentile(&tpot, q).map_or_else(|| "–".into(), |v| format!("{v:.0} ms"));
-    let charts = charts(&hist);
+    let charts = charts(&hist, v.lang.catalog());
     // The documents in the pipeline, looked up only while the queue has any: a scan of every
     // document on each (live-refreshed) render would load the knowledge-base thread for
     // nothing on a large, idle appliance.
@@ -192,6 +177,7 @@ pub async fn page(
                             name: d.name.clone(),
                             id: d.id,
                             stage: d.stage.name(),
+                            stage_key: format!("stage.{}", d.stage.name()),
                             since: d
                                 .stages
                                 .last()
@@ -231,8 +217,8 @@ pub async fn page(
         qps,
         ttft_p50: ms(sampler::quantile(&now.ttft, &first.ttft, 0.5)),
         ttft_p95: ms(sampler::quantile(&now.ttft, &first.ttft, 0.95)),
-        tpot_p50: tpot_fmt(0.5),
-        tpot_p95: tpot_fmt(0.95),
+        tpot_p50: ms(sampler::quantile(&now.tpot, &first.tpot, 0.5)),
+        tpot_p95: ms(sampler::quantile(&now.tpot, &first.tpot, 0.95)),
         queue_depth: m.queue_depth.get(),
         generated: sampler::counter_total(&m.generated_tokens) as u64,
         rejected: sampler::counter_total(&m.rejected) as u64,
@@ -246,7 +232,7 @@ pub async fn page(
 }
 
 /// The four charts: requests per second, TTFT median per interval, queue depth, CPU.
-fn charts(hist: &[Sample]) -> Vec<Chart> {
+fn charts(hist: &[Sample], t: &Catalog) -> Vec<Chart> {
     let pairs = || hist.windows(2).map(|w| (&w[0], &w[1]));
     let qps: Vec<(f64, f64)> = pairs()
         .map(|(a, b)| {
@@ -283,22 +269,22 @@ fn charts(hist: &[Sample]) -> Vec<Chart> {
         Chart {
             title_key: "dashboard.chart_qps",
             now: last(&qps, ""),
-            svg: chart::line(&qps, 1.0, "requests per second"),
+            svg: chart::line(&qps, 1.0, t.get("dashboard.chart_qps")),
         },
         Chart {
             title_key: "dashboard.chart_ttft",
             now: last(&ttft, " ms"),
-            svg: chart::line(&ttft, 100.0, "time to first token"),
+            svg: chart::line(&ttft, 100.0, t.get("dashboard.chart_ttft")),
         },
         Chart {
             title_key: "dashboard.chart_queue",
             now: last(&queue, ""),
-            svg: chart::line(&queue, 1.0, "queue depth"),
+            svg: chart::line(&queue, 1.0, t.get("dashboard.chart_queue")),
         },
         Chart {
             title_key: "dashboard.chart_cpu",
             now: last(&cpu, " %"),
-            svg: chart::line(&cpu, 100.0, "CPU"),
+            svg: chart::line(&cpu, 100.0, t.get("dashboard.chart_cpu")),
         },
     ]
 }

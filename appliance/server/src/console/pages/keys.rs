@@ -100,8 +100,10 @@ pub async fn create(
         Ok(scopes) => {
             let store = KeyStore::new(&s.console.data_dir);
             let grants = (!grants.is_empty()).then_some(grants);
-            let (rec, key) = store
-                .create(scopes, grants)
+            // argon2 and an fsync: off the async threads.
+            let (rec, key) = tokio::task::spawn_blocking(move || store.create(scopes, grants))
+                .await
+                .map_err(|e| Failure::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?
                 .map_err(|e| Failure::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?;
             s.console
                 .audit
@@ -121,8 +123,9 @@ pub async fn revoke(
     Path(id): Path<String>,
 ) -> Result<Response, Failure> {
     let store = KeyStore::new(&s.console.data_dir);
-    let rec = store
-        .revoke(&id)
+    let rec = tokio::task::spawn_blocking(move || store.revoke(&id))
+        .await
+        .map_err(|e| Failure::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?
         .map_err(|e| Failure::new(StatusCode::NOT_FOUND, e.to_string()))?;
     s.console
         .audit

@@ -15,6 +15,7 @@ use crate::console::session::{
     cookie, is_tls, random_token, same_secret, set_cookie, SESSION_COOKIE, SESSION_MAX_AGE,
     SIGNIN_COOKIE,
 };
+use crate::console::users::valid_name;
 use crate::console::view::{html_status, lang_of, see_other, Viewer};
 
 #[derive(Template)]
@@ -99,33 +100,67 @@ pub async fn sign_in(
     let t = lang_of(&headers).catalog();
     let ip = addr.ip().to_string();
     let c = &s.console;
-    let ok_csrf = cookie(&headers, SIGNIN_COOKIE).is_some_and(|k| same_secret(k, &f.csrf));
+    // The token is one of ours (64 hex digits) in both places: an empty cookie and an empty
+    // field are not a match.
+    let ok_csrf = f.csrf.len() == 64
+        && cookie(&headers, SIGNIN_COOKIE).is_some_and(|k| same_secret(k, &f.csrf));
     if !ok_csrf {
         return render(
             &headers,
             StatusCode::FORBIDDEN,
             &f.next,
-            &f.name,
+            "",
             Some(t.get("error.csrf").to_owned()),
         );
     }
-    let settings = c.settings.get();
+    let failed = |name: &str| {
+        render(
+            &headers,
+            StatusCode::UNAUTHORIZED,
+            &f.next,
+            name,
+            Some(t.get("signin.failed").to_owned()),
+        )
+    };
     let name = f.name.trim().to_owned();
-    if let Some(left) =
-        c.lockout
-            .locked(&name, settings.lockout_failures, settings.lockout_window())
-    {
-        tracing::warn!(user = %name, %ip, "console sign-in refused: account locked");
-        c.audit.record(&name, "signin_locked", "", &ip);
-        let minutes = left.as_secs().div_ceil(60).max(1);
+    if !valid_name(&name) {
+        // No account can have this name: refused before any hashing, counting or auditing,
+        // so arbitrary input costs nothing and is stored nowhere.
+        tracing::warn!(%ip, "console sign-in with an invalid user name");
+        return failed("");
+    }
+    // Password checks cost 19 MiB and tens of milliseconds each: a few at a time, beyond that
+    // 429 (sign-in is public, so this bounds what anyone can make the appliance spend).
+    let Ok(_slot) = c.verify_slots.clone().try_acquire_owned() else {
+        tracing::warn!(user = %name, %ip, "console sign-in refused: verifications busy");
         return render(
             &headers,
             StatusCode::TOO_MANY_REQUESTS,
             &f.next,
             &name,
-            Some(t.fmt("signin.locked", minutes)),
+            Some(t.get("signin.busy").to_owned()),
         );
-    }
+    };
+    let settings = c.settings.get();
+    let attempts =
+        match c
+            .lockout
+            .attempt(&name, settings.lockout_failures, settings.lockout_window())
+        {
+            Ok(n) => n,
+            Err(left) => {
+                // Logged, not audited: the lock itself was audited once (`account_locked`).
+                tracing::warn!(user = %name, %ip, "console sign-in refused: account locked");
+                let minutes = left.as_secs().div_ceil(60).max(1);
+                return render(
+                    &headers,
+                    StatusCode::TOO_MANY_REQUESTS,
+                    &f.next,
+                    &name,
+                    Some(t.fmt("signin.locked", minutes)),
+                );
+            }
+        };
     let console = s.console.clone();
     let (n, p) = (name.clone(), f.password.clone());
     let verified = tokio::task::spawn_blocking(move || console.users.verify(&n, &p))
@@ -137,20 +172,13 @@ pub async fn sign_in(
         })
         .flatten();
     let Some(user) = verified else {
-        let n = c.lockout.fail(&name, settings.lockout_window());
-        tracing::warn!(user = %name, %ip, failures = n, "console sign-in failed");
+        tracing::warn!(user = %name, %ip, attempts, "console sign-in failed");
         c.audit.record(&name, "signin_failed", "", &ip);
-        if n >= settings.lockout_failures as usize {
-            tracing::warn!(user = %name, %ip, "console account locked after {n} failures");
+        if attempts >= settings.lockout_failures as usize {
+            tracing::warn!(user = %name, %ip, "console account locked after {attempts} failures");
             c.audit.record(&name, "account_locked", "", &ip);
         }
-        return render(
-            &headers,
-            StatusCode::UNAUTHORIZED,
-            &f.next,
-            &name,
-            Some(t.get("signin.failed").to_owned()),
-        );
+        return failed(&name);
     };
     c.lockout.clear(&user.name);
     let id = c.sessions.create(&user.name, user.role);
