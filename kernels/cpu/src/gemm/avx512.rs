@@ -39,12 +39,12 @@ const RAW_MAX_TOKENS: usize = 4 * T_MAX;
 const PREFETCH_ROWS: usize = R_MAX;
 
 /// How far ahead (in bytes) the direct path also prefetches into L2, on top of the L1 prefetch
-/// of the next tile. The hardware prefetcher restarts at every task (24 KiB of rows, claimed
-/// from the pool in no fixed order), and the L1 prefetch alone leaves the first tiles of each
-/// stream waiting on DRAM. With this, a SmolLM2-135M Q4_1 decode after 512 tokens on 2 threads
-/// went from about 103 to 108-114 tok/s (2026-11-24, alternating runs, medians of 7 to 9);
-/// 2, 4, 8, 12 and 16 KiB measured alike within the machine's noise, and an L1 (T0) prefetch
-/// at 8 KiB was slower than none.
+/// of the next tile: the hardware prefetcher restarts at every task and needs a few misses to
+/// pick a stream up. Measured with 24 KiB tasks: a SmolLM2-135M Q4_1 decode after 512 tokens
+/// on 2 threads went from about 103 to 108-114 tok/s (2026-11-24, alternating runs, medians of
+/// 7 to 9), 2 to 16 KiB measured alike, and an L1 (T0) prefetch at 8 KiB was slower than none.
+/// With the longer decode tasks that followed (`STREAM_MAX_TOKENS` in the parent module) it
+/// still measured 114.1 against 110.9 tok/s without it, within the machine's noise.
 const PREFETCH_L2_BYTES: usize = 4096;
 
 /// Prefetches `len` bytes of `w` from `start` into L1 (the part inside `w`; nothing past it).
