@@ -234,36 +234,31 @@ pub async fn page(
 /// The four charts: requests per second, TTFT median per interval, queue depth, CPU.
 fn charts(hist: &[Sample], t: &Catalog) -> Vec<Chart> {
     let pairs = || hist.windows(2).map(|w| (&w[0], &w[1]));
-    let qps: Vec<(f64, f64)> = pairs()
+    let qps: Vec<(f64, Option<f64>)> = pairs()
         .map(|(a, b)| {
             let dt = (b.at_ms.saturating_sub(a.at_ms)) as f64 / 1e3;
-            (
-                b.at_ms as f64,
-                if dt > 0.0 {
-                    (b.requests - a.requests) / dt
-                } else {
-                    0.0
-                },
-            )
+            let rate = (dt > 0.0).then(|| (b.requests - a.requests) / dt);
+            (b.at_ms as f64, rate)
         })
         .collect();
-    let ttft: Vec<(f64, f64)> = pairs()
+    // An interval in which no answer started has no TTFT: a gap, not a zero.
+    let ttft: Vec<(f64, Option<f64>)> = pairs()
         .map(|(a, b)| {
-            let p = sampler::quantile(&b.ttft, &a.ttft, 0.5).unwrap_or(0.0) * 1e3;
+            let p = sampler::quantile(&b.ttft, &a.ttft, 0.5).map(|s| s * 1e3);
             (b.at_ms as f64, p)
         })
         .collect();
-    let queue: Vec<(f64, f64)> = hist
+    let queue: Vec<(f64, Option<f64>)> = hist
         .iter()
-        .map(|s| (s.at_ms as f64, s.queue_depth as f64))
+        .map(|s| (s.at_ms as f64, Some(s.queue_depth as f64)))
         .collect();
-    let cpu: Vec<(f64, f64)> = hist
+    let cpu: Vec<(f64, Option<f64>)> = hist
         .iter()
-        .map(|s| (s.at_ms as f64, f64::from(s.cpu_percent)))
+        .map(|s| (s.at_ms as f64, Some(f64::from(s.cpu_percent))))
         .collect();
-    let last = |v: &[(f64, f64)], unit: &str| {
-        v.last()
-            .map_or_else(|| "–".into(), |p| format!("{:.1}{unit}", p.1))
+    let last = |v: &[(f64, Option<f64>)], unit: &str| match v.last() {
+        Some((_, Some(y))) => format!("{y:.1}{unit}"),
+        _ => "–".into(),
     };
     vec![
         Chart {
