@@ -130,6 +130,11 @@ try {
   const check = await fetch(`${URL}/api/v1/collections`, { headers: { Authorization: `Bearer ${key}` } });
   assert.equal(check.status, 200, "the new key works on the API");
   await shot("09-api-key-created");
+  // The create form redirects: reloading shows the secret no more and creates no key.
+  const rows = await page.locator("#keys-table tbody tr").count();
+  await page.reload();
+  assert.equal(await page.locator("#new-key-value").count(), 0, "the key is shown once");
+  assert.equal(await page.locator("#keys-table tbody tr").count(), rows, "a reload creates no key");
   await Promise.all([
     page.waitForURL(/ok=flash\.key_revoked/),
     page.click(`tr[data-key="${id}"] button`),

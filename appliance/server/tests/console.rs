@@ -517,9 +517,39 @@ fn operators_cannot_change_keys_or_settings() {
         &[],
         Some(&form_encode(&[("scopes", "search"), ("csrf", &admin.csrf)])),
     );
-    assert_eq!(r.status, 200);
-    let at = r.body.find("egk_").expect("the new key is shown");
-    let id = &r.body[at + 4..at + 12];
+    // Post/redirect/get: the key is kept in the session and shown by the next page, once,
+    // so reloading that page creates no second key and shows the secret no more.
+    assert_eq!(r.status, 303);
+    assert_eq!(
+        r.header("location"),
+        Some("/console/keys?ok=flash.key_created")
+    );
+    let shown = request(
+        "GET",
+        "/console/keys?ok=flash.key_created",
+        &admin.cookie,
+        &[],
+        None,
+    );
+    assert_eq!(shown.status, 200);
+    let at = shown.body.find("egk_").expect("the new key is shown");
+    let key = shown.body[at..]
+        .split('<')
+        .next()
+        .unwrap()
+        .trim()
+        .to_owned();
+    let id = key[4..12].to_owned();
+    let again = request(
+        "GET",
+        "/console/keys?ok=flash.key_created",
+        &admin.cookie,
+        &[],
+        None,
+    );
+    assert!(!again.body.contains(&key), "the secret is shown once");
+    assert!(!again.body.contains("new-key-value"));
+    let id = id.as_str();
     let revoke = request(
         "POST",
         &format!("/console/keys/{id}/revoke"),

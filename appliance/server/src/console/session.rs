@@ -49,6 +49,9 @@ pub struct Session {
     pub csrf: String,
     created: Instant,
     last_seen: Instant,
+    /// A secret to show once on the next page that asks for it (a new API key: the create
+    /// form redirects, so reloading the page that shows it creates nothing).
+    reveal: Option<String>,
 }
 
 /// Sessions by id.
@@ -87,6 +90,7 @@ impl Sessions {
                 csrf: random_token(),
                 created: now,
                 last_seen: now,
+                reveal: None,
             },
         );
         id
@@ -107,6 +111,23 @@ impl Sessions {
             s.last_seen = now;
         }
         Some(s.clone())
+    }
+
+    /// Keeps `secret` for the next [`take_reveal`](Self::take_reveal) of session `id`.
+    pub fn stash_reveal(&self, id: &str, secret: String) {
+        if let Some(s) = self.map.lock().expect("sessions lock").get_mut(id) {
+            s.reveal = Some(secret);
+        }
+    }
+
+    /// The secret stashed for session `id`, once.
+    pub fn take_reveal(&self, id: &str) -> Option<String> {
+        self.map
+            .lock()
+            .expect("sessions lock")
+            .get_mut(id)?
+            .reveal
+            .take()
     }
 
     pub fn remove(&self, id: &str) {

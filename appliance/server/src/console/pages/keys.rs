@@ -75,10 +75,14 @@ pub async fn page(
     Extension(v): Extension<Viewer>,
     Query(q): Query<FlashQuery>,
 ) -> Result<Response, Failure> {
-    Ok(html(&keys_page(&s, &v, q.ok.as_deref()).await?))
+    let mut page = keys_page(&s, &v, q.ok.as_deref()).await?;
+    page.created = s.console.sessions.take_reveal(&v.session);
+    Ok(html(&page))
 }
 
 /// `POST /console/keys` (admin): `scopes` (repeated), `collections` (repeated; none: all).
+/// Creates the key, keeps it in the session and redirects to the list, which shows it once
+/// (post/redirect/get: reloading the page does not create another key).
 pub async fn create(
     State(s): State<AppState>,
     Extension(v): Extension<Viewer>,
@@ -94,26 +98,23 @@ pub async fn create(
     };
     let scopes = Scope::parse_list(&field("scopes").join(","));
     let grants = field("collections");
-    let mut page = keys_page(&s, &v, None).await?;
-    match scopes {
-        Err(_) => page.error = Some(page.c.t.get("keys.need_scope").to_owned()),
-        Ok(scopes) => {
-            let store = KeyStore::new(&s.console.data_dir);
-            let grants = (!grants.is_empty()).then_some(grants);
-            // argon2 and an fsync: off the async threads.
-            let (rec, key) = tokio::task::spawn_blocking(move || store.create(scopes, grants))
-                .await
-                .map_err(|e| Failure::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?
-                .map_err(|e| Failure::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?;
-            s.console
-                .audit
-                .record(&v.user, "key_created", &rec.id, &v.ip);
-            let fresh = keys_page(&s, &v, None).await?;
-            page.keys = fresh.keys;
-            page.created = Some(key);
-        }
-    }
-    Ok(html(&page))
+    let Ok(scopes) = scopes else {
+        let mut page = keys_page(&s, &v, None).await?;
+        page.error = Some(page.c.t.get("keys.need_scope").to_owned());
+        return Ok(html(&page));
+    };
+    let store = KeyStore::new(&s.console.data_dir);
+    let grants = (!grants.is_empty()).then_some(grants);
+    // argon2 and an fsync: off the async threads.
+    let (rec, key) = tokio::task::spawn_blocking(move || store.create(scopes, grants))
+        .await
+        .map_err(|e| Failure::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?
+        .map_err(|e| Failure::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?;
+    s.console
+        .audit
+        .record(&v.user, "key_created", &rec.id, &v.ip);
+    s.console.sessions.stash_reveal(&v.session, key);
+    Ok(see_other("/console/keys?ok=flash.key_created"))
 }
 
 /// `POST /console/keys/{id}/revoke` (admin).
