@@ -4,7 +4,8 @@
 //!
 //! Work is split into tasks of (KV head, tile of query tokens, slice of the cache). A task
 //! converts each tile of keys and values from f16 once and reuses it for every query head of
-//! the group and every token of the query tile. Keys are transposed into `[head_dim][KV_TILE]`
+//! the group and every token of the query tile; small tasks (decode) on AVX-512 read the f16
+//! straight into their FMAs instead, with the same arithmetic and so the same bits. Keys are transposed into `[head_dim][KV_TILE]`
 //! so scores for one query row are computed with broadcasts and FMAs and no horizontal sums.
 //! Decode (few query tokens) splits the cache across threads and merges the partial softmax
 //! states afterwards.
@@ -352,8 +353,28 @@ fn run_task_rb<const RB: usize>(
         // SAFETY: `Isa::Avx512` is only chosen on CPUs with AVX-512 F/BW/VL (and VNNI) on top
         // of everything `Avx2` needs.
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 | Isa::Avx512Bw => unsafe { task_avx512::<RB>(a, t, ranges, s) },
+        Isa::Avx512 | Isa::Avx512Bw => unsafe {
+            if f16_direct::<RB>(a, t) {
+                task_avx512_f16::<RB>(a, t, ranges, s)
+            } else {
+                task_avx512::<RB>(a, t, ranges, s)
+            }
+        },
     }
+}
+
+/// Row blocks per task up to which the AVX-512 kernel reads keys and values as f16 straight
+/// into its FMAs ([`task_avx512_f16`]) instead of converting each tile into the scratch first.
+/// A decode task (one token: one row block) uses each converted element for one block only, so
+/// the conversion's stores and reloads cost more than they save: with it, converting was about
+/// 45% of the attention time of a batched decode step of 8 sequences over 512 tokens. Prefill
+/// tasks (up to [`Q_TILE`] tokens) reuse each converted tile for many blocks and keep it.
+const F16_DIRECT_MAX_ROW_BLOCKS: usize = 2;
+
+/// Whether task `t` of `a` runs on [`task_avx512_f16`] (head widths in whole [`DIM_BLOCK`]s).
+fn f16_direct<const RB: usize>(a: &Attention<'_>, t: &Task) -> bool {
+    let rows = a.n_head / a.n_head_kv * (t.q1 - t.q0);
+    a.head_dim.is_multiple_of(DIM_BLOCK) && rows.div_ceil(RB) <= F16_DIRECT_MAX_ROW_BLOCKS
 }
 
 /// The kernel compiled for AVX2 + FMA: the same code as [`task_kernel`], vectorised 8 wide.
@@ -425,6 +446,147 @@ unsafe fn task_avx512<const RB: usize>(
         },
         f32::mul_add,
     )
+}
+
+/// Vectors of 16 f32 lanes per tile row (keys) or [`DIM_BLOCK`] (values).
+#[cfg(target_arch = "x86_64")]
+const VECS: usize = KV_TILE / 16;
+
+/// The AVX-512 kernel for small tasks (see [`F16_DIRECT_MAX_ROW_BLOCKS`]): the same
+/// arithmetic as [`task_kernel`], operation for operation (so the same bits), but keys and
+/// values are converted from f16 as they are loaded, and a row block's scores and outputs stay
+/// in registers. Needs `head_dim` in whole [`DIM_BLOCK`]s (with `DIM_BLOCK == KV_TILE`).
+///
+/// # Safety
+/// The CPU must support AVX-512 F, BW and VL, FMA and F16C.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+unsafe fn task_avx512_f16<const RB: usize>(
+    a: &Attention<'_>,
+    t: &Task,
+    ranges: &[(i32, i32)],
+    sc: &mut Scratch,
+) -> Partial {
+    use std::arch::x86_64::*;
+    const { assert!(DIM_BLOCK == KV_TILE && KV_TILE.is_multiple_of(16)) };
+    let hd = a.head_dim;
+    assert!(hd.is_multiple_of(DIM_BLOCK), "head width {hd}");
+    let group = a.n_head / a.n_head_kv;
+    let qw = a.n_head * hd;
+    let rows = group * (t.q1 - t.q0);
+    let mut m = vec![f32::NEG_INFINITY; rows];
+    let mut l = vec![0.0f32; rows];
+    let mut o = vec![0.0f32; rows.div_ceil(RB) * RB * hd];
+    let q_pos = &a.q_pos[t.q0..t.q1];
+    let q_min = *q_pos.iter().min().expect("a task has queries");
+    let q_max = *q_pos.iter().max().expect("a task has queries");
+    let (keys, values) = (a.keys[t.kvh], a.values[t.kvh]);
+    let len = a.kv_pos.len();
+    let zeros = vec![0.0f32; hd];
+    // 16 f16 at `p` as 16 f32 lanes.
+    let load = |p: *const f16| {
+        // SAFETY: every caller passes a pointer with 16 readable f16 (checked below).
+        unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(p.cast())) }
+    };
+
+    for (tile, &(lo, hi)) in ranges.iter().enumerate().take(t.t1).skip(t.t0) {
+        if lo > q_max {
+            continue;
+        }
+        let masked = hi > q_min;
+        let j0 = tile * KV_TILE;
+        let bk = KV_TILE.min(len - j0);
+        for (j, p) in sc.pos.iter_mut().enumerate() {
+            *p = if j < bk { a.kv_pos[j0 + j] } else { i32::MAX };
+        }
+        // Bounds for the raw loads below: the tile's transposed keys, its values' rows.
+        let kt = &keys[tile * hd * KV_TILE..(tile + 1) * hd * KV_TILE];
+        let vt = &values[j0 * hd..(j0 + bk) * hd];
+
+        for r0 in (0..rows).step_by(RB) {
+            let nr = RB.min(rows - r0);
+            let mut qrows: [&[f32]; RB] = [&zeros[..]; RB];
+            let mut qpos = [i32::MIN; RB];
+            for i in 0..nr {
+                let r = r0 + i;
+                let (qi, hg) = (t.q0 + r / group, r % group);
+                let h = t.kvh * group + hg;
+                qrows[i] = &a.q[qi * qw + h * hd..qi * qw + (h + 1) * hd];
+                qpos[i] = a.q_pos[qi];
+            }
+            if qpos[..nr].iter().all(|&p| p < lo) {
+                continue;
+            }
+
+            // Scores: s[i][j] = sum_d q_i[d] * kt[d][j], d in order, as `task_kernel`.
+            let mut acc = [[_mm512_setzero_ps(); VECS]; RB];
+            for d in 0..hd {
+                let krow = &kt[d * KV_TILE..(d + 1) * KV_TILE];
+                let mut k = [_mm512_setzero_ps(); VECS];
+                for (c, kc) in k.iter_mut().enumerate() {
+                    *kc = load(krow[16 * c..16 * c + 16].as_ptr());
+                }
+                for i in 0..RB {
+                    let q = _mm512_set1_ps(qrows[i][d]);
+                    for c in 0..VECS {
+                        acc[i][c] = _mm512_fmadd_ps(q, k[c], acc[i][c]);
+                    }
+                }
+            }
+            let mut s = [[0.0f32; KV_TILE]; RB];
+            for i in 0..RB {
+                for c in 0..VECS {
+                    // SAFETY: lanes 16c..16c + 16 of a KV_TILE-long row.
+                    unsafe { _mm512_storeu_ps(s[i][16 * c..].as_mut_ptr(), acc[i][c]) };
+                }
+            }
+
+            let rs = RowState {
+                m: &mut m[r0..],
+                l: &mut l[r0..],
+                nr,
+                qpos: &qpos,
+            };
+            let correction =
+                softmax_block(&mut s, rs, &sc.pos, lo, masked || bk < KV_TILE, a.scale);
+
+            // Outputs: o_i = o_i * correction_i + sum_j p_i[j] * v[j], DIM_BLOCK dims at a time.
+            let ob = &mut o[r0 * hd..(r0 + RB) * hd];
+            for d0 in (0..hd).step_by(DIM_BLOCK) {
+                let mut acc = [[_mm512_setzero_ps(); VECS]; RB];
+                for i in 0..RB {
+                    let cf = _mm512_set1_ps(correction[i]);
+                    let orow = &ob[i * hd + d0..i * hd + d0 + DIM_BLOCK];
+                    for c in 0..VECS {
+                        // SAFETY: lanes 16c..16c + 16 of a DIM_BLOCK-long slice.
+                        let y = unsafe { _mm512_loadu_ps(orow[16 * c..].as_ptr()) };
+                        acc[i][c] = _mm512_mul_ps(y, cf);
+                    }
+                }
+                for j in 0..bk {
+                    let vrow = &vt[j * hd + d0..j * hd + d0 + DIM_BLOCK];
+                    let mut v = [_mm512_setzero_ps(); VECS];
+                    for (c, vc) in v.iter_mut().enumerate() {
+                        *vc = load(vrow[16 * c..16 * c + 16].as_ptr());
+                    }
+                    for i in 0..RB {
+                        let p = _mm512_set1_ps(s[i][j]);
+                        for c in 0..VECS {
+                            acc[i][c] = _mm512_fmadd_ps(p, v[c], acc[i][c]);
+                        }
+                    }
+                }
+                for i in 0..RB {
+                    let orow = &mut ob[i * hd + d0..i * hd + d0 + DIM_BLOCK];
+                    for c in 0..VECS {
+                        // SAFETY: as for the loads above.
+                        unsafe { _mm512_storeu_ps(orow[16 * c..].as_mut_ptr(), acc[i][c]) };
+                    }
+                }
+            }
+        }
+    }
+    Partial { m, l, o }
 }
 
 /// Portable exact f16 -> f32 (branch-free, so it vectorises where the ISA allows).
@@ -527,45 +689,14 @@ fn task_kernel<const RB: usize>(
             }
 
             // Mask, online softmax; s becomes the weights p (0 for rows or keys not seen).
-            let mut correction = [1.0f32; RB];
-            for i in 0..RB {
-                let si = &mut s[i];
-                if i >= nr || qpos[i] < lo {
-                    *si = [0.0; KV_TILE];
-                    continue;
-                }
-                let qp = qpos[i];
-                if masked || bk < KV_TILE {
-                    for (sj, &pj) in si.iter_mut().zip(&sc.pos) {
-                        *sj = if pj <= qp {
-                            *sj * a.scale
-                        } else {
-                            f32::NEG_INFINITY
-                        };
-                    }
-                } else {
-                    for v in si.iter_mut() {
-                        *v *= a.scale;
-                    }
-                }
-                let tile_max = lane_max(si);
-                if tile_max == f32::NEG_INFINITY {
-                    *si = [0.0; KV_TILE];
-                    continue;
-                }
-                let r = r0 + i;
-                let m_new = m[r].max(tile_max);
-                correction[i] = if m[r] == f32::NEG_INFINITY {
-                    0.0
-                } else {
-                    (m[r] - m_new).exp()
-                };
-                for v in si.iter_mut() {
-                    *v = exp_approx(*v - m_new);
-                }
-                l[r] = l[r] * correction[i] + lane_sum(si);
-                m[r] = m_new;
-            }
+            let rs = RowState {
+                m: &mut m[r0..],
+                l: &mut l[r0..],
+                nr,
+                qpos: &qpos,
+            };
+            let correction =
+                softmax_block(&mut s, rs, &sc.pos, lo, masked || bk < KV_TILE, a.scale);
 
             // Outputs: o_i = o_i * correction_i + sum_j p_i[j] * v[j], DIM_BLOCK dims at a time.
             let ob = &mut o[r0 * hd..(r0 + RB) * hd];
@@ -606,6 +737,71 @@ fn task_kernel<const RB: usize>(
         }
     }
     Partial { m, l, o }
+}
+
+/// The running softmax state of one row block inside a task: the rows' max `m` and sum `l`
+/// (from the block's first row on), how many rows are real (`nr`) and their query positions.
+struct RowState<'s, const RB: usize> {
+    m: &'s mut [f32],
+    l: &'s mut [f32],
+    nr: usize,
+    qpos: &'s [i32; RB],
+}
+
+/// One row block's step of the online softmax over a tile: scales the scores `s` (masking the
+/// slots at positions `pos` after a row's query where `masked`), turns them into the weights
+/// `e^(s - m)` (0 for rows or slots not seen), updates the rows' `m` and `l` and returns the
+/// factor each row's output accumulated so far must be multiplied by. Shared by every kernel,
+/// so they agree bit for bit.
+#[inline(always)]
+fn softmax_block<const RB: usize>(
+    s: &mut [[f32; KV_TILE]; RB],
+    rs: RowState<'_, RB>,
+    pos: &[i32],
+    lo: i32,
+    masked: bool,
+    scale: f32,
+) -> [f32; RB] {
+    let (m, l) = (rs.m, rs.l);
+    let mut correction = [1.0f32; RB];
+    for i in 0..RB {
+        let si = &mut s[i];
+        if i >= rs.nr || rs.qpos[i] < lo {
+            *si = [0.0; KV_TILE];
+            continue;
+        }
+        let qp = rs.qpos[i];
+        if masked {
+            for (sj, &pj) in si.iter_mut().zip(pos) {
+                *sj = if pj <= qp {
+                    *sj * scale
+                } else {
+                    f32::NEG_INFINITY
+                };
+            }
+        } else {
+            for v in si.iter_mut() {
+                *v *= scale;
+            }
+        }
+        let tile_max = lane_max(si);
+        if tile_max == f32::NEG_INFINITY {
+            *si = [0.0; KV_TILE];
+            continue;
+        }
+        let m_new = m[i].max(tile_max);
+        correction[i] = if m[i] == f32::NEG_INFINITY {
+            0.0
+        } else {
+            (m[i] - m_new).exp()
+        };
+        for v in si.iter_mut() {
+            *v = exp_approx(*v - m_new);
+        }
+        l[i] = l[i] * correction[i] + lane_sum(si);
+        m[i] = m_new;
+    }
+    correction
 }
 
 /// Lanes of the partial reductions below: one AVX-512 register of f32.
@@ -933,6 +1129,94 @@ mod tests {
             let (got, want) = run(&c, Some(isa), 1);
             let err = max_err(&got, &want);
             assert!(err < 2e-5, "{isa:?}: {err}");
+        }
+    }
+
+    /// Task `t` on the converting AVX-512 kernel and on the f16-direct one, which the dispatch
+    /// would choose for it. Only call where the CPU has AVX-512.
+    #[cfg(target_arch = "x86_64")]
+    fn both_avx512<const RB: usize>(
+        a: &Attention<'_>,
+        t: &Task,
+        ranges: &[(i32, i32)],
+    ) -> (Partial, Partial) {
+        assert!(
+            f16_direct::<RB>(a, t),
+            "a task the dispatch keeps off the direct kernel"
+        );
+        let hd = a.head_dim;
+        // SAFETY: the caller checked that this CPU has AVX-512 F/BW/VL; every ISA with them has
+        // FMA and F16C too (`Isa::detected`).
+        unsafe {
+            (
+                task_avx512::<RB>(a, t, ranges, &mut Scratch::new(hd)),
+                task_avx512_f16::<RB>(a, t, ranges, &mut Scratch::new(hd)),
+            )
+        }
+    }
+
+    /// The AVX-512 kernel that reads f16 directly gives what the converting one gives, bit for
+    /// bit, on the small tasks it takes (decode, fusion's few recomputed tokens): short and
+    /// masked tiles, GQA groups of 3 and 4, head widths of 64 and 128, cache slices.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn f16_direct_kernel_equals_the_converting_kernel() {
+        if !Isa::available().contains(&Isa::Avx512Bw) && !Isa::available().contains(&Isa::Avx512) {
+            eprintln!("no AVX-512 here: nothing to compare");
+            return;
+        }
+        for (seed, n_q, len, kvh, group, hd) in [
+            (1, 1, 700, 3, 3, 64),
+            (2, 2, 130, 3, 3, 64),
+            (3, 1, 63, 2, 4, 128),
+            (4, 2, 200, 1, 4, 64),
+            (5, 1, 1, 3, 3, 64),
+        ] {
+            let c = case(seed, n_q, len, kvh, group, hd);
+            let keys: Vec<&[f16]> = c.k.iter().map(|v| &v[..]).collect();
+            let values: Vec<&[f16]> = c.v.iter().map(|v| &v[..]).collect();
+            let a = Attention {
+                n_head: c.n_head,
+                n_head_kv: c.n_head_kv,
+                head_dim: c.hd,
+                scale: 1.0 / (c.hd as f32).sqrt(),
+                q: &c.q,
+                q_pos: &c.q_pos,
+                keys: &keys,
+                values: &values,
+                kv_pos: &c.kv_pos,
+            };
+            let ranges: Vec<(i32, i32)> = c
+                .kv_pos
+                .chunks(KV_TILE)
+                .map(|ch| (*ch.iter().min().unwrap(), *ch.iter().max().unwrap()))
+                .collect();
+            let n_tiles = ranges.len();
+            for (t0, t1) in [
+                (0, n_tiles),
+                (0, n_tiles.div_ceil(2)),
+                (n_tiles / 2, n_tiles),
+            ] {
+                for kvh in 0..c.n_head_kv {
+                    let t = Task {
+                        kvh,
+                        q0: 0,
+                        q1: n_q,
+                        t0,
+                        t1,
+                    };
+                    let (p, q) = if group == 3 {
+                        both_avx512::<3>(&a, &t, &ranges)
+                    } else {
+                        both_avx512::<4>(&a, &t, &ranges)
+                    };
+                    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                    let what = format!("case {seed}, head {kvh}, tiles {t0}..{t1}");
+                    assert_eq!(bits(&p.m), bits(&q.m), "{what}: max");
+                    assert_eq!(bits(&p.l), bits(&q.l), "{what}: sum");
+                    assert_eq!(bits(&p.o), bits(&q.o), "{what}: outputs");
+                }
+            }
         }
     }
 
