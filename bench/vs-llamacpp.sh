@@ -3,9 +3,11 @@
 # count, in one run (STYLE.md section 7). Not part of CI. See bench/README.md.
 #
 #   bench/vs-llamacpp.sh [--model PATH] [--threads N] [--reps N] [--quick] [--build-only]
+#   bench/vs-llamacpp.sh --batched [--model PATH] [--threads N] [--reps N]
 #
 # The last line of output is machine-readable:
 #   RATIO prefill512=X prefill2048=Y decode512=Z rss=W
+#   BATCHED engram_b8/b1=X llamacpp_b8/b1=Y engram/llamacpp_b8=Z      (with --batched)
 set -euo pipefail
 
 LLAMACPP_PY_VERSION="0.3.36"
@@ -14,6 +16,7 @@ repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cache_root="${XDG_CACHE_HOME:-$HOME/.cache}/engram"
 build_root="${LLAMACPP_BUILD_DIR:-$cache_root/llama.cpp-$LLAMACPP_PY_VERSION}"
 llama_bench="$build_root/build/bin/llama-bench"
+llama_batched="$build_root/build/bin/llama-batched-bench"
 
 log() { echo "vs-llamacpp: $*" >&2; }
 die() { echo "vs-llamacpp: error: $*" >&2; exit 1; }
@@ -34,8 +37,8 @@ apt_install() {
 # the repository and reused when present.
 # ---------------------------------------------------------------------------------------------
 build_llama_bench() {
-    if [[ -x "$llama_bench" ]]; then
-        log "reusing $llama_bench"
+    if [[ -x "$llama_bench" && -x "$llama_batched" ]]; then
+        log "reusing $llama_bench and $llama_batched"
         return 0
     fi
     command -v cmake >/dev/null || apt_install cmake cmake
@@ -75,10 +78,11 @@ build_llama_bench() {
         -DLLAMA_OPENSSL=OFF \
         -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
         -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF >&2
-    log "building llama-bench (-j${LLAMACPP_JOBS:-2}); this takes a while on few cores"
-    cmake --build "$build_root/build" --config Release --target llama-bench -j "${LLAMACPP_JOBS:-2}" >&2
-    [[ -x "$llama_bench" ]] || die "build finished but $llama_bench is missing"
-    log "built llama-bench in $((SECONDS - start)) s"
+    log "building llama-bench and llama-batched-bench (-j${LLAMACPP_JOBS:-2}); this takes a while on few cores"
+    cmake --build "$build_root/build" --config Release --target llama-bench llama-batched-bench \
+        -j "${LLAMACPP_JOBS:-2}" >&2
+    [[ -x "$llama_bench" && -x "$llama_batched" ]] || die "build finished but a llama.cpp tool is missing"
+    log "built llama.cpp's tools in $((SECONDS - start)) s"
 }
 
 # ---------------------------------------------------------------------------------------------
@@ -89,9 +93,10 @@ threads=2
 reps=5
 quick=0
 build_only=0
+batched=0
 reps_set=0
 
-usage() { sed -n '2,8p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,10p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
 
 while [[ $# -gt 0 ]]; do
     case "$1" in
@@ -100,6 +105,7 @@ while [[ $# -gt 0 ]]; do
         --reps) reps="${2:?--reps needs a number}"; reps_set=1; shift 2 ;;
         --quick) quick=1; shift ;;
         --build-only) build_only=1; shift ;;
+        --batched) batched=1; shift ;;
         -h|--help) usage; exit 0 ;;
         *) usage >&2; die "unknown argument: $1" ;;
     esac
@@ -134,6 +140,77 @@ model="$(cd "$(dirname "$model")" && pwd)/$(basename "$model")"
 command -v python3 >/dev/null || die "python3 is needed for bench/summarize.py"
 
 build_llama_bench
+
+# ---------------------------------------------------------------------------------------------
+# --batched: decode throughput of 8 sequences at once against one, both sides (continuous
+# batching's benefit), alternating Engram's batch_decode example and llama-batched-bench.
+# ---------------------------------------------------------------------------------------------
+if [[ $batched -eq 1 ]]; then
+    [[ $reps_set -eq 1 ]] || reps=3
+    log "building Engram's batch_decode example"
+    (cd "$repo_root" && cargo build --release -p engram-model --example batch_decode >&2)
+    work="${BENCH_WORK_DIR:-$(mktemp -d "${TMPDIR:-/tmp}/engram-batched.XXXXXX")}"
+    mkdir -p "$work"
+    cp "$repo_root/target/release/examples/batch_decode" "$work/batch_decode"
+    ctx=512 steps=32
+    echo "== Engram vs llama.cpp, batched decode ($(date -u '+%Y-%m-%d %H:%M UTC'))"
+    echo "command     bench/vs-llamacpp.sh --batched --model $model --threads $threads --reps $reps"
+    echo "cpu         $(grep -m1 '^model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ *//'); nproc $(nproc); threads $threads"
+    echo "engram      $(cd "$repo_root" && git rev-parse --short HEAD) batch_decode --batches 1,8 --context $ctx --steps $steps --reps 1"
+    echo "llama.cpp   llama-batched-bench -npp $ctx -ntg $steps -npl 1,8 -fa 0|1 (each sequence its own $ctx-token prompt)"
+    echo "raw output  $work"
+    echo "load start  $(uptime)"
+    for ((rep = 1; rep <= reps; rep++)); do
+        log "batched: repetition $rep/$reps"
+        "$work/batch_decode" "$model" --threads "$threads" --batches 1,8 --context $ctx \
+            --steps $steps --reps 1 > "$work/engram__$rep.txt" 2> "$work/engram__$rep.err" \
+            || { tail -n 20 "$work/engram__$rep.err" >&2; die "batch_decode failed"; }
+        for fa in 0 1; do
+            "$llama_batched" -m "$model" -t "$threads" -c $((8 * (ctx + steps) + 256)) -b 512 -ub 512 \
+                -npp $ctx -ntg $steps -npl 1,8 -fa "$([[ $fa -eq 1 ]] && echo on || echo off)" \
+                > "$work/llama_fa${fa}__$rep.txt" 2> "$work/llama_fa${fa}__$rep.err" \
+                || { tail -n 20 "$work/llama_fa${fa}__$rep.err" >&2; die "llama-batched-bench failed"; }
+        done
+    done
+    echo "load end    $(uptime)"
+    echo
+    python3 - "$work" "$reps" <<'PY'
+import re, statistics, sys
+work, reps = sys.argv[1], int(sys.argv[2])
+def engram(rep):
+    # "    8     23.4   342.3   2.08x": batch, step ms, tok/s.
+    rows = {}
+    for line in open(f"{work}/engram__{rep}.txt"):
+        m = re.match(r"\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s", line)
+        if m:
+            rows[int(m[1])] = float(m[3])
+    return rows
+def llama(fa, rep):
+    # "|   512 |     32 |    8 |   4352 | T_PP | S_PP | T_TG | S_TG | T | S |": B -> S_TG.
+    rows = {}
+    for line in open(f"{work}/llama_fa{fa}__{rep}.txt"):
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 10 and cells[2].isdigit():
+            rows[int(cells[2])] = float(cells[7])
+    return rows
+sides = {"engram": [engram(r) for r in range(1, reps + 1)]}
+for fa in (0, 1):
+    sides[f"llama.cpp fa{fa}"] = [llama(fa, r) for r in range(1, reps + 1)]
+med = {k: {b: statistics.median(r[b] for r in v) for b in (1, 8)} for k, v in sides.items()}
+print("decode tok/s after a 512-token context (medians of %d)" % reps)
+print("| side | 1 sequence | 8 sequences | 8 / 1 |")
+print("|---|---|---|---|")
+for k, m in med.items():
+    print(f"| {k} | {m[1]:.1f} | {m[8]:.1f} | {m[8] / m[1]:.2f} |")
+best = max((k for k in med if k.startswith("llama")), key=lambda k: med[k][8])
+e, l = med["engram"], med[best]
+print()
+print(f"BATCHED engram_b8/b1={e[8] / e[1]:.2f} llamacpp_b8/b1={l[8] / l[1]:.2f} "
+      f"engram/llamacpp_b8={e[8] / l[8]:.2f}")
+PY
+    exit 0
+fi
+
 llama_help="$("$llama_bench" --help 2>&1 || true)"
 if [[ "$llama_help" == *--n-depth* ]]; then
     have_depth=1

@@ -1,6 +1,6 @@
 //! `matmul` at the shapes of SmolLM2-135M (n_embd 576, n_ff 1536, 3 KV heads of 64, vocabulary
-//! 49152): Q4_1 layer matrices and the Q8_0 output head, 1 token (decode) and 512 tokens
-//! (prefill), on a 2-thread pool (the appliance's default profile). Also the K-quants of larger
+//! 49152): Q4_1 layer matrices and the Q8_0 output head, 1 token (decode), 8 tokens (a batched
+//! decode step of 8 sequences) and 512 tokens (prefill), on a 2-thread pool (the appliance's default profile). Also the K-quants of larger
 //! models (a 1024 x 1024 slice) and the f32 matrices of the all-MiniLM-L6-v2 embedder.
 //!
 //! Throughput is reported in elements (`rows * cols * tokens` multiply-adds); GFLOP/s is twice
@@ -75,7 +75,7 @@ fn bench_matmul(c: &mut Criterion) {
     for (ty, rows, cols, what) in shapes {
         let data = weights(ty, rows, cols);
         let w = QMatrix::new(ty, rows, cols, &data).expect("matrix");
-        for n in [1usize, 512] {
+        for n in [1usize, 8, 512] {
             if rows > 10_000 && n > 1 {
                 continue; // prefill computes logits for the last token only
             }
