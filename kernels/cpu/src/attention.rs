@@ -267,12 +267,60 @@ struct Task {
     t1: usize,
 }
 
+impl Task {
+    /// The lowest and highest position of the task's queries.
+    fn q_range(&self, a: &Attention<'_>) -> (i32, i32) {
+        let q_pos = &a.q_pos[self.q0..self.q1];
+        let q_min = *q_pos.iter().min().expect("a task has queries");
+        let q_max = *q_pos.iter().max().expect("a task has queries");
+        (q_min, q_max)
+    }
+
+    /// Rows `r0 .. r0 + nr` of the task (row = query token x head of the group) as a block of
+    /// `RB`: each row's query and position; rows past `nr` get `zeros` (a stand-in query) and
+    /// the position `i32::MIN`.
+    #[inline(always)]
+    fn block_queries<'q, const RB: usize>(
+        &self,
+        a: &Attention<'q>,
+        r0: usize,
+        nr: usize,
+        zeros: &'q [f32],
+    ) -> ([&'q [f32]; RB], [i32; RB]) {
+        let (hd, group) = (a.head_dim, a.n_head / a.n_head_kv);
+        let qw = a.n_head * hd;
+        let mut qrows: [&[f32]; RB] = [zeros; RB];
+        let mut qpos = [i32::MIN; RB];
+        for i in 0..nr {
+            let r = r0 + i;
+            let (qi, hg) = (self.q0 + r / group, r % group);
+            let h = self.kvh * group + hg;
+            qrows[i] = &a.q[qi * qw + h * hd..qi * qw + (h + 1) * hd];
+            qpos[i] = a.q_pos[qi];
+        }
+        (qrows, qpos)
+    }
+}
+
 /// The unnormalised softmax state of a task's rows (row = query token x head of the group):
 /// running max `m`, sum of weights `l`, weighted sum of values `o`.
 struct Partial {
     m: Vec<f32>,
     l: Vec<f32>,
     o: Vec<f32>,
+}
+
+impl Partial {
+    /// The state before any tile, for `rows` rows of `hd` dimensions. The outputs come in whole
+    /// row blocks of `RB`, so a kernel reads and writes every row of a block without runtime
+    /// row indices (which would keep its accumulators out of registers).
+    fn empty<const RB: usize>(rows: usize, hd: usize) -> Partial {
+        Partial {
+            m: vec![f32::NEG_INFINITY; rows],
+            l: vec![0.0; rows],
+            o: vec![0.0; rows.div_ceil(RB) * RB * hd],
+        }
+    }
 }
 
 /// Per-thread buffers, reused across tasks.
@@ -471,15 +519,13 @@ unsafe fn task_avx512_f16<const RB: usize>(
     const { assert!(DIM_BLOCK == KV_TILE && KV_TILE.is_multiple_of(16)) };
     let hd = a.head_dim;
     assert!(hd.is_multiple_of(DIM_BLOCK), "head width {hd}");
-    let group = a.n_head / a.n_head_kv;
-    let qw = a.n_head * hd;
-    let rows = group * (t.q1 - t.q0);
-    let mut m = vec![f32::NEG_INFINITY; rows];
-    let mut l = vec![0.0f32; rows];
-    let mut o = vec![0.0f32; rows.div_ceil(RB) * RB * hd];
-    let q_pos = &a.q_pos[t.q0..t.q1];
-    let q_min = *q_pos.iter().min().expect("a task has queries");
-    let q_max = *q_pos.iter().max().expect("a task has queries");
+    let rows = a.n_head / a.n_head_kv * (t.q1 - t.q0);
+    let Partial {
+        mut m,
+        mut l,
+        mut o,
+    } = Partial::empty::<RB>(rows, hd);
+    let (q_min, q_max) = t.q_range(a);
     let (keys, values) = (a.keys[t.kvh], a.values[t.kvh]);
     let len = a.kv_pos.len();
     let zeros = vec![0.0f32; hd];
@@ -505,15 +551,7 @@ unsafe fn task_avx512_f16<const RB: usize>(
 
         for r0 in (0..rows).step_by(RB) {
             let nr = RB.min(rows - r0);
-            let mut qrows: [&[f32]; RB] = [&zeros[..]; RB];
-            let mut qpos = [i32::MIN; RB];
-            for i in 0..nr {
-                let r = r0 + i;
-                let (qi, hg) = (t.q0 + r / group, r % group);
-                let h = t.kvh * group + hg;
-                qrows[i] = &a.q[qi * qw + h * hd..qi * qw + (h + 1) * hd];
-                qpos[i] = a.q_pos[qi];
-            }
+            let (qrows, qpos) = t.block_queries::<RB>(a, r0, nr, &zeros);
             if qpos[..nr].iter().all(|&p| p < lo) {
                 continue;
             }
@@ -611,20 +649,15 @@ fn task_kernel<const RB: usize>(
     madd: impl Fn(f32, f32, f32) -> f32 + Copy,
 ) -> Partial {
     let hd = a.head_dim;
-    let group = a.n_head / a.n_head_kv;
-    let qw = a.n_head * hd;
-    let rows = group * (t.q1 - t.q0);
-    let mut m = vec![f32::NEG_INFINITY; rows];
-    let mut l = vec![0.0f32; rows];
-    // Whole row blocks, so the micro-kernel reads and writes every row of a block without
-    // runtime row indices (which would keep its accumulators out of registers).
-    let mut o = vec![0.0f32; rows.div_ceil(RB) * RB * hd];
-    let q_pos = &a.q_pos[t.q0..t.q1];
-    let q_min = *q_pos.iter().min().expect("a task has queries");
-    let q_max = *q_pos.iter().max().expect("a task has queries");
+    let rows = a.n_head / a.n_head_kv * (t.q1 - t.q0);
+    let Partial {
+        mut m,
+        mut l,
+        mut o,
+    } = Partial::empty::<RB>(rows, hd);
+    let (q_min, q_max) = t.q_range(a);
     let (keys, values) = (a.keys[t.kvh], a.values[t.kvh]);
     let len = a.kv_pos.len();
-    // Stands in for the query of an unused row of a partial block.
     let zeros = vec![0.0f32; hd];
 
     for (tile, &(lo, hi)) in ranges.iter().enumerate().take(t.t1).skip(t.t0) {
@@ -658,15 +691,7 @@ fn task_kernel<const RB: usize>(
         // RB rows of FMAs, with the scores and outputs of the block in registers.
         for r0 in (0..rows).step_by(RB) {
             let nr = RB.min(rows - r0);
-            let mut qrows: [&[f32]; RB] = [&zeros[..]; RB];
-            let mut qpos = [i32::MIN; RB];
-            for i in 0..nr {
-                let r = r0 + i;
-                let (qi, hg) = (t.q0 + r / group, r % group);
-                let h = t.kvh * group + hg;
-                qrows[i] = &a.q[qi * qw + h * hd..qi * qw + (h + 1) * hd];
-                qpos[i] = a.q_pos[qi];
-            }
+            let (qrows, qpos) = t.block_queries::<RB>(a, r0, nr, &zeros);
             if qpos[..nr].iter().all(|&p| p < lo) {
                 continue;
             }
