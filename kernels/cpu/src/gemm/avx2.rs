@@ -6,7 +6,7 @@
 
 use std::arch::x86_64::*;
 
-use super::raw::{h16, ld16, Raw};
+use super::raw::{h16, ld16, prefetch, Raw};
 use super::{unpack_row, with_wbuf, Chunk, OutPtr, Span, Q4_0, Q4_1, Q8_0};
 
 /// Rows per register tile: 2 x 4 accumulators leave 8 of the 16 ymm registers for operands.
@@ -48,7 +48,7 @@ fn span_fmt<const F: u8>(s: &Span<'_>, out: OutPtr) {
             let nr = R_MAX.min(s.rows.end - r0);
             let row = |i: usize| &s.w[(r0 + i) * s.wrb..(r0 + i + 1) * s.wrb];
             if direct {
-                prefetch_rows(s.w, (r0 + R_MAX) * s.wrb, nr * s.wrb);
+                prefetch::<_MM_HINT_T0>(s.w, (r0 + R_MAX) * s.wrb, nr * s.wrb);
             } else {
                 for i in 0..nr {
                     unpack_row(g, row(i), &mut wbuf[i * ws..(i + 1) * ws]);
@@ -94,20 +94,6 @@ fn span_fmt<const F: u8>(s: &Span<'_>, out: OutPtr) {
             r0 += nr;
         }
     });
-}
-
-/// Prefetches `len` bytes of `w` from `start` into L1 (the part inside `w`; nothing past it):
-/// the next row tile in the direct path, as in the AVX-512 kernels.
-#[inline(always)]
-fn prefetch_rows(w: &[u8], start: usize, len: usize) {
-    let end = (start + len).min(w.len());
-    let mut o = start;
-    while o < end {
-        // SAFETY: `o < w.len()`, so the pointer is inside `w`; a prefetch never faults and
-        // reads nothing architecturally. SSE is baseline on x86_64.
-        unsafe { _mm_prefetch::<_MM_HINT_T0>(w.as_ptr().add(o).cast()) };
-        o += 64;
-    }
 }
 
 /// Where a tile's weight vectors come from, as in `avx512`: unpacked rows ([`Unpacked`],

@@ -12,7 +12,7 @@
 
 use std::arch::x86_64::*;
 
-use super::raw::{h16, ld16, Raw};
+use super::raw::{h16, ld16, prefetch, Raw};
 use super::{unpack_row, with_wbuf, Chunk, OutPtr, Span, Q4_0, Q4_1, Q8_0};
 
 /// Rows per register tile. 4 x 4 accumulators (16 zmm) plus 4 activation quants, 4 activation
@@ -46,31 +46,6 @@ const PREFETCH_ROWS: usize = R_MAX;
 /// With the longer decode tasks that followed (`STREAM_MAX_TOKENS` in the parent module) it
 /// still measured 114.1 against 110.9 tok/s without it, within the machine's noise.
 const PREFETCH_L2_BYTES: usize = 4096;
-
-/// Prefetches `len` bytes of `w` from `start` into L1 (the part inside `w`; nothing past it).
-#[inline(always)]
-fn prefetch_rows(w: &[u8], start: usize, len: usize) {
-    let end = (start + len).min(w.len());
-    let mut o = start;
-    while o < end {
-        // SAFETY: `o < w.len()`, so the pointer is inside `w`; a prefetch never faults and
-        // reads nothing architecturally. SSE is baseline on x86_64.
-        unsafe { _mm_prefetch::<_MM_HINT_T0>(w.as_ptr().add(o).cast()) };
-        o += 64;
-    }
-}
-
-/// Prefetches `len` bytes of `w` from `start` into L2 only (the part inside `w`).
-#[inline(always)]
-fn prefetch_rows_l2(w: &[u8], start: usize, len: usize) {
-    let end = (start + len).min(w.len());
-    let mut o = start;
-    while o < end {
-        // SAFETY: as in `prefetch_rows`.
-        unsafe { _mm_prefetch::<_MM_HINT_T1>(w.as_ptr().add(o).cast()) };
-        o += 64;
-    }
-}
 
 /// Computes `s` into `out` with the VNNI kernels (`V`) or the AVX-512BW ones.
 pub(super) fn run_span<const V: bool>(s: &Span<'_>, out: OutPtr) {
@@ -117,8 +92,12 @@ macro_rules! variant {
                     while r0 < s.rows.end {
                         let nr = R_MAX.min(s.rows.end - r0);
                         if direct {
-                            prefetch_rows(s.w, (r0 + PREFETCH_ROWS) * s.wrb, nr * s.wrb);
-                            prefetch_rows_l2(s.w, r0 * s.wrb + PREFETCH_L2_BYTES, nr * s.wrb);
+                            prefetch::<_MM_HINT_T0>(s.w, (r0 + PREFETCH_ROWS) * s.wrb, nr * s.wrb);
+                            prefetch::<_MM_HINT_T1>(
+                                s.w,
+                                r0 * s.wrb + PREFETCH_L2_BYTES,
+                                nr * s.wrb,
+                            );
                         } else {
                             for i in 0..nr {
                                 let row = &s.w[(r0 + i) * s.wrb..(r0 + i + 1) * s.wrb];

@@ -1,6 +1,7 @@
 //! Weight rows in ggml layout as the direct (decode) paths of the x86 kernels read them: the
 //! row-length check their unchecked loads rely on, block access and the loads of a possibly
-//! missing last block. Shared by `avx2` and `avx512`; the register unpacking (`WSrc`) is per ISA.
+//! missing last block, and the prefetch ahead of them. Shared by `avx2` and `avx512`; the register
+//! unpacking (`WSrc`) is per ISA.
 
 use std::arch::x86_64::*;
 
@@ -51,6 +52,20 @@ impl<'a, const F: u8, const R: usize> Raw<'a, F, R> {
     #[inline(always)]
     pub(super) fn full(&self, k: usize) -> bool {
         2 * k + 1 < self.nb
+    }
+}
+
+/// Prefetches `len` bytes of `w` from `start` (the part inside `w`; nothing past it) with
+/// `HINT` (`_MM_HINT_T0`: into L1; `_MM_HINT_T1`: into L2): the direct paths' weight rows ahead.
+#[inline(always)]
+pub(super) fn prefetch<const HINT: i32>(w: &[u8], start: usize, len: usize) {
+    let end = (start + len).min(w.len());
+    let mut o = start;
+    while o < end {
+        // SAFETY: `o < w.len()`, so the pointer is inside `w`; a prefetch never faults and
+        // reads nothing architecturally. SSE is baseline on x86_64.
+        unsafe { _mm_prefetch::<HINT>(w.as_ptr().add(o).cast()) };
+        o += 64;
     }
 }
 
