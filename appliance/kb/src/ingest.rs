@@ -254,7 +254,9 @@ impl KnowledgeBase {
         if doc.is_some() {
             let bg = self.background.entry(coll.id).or_default();
             bg.name = coll.name.clone();
-            bg.queue.push_back(id);
+            if !bg.queue.contains(&id) {
+                bg.queue.push_back(id);
+            }
         }
         Ok(Accepted { doc: id, outcome })
     }
@@ -386,29 +388,12 @@ impl KnowledgeBase {
                 "its original is not in the blob store",
             ));
         }
-        let chunks = self.catalog.chunks(doc.id)?;
-        let seq = self.catalog.seq()? + 1;
-        let mut txn = Txn::default();
-        for c in &chunks {
-            txn.remove_chunk(c.id);
-        }
-        if doc.stage == Stage::Done {
-            coll.documents = coll.documents.saturating_sub(1);
-            coll.chunks = coll.chunks.saturating_sub(chunks.len() as u64);
-        }
-        coll.last_seq = seq;
-        txn.log(coll.id, seq, LogOp::Delete { doc: doc.id });
-        txn.put_collection(&coll);
-        txn.set_seq(seq);
+        let old = doc.clone();
         doc.error = None;
         doc.chunks = 0;
+        doc.revision += 1;
         doc.enter(Stage::Queued);
-        txn.put_document(&doc)?;
-        self.catalog.write(txn)?;
-        let idx = self.indexes_mut(&coll)?;
-        idx.bm25.delete_doc(doc.id)?;
-        idx.vectors.delete_doc(doc.id)?;
-        self.commit_indexes(&mut coll, &[])?;
+        self.unindex_document(&mut coll, &old, &doc)?;
         let bg = self.background.entry(coll.id).or_default();
         bg.name = coll.name.clone();
         bg.queue.push_back(doc.id);
@@ -597,10 +582,13 @@ impl KnowledgeBase {
         self.process(run, doc, &nd.bytes, at, progress)
     }
 
-    /// The store step of ingestion: finds what the collection holds under this content and
-    /// name, removes what the new document replaces, stores the blob and the `queued` record
-    /// (flushed when `flush`). Returns the record to process (none when unchanged), the
-    /// admission and the document id.
+    /// The store step of ingestion. A document is a name in a collection: its id is handed
+    /// out once and stays until the user deletes it. The same name with the same content is
+    /// `Unchanged` (its metadata is updated) or, after a failure, `Requeued`; the same name with
+    /// new content is `Replaced` in place (same id, next revision, old chunks gone); a new name
+    /// is a new document, even when another name has the same bytes (the blob is shared).
+    /// Stores the blob and the `queued` record (flushed when `flush`). Returns the record to
+    /// process (none when unchanged), the admission and the document id.
     fn store_doc(
         &mut self,
         coll: &mut Collection,
@@ -609,49 +597,36 @@ impl KnowledgeBase {
     ) -> Result<(Option<Document>, (Admission, u64))> {
         let hash = crate::blobs::ContentHash::of(&nd.bytes);
         let coll_id = coll.id;
-        let existing = match self.catalog.doc_by_hash(coll_id, hash)? {
+        let existing = match self.catalog.doc_by_name(coll_id, &nd.name)? {
             Some(id) => self.catalog.document(id)?,
             None => None,
         };
-        let queued = |kb: &Self, id: u64| kb.background.get(&coll_id).is_some_and(|b| b.holds(id));
-        match existing {
-            Some(d) if d.stage == Stage::Done || (d.name == nd.name && queued(self, d.id)) => {
-                Ok((None, (Admission::Unchanged, d.id)))
+        let held = |kb: &Self, id: u64| kb.background.get(&coll_id).is_some_and(|b| b.holds(id));
+        let (mut d, admission) = match existing {
+            Some(d)
+                if d.hash == hash.to_hex() && (d.stage != Stage::Failed || held(self, d.id)) =>
+            {
+                // Same bytes, done or on its way: only the metadata can have changed.
+                if d.metadata != nd.metadata {
+                    let mut updated = d.clone();
+                    updated.metadata = nd.metadata.clone();
+                    let mut txn = Txn::default();
+                    txn.remove_document(&d)?;
+                    txn.put_document(&updated)?;
+                    self.catalog.write(txn)?;
+                    if flush {
+                        self.catalog.flush()?;
+                    }
+                }
+                return Ok((None, (Admission::Unchanged, d.id)));
             }
-            Some(mut d) if d.name == nd.name => {
-                // Failed before, or left half-way: run it again under the same id.
-                let mut txn = Txn::default();
-                for c in self.catalog.chunks(d.id)? {
-                    txn.remove_chunk(c.id);
-                }
-                d.error = None;
-                d.chunks = 0;
-                d.enter(Stage::Queued);
-                txn.put_document(&d)?;
-                self.catalog.write(txn)?;
-                if flush {
-                    self.catalog.flush()?;
-                }
-                let id = d.id;
-                Ok((Some(d), (Admission::Requeued, id)))
+            Some(d) if d.hash == hash.to_hex() => (d, Admission::Requeued),
+            Some(d) => {
+                let old = d.id;
+                (d, Admission::Replaced { old })
             }
-            other => {
-                // Same content under another name that is not done: that one is replaced too.
-                if let Some(d) = other {
-                    self.remove_document(coll, &d)?;
-                }
-                let replaced = match self.catalog.doc_by_name(coll_id, &nd.name)? {
-                    Some(old) => self.catalog.document(old)?,
-                    None => None,
-                };
-                let mut admission = Admission::Queued;
-                if let Some(old) = &replaced {
-                    self.remove_document(coll, old)?;
-                    self.remove_blob_if_unused(crate::catalog::doc_hash(old)?)?;
-                    admission = Admission::Replaced { old: old.id };
-                }
-                self.blobs.put(&nd.bytes)?;
-                let mut d = Document {
+            None => {
+                let d = Document {
                     id: self.catalog.new_id()?,
                     collection: coll_id,
                     name: nd.name.clone(),
@@ -664,18 +639,42 @@ impl KnowledgeBase {
                     stage: Stage::Queued,
                     stages: Vec::new(),
                     error: None,
+                    revision: 0,
                 };
-                d.enter(Stage::Queued);
-                let mut txn = Txn::default();
-                txn.put_document(&d)?;
-                self.catalog.write(txn)?;
-                if flush {
-                    self.catalog.flush()?;
-                }
-                let id = d.id;
-                Ok((Some(d), (admission, id)))
+                (d, Admission::Queued)
             }
+        };
+        let old = d.clone();
+        if admission != Admission::Queued {
+            d.revision += 1;
+            d.error = None;
+            d.chunks = 0;
+            d.hash = hash.to_hex();
+            d.size = nd.bytes.len() as u64;
+            d.metadata = nd.metadata.clone();
+            d.format = None;
+            d.title = None;
         }
+        // The blob first: a record never names content that is not stored.
+        self.blobs.put(&nd.bytes)?;
+        d.enter(Stage::Queued);
+        if admission == Admission::Queued {
+            let mut txn = Txn::default();
+            txn.put_document(&d)?;
+            self.catalog.write(txn)?;
+        } else {
+            // Its previous chunks leave the catalog and the indexes now; a run that still holds
+            // the previous revision drops it (see `write_group`).
+            self.unindex_document(coll, &old, &d)?;
+        }
+        if flush {
+            self.catalog.flush()?;
+        }
+        if old.hash != d.hash {
+            self.remove_blob_if_unused(crate::catalog::doc_hash(&old)?)?;
+        }
+        let id = d.id;
+        Ok((Some(d), (admission, id)))
     }
 
     /// Parses and chunks one stored document and queues it for embedding.
@@ -853,7 +852,7 @@ impl KnowledgeBase {
                 let live = self
                     .catalog
                     .document(p.doc.id)?
-                    .is_some_and(|d| !d.stage.is_final());
+                    .is_some_and(|d| !d.stage.is_final() && d.revision == p.doc.revision);
                 keep.push(live);
             }
             if keep.iter().any(|k| !k) {

@@ -403,6 +403,38 @@ impl KnowledgeBase {
         Ok(())
     }
 
+    /// Takes `doc`'s chunks out of the catalog and both indexes (committed) and replaces its
+    /// record by `next` in the same transaction: before it is processed again (re-index, new
+    /// content under its name).
+    pub(crate) fn unindex_document(
+        &mut self,
+        coll: &mut Collection,
+        doc: &Document,
+        next: &Document,
+    ) -> Result<()> {
+        let chunks = self.catalog.chunks(doc.id)?;
+        let seq = self.catalog.seq()? + 1;
+        let mut txn = Txn::default();
+        for c in &chunks {
+            txn.remove_chunk(c.id);
+        }
+        txn.remove_document(doc)?;
+        txn.put_document(next)?;
+        if matches!(doc.stage, Stage::Indexing | Stage::Done) {
+            coll.documents = coll.documents.saturating_sub(1);
+            coll.chunks = coll.chunks.saturating_sub(chunks.len() as u64);
+        }
+        coll.last_seq = seq;
+        txn.log(coll.id, seq, LogOp::Delete { doc: doc.id });
+        txn.put_collection(coll);
+        txn.set_seq(seq);
+        self.catalog.write(txn)?;
+        let idx = self.indexes_mut(coll)?;
+        idx.bm25.delete_doc(doc.id)?;
+        idx.vectors.delete_doc(doc.id)?;
+        self.commit_indexes(coll, &[])
+    }
+
     pub(crate) fn remove_blob_if_unused(&self, hash: ContentHash) -> Result<()> {
         if self.catalog.hash_refs(hash)? == 0 {
             self.blobs.remove(hash)?;
@@ -421,9 +453,13 @@ impl KnowledgeBase {
         idx.vectors.commit(seq)?;
         let mut txn = Txn::default();
         for &id in done {
+            // A document requeued since its chunks were written (new content under its name)
+            // is not done: its new revision is on its way.
             if let Some(mut d) = self.catalog.document(id)? {
-                d.enter(Stage::Done);
-                txn.put_document(&d)?;
+                if d.stage == Stage::Indexing {
+                    d.enter(Stage::Done);
+                    txn.put_document(&d)?;
+                }
             }
         }
         for s in self.catalog.log_keys_upto(coll.id, seq)? {

@@ -124,6 +124,10 @@ pub struct Document {
     pub stages: Vec<StageTime>,
     /// Why it failed.
     pub error: Option<String>,
+    /// Bumped each time the document goes back to the queue (new content under its name, a
+    /// re-index): work still in flight for an earlier revision is dropped, not written.
+    #[serde(default)]
+    pub revision: u32,
 }
 
 impl Document {

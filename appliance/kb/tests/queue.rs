@@ -223,3 +223,122 @@ fn cancel_reindex_and_delete_act_on_the_queue() {
     assert!(kb.recovery().rebuilt.is_empty(), "{:?}", kb.recovery());
     assert_eq!(kb.index_sizes("c").unwrap(), (2, 2));
 }
+
+/// Issue 16.1: the same bytes under several names are several documents, each acknowledged
+/// id stays resolvable (done, searchable) until deleted, and a name keeps its id across new
+/// content.
+#[test]
+fn duplicate_content_under_other_names_keeps_every_document() {
+    let dir = TempDir::new("dupes");
+    let mut kb = KnowledgeBase::open(dir.path(), models()).unwrap();
+    kb.ensure_collection("c", ChunkConfig::default()).unwrap();
+    let text = "The chlorine dosing pump of the east reservoir is calibrated every spring.";
+    let ids: Vec<u64> = ["a.txt", "b.txt", "c.txt"]
+        .iter()
+        .map(|n| {
+            let a = kb.accept("c", doc(n, text)).unwrap();
+            assert_eq!(a.outcome, Admission::Queued, "{n}");
+            a.doc
+        })
+        .collect();
+    assert_eq!(
+        ids.iter().collect::<std::collections::HashSet<_>>().len(),
+        3
+    );
+    drain(&mut kb, "c");
+    // After processing, the same bytes under a fourth name are a fourth document.
+    let d = kb.accept("c", doc("d.txt", text)).unwrap();
+    assert_eq!(d.outcome, Admission::Queued);
+    assert!(!ids.contains(&d.doc));
+    // The same name and bytes again: unchanged, same id; new metadata is applied.
+    let mut again = doc("a.txt", text);
+    again.metadata.insert("team".into(), "water".into());
+    let a2 = kb.accept("c", again).unwrap();
+    assert_eq!((a2.doc, a2.outcome), (ids[0], Admission::Unchanged));
+    drain(&mut kb, "c");
+    let all: Vec<u64> = ids.iter().copied().chain([d.doc]).collect();
+    for &id in &all {
+        assert_eq!(stage(&kb, "c", id), Stage::Done, "document {id}");
+    }
+    assert_eq!(
+        kb.document("c", "a.txt").unwrap().metadata.get("team"),
+        Some(&"water".to_string())
+    );
+    let mut req = SearchRequest::new("c", "chlorine dosing pump calibration");
+    req.k = 10;
+    let found: std::collections::HashSet<u64> = kb
+        .search(&req)
+        .unwrap()
+        .hits
+        .iter()
+        .map(|h| h.doc_id)
+        .collect();
+    assert_eq!(found, all.iter().copied().collect());
+
+    // New content under a known name replaces it in place: same id, new chunks only.
+    let r = kb
+        .accept(
+            "c",
+            doc("b.txt", "The west reservoir has a new ozone generator."),
+        )
+        .unwrap();
+    assert_eq!(
+        (r.doc, r.outcome),
+        (ids[1], Admission::Replaced { old: ids[1] })
+    );
+    drain(&mut kb, "c");
+    let b = kb.document("c", &ids[1].to_string()).unwrap();
+    assert_eq!((b.stage, b.revision), (Stage::Done, 1));
+    let hits = kb
+        .search(&SearchRequest::new("c", "ozone generator"))
+        .unwrap()
+        .hits;
+    assert_eq!(hits[0].doc_id, ids[1]);
+    assert!(kb
+        .chunks(ids[1])
+        .unwrap()
+        .iter()
+        .all(|c| c.text.contains("ozone")));
+
+    // Deleting one of the same-content documents keeps the others and their shared blob.
+    kb.delete_document("c", "c.txt").unwrap();
+    assert_eq!(kb.original_count().unwrap(), 2);
+    drop(kb);
+    let kb = KnowledgeBase::open(dir.path(), models()).unwrap();
+    assert!(kb.recovery().rebuilt.is_empty(), "{:?}", kb.recovery());
+    for id in [ids[0], ids[1], d.doc] {
+        assert_eq!(stage(&kb, "c", id), Stage::Done, "document {id}");
+    }
+    assert!(kb.document("c", &ids[2].to_string()).is_err());
+    let coll = kb.collection("c").unwrap();
+    assert_eq!(coll.documents, 3);
+    assert_eq!(kb.index_sizes("c").unwrap(), (3, 3));
+}
+
+/// New content under a name while its previous revision is half-way through the pipeline:
+/// the old revision is dropped, the new one is what ends up indexed.
+#[test]
+fn replacing_a_document_in_the_pipeline_indexes_only_the_new_content() {
+    let dir = TempDir::new("replace-inflight");
+    let mut kb = KnowledgeBase::open(dir.path(), models()).unwrap();
+    kb.ensure_collection("c", ChunkConfig::default()).unwrap();
+    let long: String = (0..30)
+        .map(|i| format!("Paragraph {i}: the old turbine manual, section {i}.\n\n"))
+        .collect();
+    let first = kb.accept("c", doc("manual.md", &long)).unwrap();
+    // One step: parsed and chunked, waiting for the embedder.
+    kb.process_queued("c", 2).unwrap();
+    assert_eq!(stage(&kb, "c", first.doc), Stage::Embedding);
+    let second = kb
+        .accept(
+            "c",
+            doc("manual.md", "The new turbine manual has one page."),
+        )
+        .unwrap();
+    assert_eq!(second.doc, first.doc);
+    drain(&mut kb, "c");
+    let d = kb.document("c", "manual.md").unwrap();
+    assert_eq!((d.stage, d.chunks), (Stage::Done, 1));
+    assert_eq!(kb.index_sizes("c").unwrap(), (1, 1));
+    assert_eq!(kb.collection("c").unwrap().chunks, 1);
+}

@@ -33,13 +33,15 @@ pub struct TextDocument {
 #[derive(Debug, Serialize, ToSchema)]
 pub struct UploadResult {
     pub name: String,
-    /// `queued` (stored, waiting for processing), `replaced` (queued; the document that had
-    /// this name is gone), `requeued` (same content had failed or was cancelled: queued again
-    /// under its id), `unchanged` (same content already there or queued) or `failed`.
+    /// `queued` (a new document, stored, waiting for processing), `replaced` (new content
+    /// under a known name: same id, queued again), `requeued` (same content had failed or was
+    /// cancelled: queued again under its id), `unchanged` (same name and content already there
+    /// or queued) or `failed`.
     pub outcome: &'static str,
     pub id: Option<u64>,
     /// The document's stage now (`queued` right after an upload).
     pub stage: Option<&'static str>,
+    /// With `replaced`: the document whose content was replaced (a document keeps its id).
     pub replaced_id: Option<u64>,
     pub reason: Option<String>,
 }
