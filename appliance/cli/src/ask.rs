@@ -122,16 +122,25 @@ impl Llm {
         })
     }
 
+    /// The chunk store for this model; records its fingerprint next to the NVMe tier, as the
+    /// daemon does, so that KV stored here is not taken for another model's at its next start.
     pub fn chunk_store(&self, store: KvStore, dtype: KvDtype) -> Result<ChunkStore> {
         let frame = rag_frame(&self.tokenizer, self.template.as_ref())?;
-        Ok(ChunkStore::new(Arc::new(store), &self.model, frame, dtype))
+        let store = ChunkStore::new(Arc::new(store), &self.model, frame, dtype);
+        if let Err(e) = store.record_fingerprint() {
+            eprintln!("warning: cannot record the chunk KV model next to the NVMe tier: {e}");
+        }
+        Ok(store)
     }
 }
 
 /// The KV stage of ingestion: computes and stores the KV of every chunk of `docs` that no tier
 /// holds yet. Returns (computed, already stored).
+///
+/// Each document leaves the knowledge base's durable chunk KV queue once all its chunks are
+/// stored, so an interrupted run leaves the rest to the next one (or to `engramd`).
 pub fn precompute_docs(
-    kb: &KnowledgeBase,
+    kb: &mut KnowledgeBase,
     llm: &Llm,
     store: &ChunkStore,
     docs: &[u64],
@@ -148,6 +157,7 @@ pub fn precompute_docs(
             }
             progress(computed + present);
         }
+        kb.kv_done(doc)?;
     }
     Ok((computed, present))
 }
@@ -336,12 +346,19 @@ enum KvCommand {
 pub fn kv(a: KvCmdArgs) -> Result<()> {
     match a.command {
         KvCommand::Precompute { collection, kv, kb } => {
-            let base = kb.open()?;
+            let mut base = kb.open()?;
             let llm = Llm::load(&kb)?;
             let store = llm.chunk_store(kv.open(&kb.data_dir())?, kv.dtype()?)?;
-            let docs: Vec<u64> = base.documents(&collection)?.iter().map(|d| d.id).collect();
+            // Queued durably first: a run that is stopped leaves the rest to the next.
+            base.mark_kv_pending(Some(&collection))?;
+            let docs: Vec<u64> = base
+                .documents(&collection)?
+                .iter()
+                .filter(|d| d.stage == engram_kb::Stage::Done)
+                .map(|d| d.id)
+                .collect();
             let started = Instant::now();
-            let (computed, present) = precompute_docs(&base, &llm, &store, &docs, |_| {})?;
+            let (computed, present) = precompute_docs(&mut base, &llm, &store, &docs, |_| {})?;
             let failed = store
                 .counters
                 .put_failed

@@ -97,7 +97,14 @@ impl KbArgs {
             );
         }
         if r.resumed > 0 {
-            eprintln!("recovery: finished {} interrupted documents", r.resumed);
+            eprintln!("recovery: finishing {} interrupted documents", r.resumed);
+        }
+        let mut kb = kb;
+        let finished = kb
+            .finish_queued()
+            .context("finishing interrupted documents")?;
+        if finished > 0 {
+            eprintln!("recovery: {finished} interrupted documents finished");
         }
         Ok(kb)
     }
@@ -393,7 +400,7 @@ pub fn ingest(a: IngestArgs) -> Result<()> {
     let report = kb.ingest(&a.collection, docs, &mut |p| bars.update(p))?;
     bars.finish();
     let kv = if a.kv {
-        Some(kv_stage(&kb, &a, &report)?)
+        Some(kv_stage(&mut kb, &a, &report)?)
     } else {
         None
     };
@@ -420,7 +427,7 @@ pub fn ingest(a: IngestArgs) -> Result<()> {
 /// The chunk KV stage: every chunk of the documents just ingested (or found unchanged) gets its
 /// KV computed and stored unless a tier holds it. Returns (computed, present, seconds).
 fn kv_stage(
-    kb: &KnowledgeBase,
+    kb: &mut KnowledgeBase,
     a: &IngestArgs,
     report: &IngestReport,
 ) -> Result<(usize, usize, f64)> {

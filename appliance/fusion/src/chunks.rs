@@ -28,6 +28,10 @@ pub fn bos_frame(bos: Option<u32>) -> Vec<u32> {
     bos.into_iter().collect()
 }
 
+/// The file in the NVMe tier's folder naming (in hex) the fingerprint of the model and frame
+/// its chunk KV was computed for; see [`ChunkStore::record_fingerprint`].
+pub const FINGERPRINT_RECORD: &str = "chunk-kv-model";
+
 /// Counters of the chunk store, cumulative since start.
 #[derive(Debug, Default)]
 pub struct ChunkCounters {
@@ -101,6 +105,45 @@ impl ChunkStore {
     /// What stored KV is bound to: the model's weights and shapes, and the frame.
     pub fn fingerprint(&self) -> ModelFingerprint {
         self.fingerprint
+    }
+
+    /// Records this store's fingerprint in the NVMe tier's folder ([`FINGERPRINT_RECORD`],
+    /// replaced crash-safely) and returns whether the chunk KV stored there belonged to
+    /// something else: another fingerprint was recorded, or none while the tier holds blobs.
+    /// Every writer of chunk KV records it (the daemon and the command line), so a model or
+    /// frame change is seen once, by whoever runs next. Without an NVMe tier, `false`.
+    pub fn record_fingerprint(&self) -> std::io::Result<bool> {
+        let Some(tier) = self.store.nvme() else {
+            return Ok(false);
+        };
+        let hex: String = self
+            .fingerprint
+            .0
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect();
+        let path = tier.dir().join(FINGERPRINT_RECORD);
+        let recorded = match std::fs::read_to_string(&path) {
+            Ok(s) => Some(s.trim().to_owned()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+            Err(e) => return Err(e),
+        };
+        if recorded.as_deref() == Some(hex.as_str()) {
+            return Ok(false);
+        }
+        let tmp = path.with_extension("tmp");
+        {
+            use std::io::Write;
+            let mut f = std::fs::File::create(&tmp)?;
+            f.write_all(hex.as_bytes())?;
+            f.sync_all()?;
+        }
+        std::fs::rename(&tmp, &path)?;
+        std::fs::File::open(tier.dir())?.sync_all()?;
+        Ok(match recorded {
+            Some(_) => true,
+            None => tier.len() > 0,
+        })
     }
 
     /// The tiers underneath.

@@ -17,7 +17,10 @@ mod policy;
 mod prefix;
 mod prompt;
 
-pub use chunks::{bos_frame, precompute, ChunkCounters, ChunkStore, FetchTimes, Fetched, Source};
+pub use chunks::{
+    bos_frame, precompute, ChunkCounters, ChunkStore, FetchTimes, Fetched, Source,
+    FINGERPRINT_RECORD,
+};
 pub use error::{FusionError, Result};
 pub use fuse::{
     fused_prefill, fused_prefill_interleaved, FuseStats, FusedPrompt, Interleave, Prefilled,

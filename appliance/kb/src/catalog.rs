@@ -11,7 +11,11 @@
 //! doc_meta         coll ++ key 0 value 0 ++ doc -> ()
 //! chunks           chunk id -> Chunk              embeddings        chunk id -> vector
 //! log              coll ++ seq -> LogOp           jobs              job id -> Job
+//! kv_pending       doc id -> ()  (done documents whose chunk KV is not all stored yet)
 //! ```
+//!
+//! `kv_pending` was added after schema version 1 without a version bump: an older build
+//! ignores the tree, and a newer one finds it empty in an older catalog.
 //!
 //! Several trees change together through a [`Txn`], applied as one sled transaction; callers
 //! [`flush`](Catalog::flush) before acknowledging. Records are versioned JSON (see
@@ -53,9 +57,10 @@ enum T {
     Embeddings,
     Log,
     Jobs,
+    KvPending,
 }
 
-const TREE_NAMES: [&str; 12] = [
+const TREE_NAMES: [&str; 13] = [
     "meta",
     "collections",
     "collection_names",
@@ -68,6 +73,7 @@ const TREE_NAMES: [&str; 12] = [
     "embeddings",
     "log",
     "jobs",
+    "kv_pending",
 ];
 
 fn be(x: u64) -> [u8; 8] {
@@ -270,17 +276,6 @@ impl Catalog {
             .map(|v| u64_at(&v, 0)))
     }
 
-    /// A document of the collection with this content.
-    #[allow(dead_code)] // the next step shares one parse between same-content documents
-    pub fn doc_by_hash(&self, coll: u64, hash: ContentHash) -> Result<Option<u64>> {
-        let mut prefix = hash.to_bytes().to_vec();
-        prefix.extend_from_slice(&be(coll));
-        match self.tree(T::ByHash).scan_prefix(prefix).keys().next() {
-            None => Ok(None),
-            Some(k) => Ok(Some(u64_at(&k?, 24))),
-        }
-    }
-
     /// How many documents, in any collection, have this content.
     pub fn hash_refs(&self, hash: ContentHash) -> Result<usize> {
         Ok(self.tree(T::ByHash).scan_prefix(hash.to_bytes()).count())
@@ -307,6 +302,44 @@ impl Catalog {
                 let (k, v) = kv?;
                 decode(|| format!("chunk {}", u64_at(&k, 0)), &v)
             })
+            .collect()
+    }
+
+    /// Up to `n` chunks of a document from ordinal `from` on, in order.
+    pub fn chunks_from(&self, doc: u64, from: u32, n: usize) -> Result<Vec<Chunk>> {
+        let lo = be((doc << ORDINAL_BITS) | from as u64);
+        let hi = be((doc + 1) << ORDINAL_BITS);
+        self.tree(T::Chunks)
+            .range(lo..hi)
+            .take(n)
+            .map(|kv| {
+                let (k, v) = kv?;
+                decode(|| format!("chunk {}", u64_at(&k, 0)), &v)
+            })
+            .collect()
+    }
+
+    /// A document's last chunk (chunks are written in order, so its ordinal + 1 is how many it
+    /// has).
+    pub fn last_chunk(&self, doc: u64) -> Result<Option<Chunk>> {
+        let lo = be(doc << ORDINAL_BITS);
+        let hi = be((doc + 1) << ORDINAL_BITS);
+        match self.tree(T::Chunks).range(lo..hi).next_back() {
+            None => Ok(None),
+            Some(kv) => {
+                let (k, v) = kv?;
+                decode(|| format!("chunk {}", u64_at(&k, 0)), &v).map(Some)
+            }
+        }
+    }
+
+    /// Documents whose chunk KV is waiting, in id order, after `after`, at most `n`.
+    pub fn kv_pending(&self, after: u64, n: usize) -> Result<Vec<u64>> {
+        self.tree(T::KvPending)
+            .range(be(after.saturating_add(1))..)
+            .keys()
+            .take(n)
+            .map(|k| Ok(u64_at(&k?, 0)))
             .collect()
     }
 
@@ -459,6 +492,15 @@ impl Txn {
         self.b(T::Log).remove(&key2(coll, seq));
     }
 
+    /// Records that `doc`'s chunk KV is waiting to be computed.
+    pub fn set_kv_pending(&mut self, doc: u64) {
+        self.b(T::KvPending).insert(&be(doc), &[]);
+    }
+
+    pub fn remove_kv_pending(&mut self, doc: u64) {
+        self.b(T::KvPending).remove(&be(doc));
+    }
+
     pub fn put_job(&mut self, j: &Job) {
         self.b(T::Jobs).insert(&be(j.id), encode(j));
     }
@@ -512,6 +554,7 @@ mod tests {
             stages: Vec::new(),
             error: None,
             revision: 0,
+            progress: None,
         }
     }
 
@@ -558,8 +601,6 @@ mod tests {
         assert_eq!(cat.documents(coll.id).unwrap(), std::slice::from_ref(&d));
         assert_eq!(cat.doc_by_name(coll.id, "a.txt").unwrap(), Some(7));
         let h = ContentHash::of(b"alpha");
-        assert_eq!(cat.doc_by_hash(coll.id, h).unwrap(), Some(7));
-        assert_eq!(cat.doc_by_hash(coll.id + 1, h).unwrap(), None);
         assert_eq!(cat.hash_refs(h).unwrap(), 1);
         assert_eq!(
             cat.docs_with_meta(coll.id, "lang", "en").unwrap(),

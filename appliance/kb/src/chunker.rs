@@ -136,48 +136,83 @@ enum Level {
 /// limit below 4 tokens, which [`ChunkConfig::validate`] rules out). Whitespace-only stretches
 /// between chunks belong to none; every other byte is in at least one chunk.
 pub fn chunk_text(text: &str, cfg: &ChunkConfig, counter: &dyn TokenCounter) -> Vec<ChunkSpan> {
-    let mut out = Vec::new();
-    let mut chars = CharIndex::default();
-    let Some(mut s) = skip_ws(text, 0) else {
-        return out;
-    };
-    // End of the previous chunk: the next one must reach past it.
-    let mut prev_end = 0;
-    loop {
-        let count = |e: usize| counter.count(&text[s..trim_end(text, s, e)]);
-        let fits = furthest_fit(text, s, cfg.max_tokens, &count);
-        let mut end = if fits.0 == text.len() {
-            fits.0
-        } else {
-            let floor = floor_char(text, s + ((fits.0 - s) as f64 * MIN_FILL) as usize);
-            best_boundary(text, floor.max(prev_end), fits.0).unwrap_or(fits.0)
-        };
-        let mut tokens = if end == fits.0 { fits.1 } else { count(end) };
-        if tokens > cfg.max_tokens {
-            // Token counts are not quite monotone in the span's end; the search's own point fits.
-            end = fits.0;
-            tokens = fits.1;
+    Chunker::new(text, *cfg, counter).collect()
+}
+
+/// [`chunk_text`] one chunk at a time: a caller can report progress ([`Chunker::position`])
+/// and stop between chunks of a large text.
+pub struct Chunker<'t> {
+    text: &'t str,
+    cfg: ChunkConfig,
+    counter: &'t dyn TokenCounter,
+    chars: CharIndex,
+    /// Start of the next chunk; `None` once the text is done.
+    next: Option<usize>,
+    /// End of the previous chunk: the next one must reach past it.
+    prev_end: usize,
+}
+
+impl<'t> Chunker<'t> {
+    pub fn new(text: &'t str, cfg: ChunkConfig, counter: &'t dyn TokenCounter) -> Chunker<'t> {
+        Chunker {
+            text,
+            cfg,
+            counter,
+            chars: CharIndex::default(),
+            next: skip_ws(text, 0),
+            prev_end: 0,
         }
-        if end <= prev_end {
-            // Only after an overlap that left no room (not seen with real tokenizers): drop it.
-            s = prev_end;
-            continue;
-        }
-        let e = trim_end(text, s, end);
-        out.push(ChunkSpan {
-            bytes: s..e,
-            chars: chars.at(text, s)..chars.at(text, e),
-            tokens,
-        });
-        let Some(next) = skip_ws(text, end) else {
-            break;
-        };
-        prev_end = end;
-        s = overlap_start(text, s, end, cfg.overlap_tokens, counter)
-            .filter(|&o| o > s)
-            .unwrap_or(next);
     }
-    out
+
+    /// Bytes of the text behind the next chunk's start (the text's length when done).
+    pub fn position(&self) -> usize {
+        self.next.unwrap_or(self.text.len())
+    }
+}
+
+impl Iterator for Chunker<'_> {
+    type Item = ChunkSpan;
+
+    fn next(&mut self) -> Option<ChunkSpan> {
+        let (text, cfg, counter) = (self.text, &self.cfg, self.counter);
+        loop {
+            let s = self.next?;
+            let count = |e: usize| counter.count(&text[s..trim_end(text, s, e)]);
+            let fits = furthest_fit(text, s, cfg.max_tokens, &count);
+            let mut end = if fits.0 == text.len() {
+                fits.0
+            } else {
+                let floor = floor_char(text, s + ((fits.0 - s) as f64 * MIN_FILL) as usize);
+                best_boundary(text, floor.max(self.prev_end), fits.0).unwrap_or(fits.0)
+            };
+            let mut tokens = if end == fits.0 { fits.1 } else { count(end) };
+            if tokens > cfg.max_tokens {
+                // Token counts are not quite monotone in the span's end; the search's own point
+                // fits.
+                end = fits.0;
+                tokens = fits.1;
+            }
+            if end <= self.prev_end {
+                // Only after an overlap that left no room (not seen with real tokenizers): drop
+                // it.
+                self.next = Some(self.prev_end);
+                continue;
+            }
+            let e = trim_end(text, s, end);
+            let span = ChunkSpan {
+                bytes: s..e,
+                chars: self.chars.at(text, s)..self.chars.at(text, e),
+                tokens,
+            };
+            self.next = skip_ws(text, end).map(|next| {
+                overlap_start(text, s, end, cfg.overlap_tokens, counter)
+                    .filter(|&o| o > s)
+                    .unwrap_or(next)
+            });
+            self.prev_end = end;
+            return Some(span);
+        }
+    }
 }
 
 /// The largest end `e` (a char boundary after `s`) with `count(e) <= max`, and its count; at

@@ -1,45 +1,64 @@
-//! Ingestion: store the original, parse, chunk, embed in batches, write chunks and vectors to
-//! the catalog, index, commit; every document's stage is recorded as it goes.
+//! Ingestion on the knowledge base's side: accept (store the original and a `queued` record),
+//! hand documents to a preparer ([`crate::prepare`]), apply what it reports (chunks and their
+//! vectors, written to the catalog as they come), add finished documents to the indexes in
+//! bounded steps, and commit (documents become `done`).
 //!
 //! Order of durable writes, so that a crash at any point loses nothing acknowledged and leaves
 //! nothing an index can see that the catalog does not have:
 //!
-//! 1. the blob (temp file, fsync, rename), then the document record (`queued`);
-//! 2. per group of about [`EMBED_BATCH`] chunks: chunks, vectors, `indexing` stage and a change
-//!    log entry in one catalog transaction;
-//! 3. every [`COMMIT_EVERY`] chunks and at the end: catalog flush, index commits at the
-//!    catalog's sequence number, documents `done`, flush.
+//! 1. the blob (temp file, fsync, rename), then the document record (`queued`), flushed;
+//! 2. per embedded batch: its chunks and vectors and the document's progress, in one catalog
+//!    transaction (a restart re-embeds only what follows the last stored chunk);
+//! 3. when every chunk is stored: the document `indexing`, the collection's counts and an
+//!    `Add` entry in the change log, in one transaction;
+//! 4. index additions in steps of [`INDEX_STEP`] chunks, then a commit at the highest sequence
+//!    number the indexes fully hold, then the documents `done`, flushed.
 //!
-//! A crash after 1 resumes the document from its blob on the next start; after 2 the index
-//! catches up from the change log.
+//! A crash after 1 or 2 resumes the document from its blob on the next start (in the
+//! background: the daemon serves meanwhile); after 3 the index catches up from the change log.
 //!
-//! Two ways in: [`KnowledgeBase::ingest`] runs the whole flow in one call (the CLI), while
-//! [`KnowledgeBase::accept`] does step 1 only, flushed, and queues the document, and
-//! [`KnowledgeBase::process_queued`] moves the queue on by one bounded step per call (the
-//! daemon, which answers queries between steps).
+//! Two drivers use the same steps: [`KnowledgeBase::ingest`] and
+//! [`KnowledgeBase::process_queued`] run the preparer inline (the command line, tests), while
+//! `engramd` runs it on a thread of its own, calling [`KnowledgeBase::next_job`],
+//! [`KnowledgeBase::apply`] and [`KnowledgeBase::index_step`] between queries.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use engram_index::ChunkDoc;
-
 use crate::catalog::Txn;
-use crate::chunker::chunk_text;
 use crate::error::{KbError, Result};
 use crate::kb::{KnowledgeBase, COMMIT_EVERY, EMBED_BATCH};
-use crate::records::{
-    chunk_id, now_ms, Chunk, Collection, Document, Job, JobKind, JobState, LogOp, Stage,
-    MAX_CHUNKS_PER_DOC,
-};
+use crate::prepare::{prepare, PrepareDoc, PrepareJob, Prepared};
+use crate::records::{now_ms, Collection, Document, Job, JobKind, JobState, LogOp, Stage};
 
 /// The longest document name, in bytes.
 pub const MAX_DOC_NAME_BYTES: usize = 1024;
+
+/// Chunks added to the indexes per [`KnowledgeBase::index_step`]: a few hundred milliseconds
+/// of BM25 analysis and graph insertion on a small CPU, the longest a query waits behind it.
+pub const INDEX_STEP: usize = 256;
+
+/// Longest time indexed documents wait for their commit while more work keeps coming (without
+/// more work they are committed at once): how long a steady stream of uploads may keep a
+/// finished document from being searchable.
+pub const COMMIT_INTERVAL: Duration = Duration::from_secs(5);
+
+/// Most documents and bytes of originals handed to a preparer in one job by
+/// [`KnowledgeBase::next_job`]: enough small documents to fill the encoder's batches, few
+/// enough that memory stays small and a job ends soon.
+pub const JOB_MAX_DOCS: usize = 64;
+pub const JOB_MAX_BYTES: usize = 4 << 20;
+
+/// The reason a cancelled document carries.
+pub const CANCELLED: &str = "cancelled";
 
 /// One file to ingest.
 #[derive(Clone, Debug)]
 pub struct NewDocument {
     /// Its file name (the parser picks the format from the extension); unique in a collection:
-    /// a new content under an existing name replaces the old document.
+    /// new content under an existing name replaces that document's content, keeping its id.
     pub name: String,
     pub bytes: Vec<u8>,
     /// Key/value pairs searches can filter on.
@@ -62,9 +81,9 @@ impl NewDocument {
 pub enum Outcome {
     /// Parsed, chunked, embedded and indexed.
     Added { doc: u64, chunks: u32 },
-    /// Same content already in the collection: nothing done.
+    /// Same name and content already in the collection: nothing done.
     Unchanged { doc: u64 },
-    /// New content under an existing name: the old document was removed.
+    /// New content under an existing name: the document (same id, `old`) now holds it.
     Replaced { doc: u64, chunks: u32, old: u64 },
     /// Could not be ingested; the reason says what to do.
     Failed { reason: String },
@@ -85,6 +104,16 @@ pub struct StageTimes {
     pub chunk: Duration,
     pub embed: Duration,
     pub index: Duration,
+}
+
+impl StageTimes {
+    fn add(&mut self, o: &StageTimes) {
+        self.store += o.store;
+        self.parse += o.parse;
+        self.chunk += o.chunk;
+        self.embed += o.embed;
+        self.index += o.index;
+    }
 }
 
 /// The outcome of [`KnowledgeBase::ingest`].
@@ -123,68 +152,16 @@ pub enum Progress<'a> {
     Failed { name: &'a str, reason: &'a str },
 }
 
-/// A parsed and chunked document waiting for its vectors.
-struct Pending {
-    doc: Document,
-    chunks: Vec<Chunk>,
-    report: usize,
-}
-
-/// The state of one ingestion run.
-pub(crate) struct Run {
-    coll: Collection,
-    job: Job,
-    report: IngestReport,
-    group: Vec<Pending>,
-    group_chunks: usize,
-    /// Vectors of the group's first chunks (in order), when it is embedded in steps.
-    vectors: Vec<Vec<f32>>,
-    /// Documents in the indexes but not yet committed, and their chunk count.
-    uncommitted: Vec<(u64, usize)>,
-    uncommitted_chunks: usize,
-    /// A background run: stages are written to the catalog as they are entered, so that a
-    /// reader between two steps sees where each document is.
-    background: bool,
-    /// Documents that failed since the last [`KnowledgeBase::process_queued`] answer.
-    failed_ids: Vec<u64>,
-}
-
-/// Documents accepted and not yet through the pipeline, per collection (see
-/// [`KnowledgeBase::accept`]).
-#[derive(Default)]
-pub(crate) struct Background {
-    name: String,
-    queue: VecDeque<u64>,
-    run: Option<Run>,
-}
-
-impl Background {
-    fn holds(&self, doc: u64) -> bool {
-        self.queue.contains(&doc)
-            || self.run.as_ref().is_some_and(|r| {
-                r.group.iter().any(|p| p.doc.id == doc)
-                    || r.uncommitted.iter().any(|&(d, _)| d == doc)
-            })
-    }
-
-    /// Documents queued or in the pipeline.
-    fn pending(&self) -> usize {
-        self.queue.len()
-            + self
-                .run
-                .as_ref()
-                .map_or(0, |r| r.group.len() + r.uncommitted.len())
-    }
-}
-
 /// What [`KnowledgeBase::accept`] did with a document.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Admission {
-    /// Stored and queued.
+    /// A new document, stored and queued.
     Queued,
-    /// Stored and queued; the document that had this name before was removed.
+    /// New content under a known name: stored and queued under the same id (`old`), its
+    /// previous chunks gone.
     Replaced { old: u64 },
-    /// Same content already in the collection (done, or queued already): nothing done.
+    /// Same name and content already in the collection (done, or on its way): nothing done
+    /// but the metadata, which is applied.
     Unchanged,
     /// The same content under the same name had failed (or was cancelled): queued again
     /// under its id.
@@ -211,15 +188,113 @@ pub struct QueueStep {
     pub pending: usize,
 }
 
+/// A document that became `done` or `failed`, reported by [`KnowledgeBase::take_finished`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Finished {
+    pub collection: String,
+    pub doc: u64,
+    /// `done` (searchable) or `failed`.
+    pub done: bool,
+    pub chunks: u32,
+}
+
+/// What one [`KnowledgeBase::index_step`] did.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct IndexStep {
+    pub collection: String,
+    /// Chunks added to the indexes.
+    pub chunks: usize,
+    /// Whether the indexes were committed (documents became `done`).
+    pub committed: bool,
+}
+
+/// A document handed to a preparer and not all back yet.
+struct InFlight {
+    revision: u32,
+    cancel: Arc<AtomicBool>,
+    /// Ordinal of the next chunk expected, and how many there are (once chunked).
+    next: u32,
+    chunks: u32,
+}
+
+/// A document whose chunks are all stored and whose `Add` entry is logged at `seq`: waiting
+/// for (or in) its index additions.
+struct Ready {
+    doc: u64,
+    revision: u32,
+    seq: u64,
+    chunks: u32,
+    /// Ordinal of the next chunk to add to the indexes.
+    next: u32,
+}
+
+/// A collection's documents between acceptance and `done`, in memory (the catalog has their
+/// stages; this is what the owner does with them next).
+#[derive(Default)]
+pub(crate) struct Background {
+    name: String,
+    queue: VecDeque<u64>,
+    in_flight: HashMap<u64, InFlight>,
+    /// In `Add` order; only the front is ever partly in the indexes.
+    ready: VecDeque<Ready>,
+    /// Fully in the indexes, not yet committed: document and chunks.
+    uncommitted: Vec<(u64, u32)>,
+    uncommitted_chunks: usize,
+    /// When the oldest uncommitted document was added.
+    since: Option<Instant>,
+    /// The job record of this burst of work.
+    job: Option<Job>,
+}
+
+impl Background {
+    /// Whether the document is anywhere between acceptance and `done`.
+    pub(crate) fn holds(&self, doc: u64) -> bool {
+        self.queue.contains(&doc)
+            || self.in_flight.contains_key(&doc)
+            || self.ready.iter().any(|r| r.doc == doc)
+            || self.uncommitted.iter().any(|&(d, _)| d == doc)
+    }
+
+    /// Documents queued or in the pipeline.
+    fn pending(&self) -> usize {
+        self.queue.len() + self.in_flight.len() + self.ready.len() + self.uncommitted.len()
+    }
+
+    /// Drops the document from every stage (stopping a preparer working on it).
+    pub(crate) fn forget(&mut self, doc: u64) {
+        self.queue.retain(|&d| d != doc);
+        if let Some(f) = self.in_flight.remove(&doc) {
+            f.cancel.store(true, Ordering::Relaxed);
+        }
+        self.ready.retain(|r| r.doc != doc);
+        if let Some(i) = self.uncommitted.iter().position(|&(d, _)| d == doc) {
+            let (_, n) = self.uncommitted.remove(i);
+            self.uncommitted_chunks -= n as usize;
+        }
+    }
+
+    /// The highest sequence number the indexes fully hold: below the oldest `Add` not yet
+    /// (completely) added. A commit there is exact after a crash: the catch-up replays that
+    /// `Add` (delete, then add every chunk) and whatever follows.
+    pub(crate) fn safe_seq(&self, last_seq: u64) -> u64 {
+        self.ready.front().map_or(last_seq, |r| r.seq - 1)
+    }
+
+    fn commit_due(&self) -> bool {
+        if self.uncommitted.is_empty() {
+            return false;
+        }
+        let idle = self.queue.is_empty() && self.in_flight.is_empty() && self.ready.is_empty();
+        idle || self.uncommitted_chunks >= COMMIT_EVERY
+            || self.since.is_some_and(|t| t.elapsed() >= COMMIT_INTERVAL)
+    }
+}
+
 impl KnowledgeBase {
-    /// Ingests documents into the collection `collection` (which must exist), streaming: each
-    /// document is stored and parsed as it arrives, chunks are embedded [`EMBED_BATCH`] at a
-    /// time, and the indexes commit every [`COMMIT_EVERY`] chunks and at the end. A document
-    /// that cannot be parsed is reported as failed; the others go on. Everything reported is
-    /// durable when this returns.
-    ///
-    /// This is [`accept`](Self::accept) and processing in one call, without the queue: the
-    /// original bytes are parsed from memory and the catalog is flushed once per commit.
+    /// Ingests documents into the collection `collection` (which must exist): stores each,
+    /// then parses, chunks, embeds ([`EMBED_BATCH`] chunks at a time, across documents) and
+    /// indexes them on this thread. A document that cannot be parsed is reported as failed;
+    /// the others go on. Everything reported is durable when this returns.
     pub fn ingest(
         &mut self,
         collection: &str,
@@ -227,95 +302,244 @@ impl KnowledgeBase {
         progress: &mut dyn FnMut(Progress<'_>),
     ) -> Result<IngestReport> {
         let started = Instant::now();
-        let coll = self.collection(collection)?;
-        let mut run = self.start_run(coll, JobKind::Ingest, false)?;
+        let mut coll = self.collection(collection)?;
+        let mut report = IngestReport::default();
+        let mut job = self.new_job(&coll, JobKind::Ingest)?;
+        report.job = job.id;
+        // Report line of each queued document, and the names to show in progress.
+        let mut lines: HashMap<u64, usize> = HashMap::new();
         let res = (|| {
+            let mut queued_bytes = 0usize;
             for nd in docs {
-                self.ingest_one(&mut run, nd, progress)?;
-                if run.group_chunks >= EMBED_BATCH {
-                    self.flush_group(&mut run, progress)?;
+                job.total += 1;
+                let at = report.docs.len();
+                report.docs.push(DocReport {
+                    name: nd.name.clone(),
+                    outcome: Outcome::Failed {
+                        reason: "not processed".into(),
+                    },
+                });
+                if let Err(e) = validate_doc(&nd) {
+                    let reason = e.to_string();
+                    progress(Progress::Failed {
+                        name: &nd.name,
+                        reason: &reason,
+                    });
+                    report.docs[at].outcome = Outcome::Failed { reason };
+                    continue;
+                }
+                let t = Instant::now();
+                let (id, admission) = self.store_doc(&mut coll, &nd, false)?;
+                report.times.store += t.elapsed();
+                match admission {
+                    Admission::Unchanged => {
+                        progress(Progress::Parsed { name: &nd.name });
+                        report.docs[at].outcome = Outcome::Unchanged { doc: id };
+                    }
+                    Admission::Replaced { old } => {
+                        report.docs[at].outcome = Outcome::Replaced {
+                            doc: id,
+                            chunks: 0,
+                            old,
+                        };
+                        lines.insert(id, at);
+                        self.enqueue(&coll, id);
+                        queued_bytes += nd.bytes.len();
+                    }
+                    Admission::Queued | Admission::Requeued => {
+                        lines.insert(id, at);
+                        self.enqueue(&coll, id);
+                        queued_bytes += nd.bytes.len();
+                    }
+                }
+                if queued_bytes >= JOB_MAX_BYTES * 4 {
+                    self.catalog.flush()?;
+                    self.drain(&coll.name, &report, &lines, progress)?;
+                    queued_bytes = 0;
                 }
             }
-            self.flush_group(&mut run, progress)?;
-            self.commit_run(&mut run, progress)
+            self.catalog.flush()?;
+            self.drain(&coll.name, &report, &lines, progress)
         })();
-        self.finish_run(run, res, started)
+        let times = res.as_ref().map_or(StageTimes::default(), |t| *t);
+        report.times.add(&times);
+        for (&id, &at) in &lines {
+            let Some(d) = self.catalog.document(id)? else {
+                continue;
+            };
+            let line = &mut report.docs[at];
+            line.outcome = match (&line.outcome, d.stage) {
+                (Outcome::Replaced { old, .. }, Stage::Done) => Outcome::Replaced {
+                    doc: id,
+                    chunks: d.chunks,
+                    old: *old,
+                },
+                (_, Stage::Done) => Outcome::Added {
+                    doc: id,
+                    chunks: d.chunks,
+                },
+                (_, Stage::Failed) => Outcome::Failed {
+                    reason: d.error.unwrap_or_else(|| "failed".into()),
+                },
+                (_, stage) => Outcome::Failed {
+                    reason: format!("stopped while {}", stage.name()),
+                },
+            };
+            if let Outcome::Added { chunks, .. } | Outcome::Replaced { chunks, .. } = line.outcome {
+                report.chunks += chunks as u64;
+            }
+        }
+        job.done = report
+            .docs
+            .iter()
+            .filter(|d| !matches!(d.outcome, Outcome::Failed { .. }))
+            .count() as u64;
+        job.failed = job.total - job.done;
+        self.finish_job(job, res.as_ref().err())?;
+        res?;
+        report.elapsed = started.elapsed();
+        Ok(report)
+    }
+
+    /// Runs everything queued in `collection` through the pipeline on this thread.
+    fn drain(
+        &mut self,
+        collection: &str,
+        report: &IngestReport,
+        lines: &HashMap<u64, usize>,
+        progress: &mut dyn FnMut(Progress<'_>),
+    ) -> Result<StageTimes> {
+        let mut times = StageTimes::default();
+        let name = |doc: u64| {
+            lines
+                .get(&doc)
+                .map_or("", |&at| report.docs[at].name.as_str())
+        };
+        loop {
+            if let Some(job) = self.next_job_in(collection, JOB_MAX_DOCS, JOB_MAX_BYTES)? {
+                times.add(&self.prepare_inline(job, EMBED_BATCH, &mut |m| match m {
+                    Prepared::Parsed { doc, .. } => progress(Progress::Parsed { name: name(*doc) }),
+                    Prepared::Chunked { doc, chunks, .. } => progress(Progress::Chunked {
+                        name: name(*doc),
+                        chunks: *chunks as usize,
+                    }),
+                    Prepared::Embedded { chunks, .. } => progress(Progress::Embedded {
+                        chunks: chunks.len(),
+                    }),
+                    Prepared::Failed { doc, reason, .. } => progress(Progress::Failed {
+                        name: name(*doc),
+                        reason,
+                    }),
+                    _ => {}
+                })?);
+                continue;
+            }
+            let t = Instant::now();
+            let step = self.index_step_in(collection, COMMIT_EVERY, true)?;
+            times.index += t.elapsed();
+            let finished = self.take_finished();
+            let done: Vec<&Finished> = finished.iter().filter(|f| f.done).collect();
+            if !done.is_empty() {
+                progress(Progress::Indexed {
+                    docs: done.len(),
+                    chunks: done.iter().map(|f| f.chunks as usize).sum(),
+                });
+            }
+            if step.is_none() {
+                return Ok(times);
+            }
+        }
+    }
+
+    /// Runs a prepare job on this thread, applying each message as it comes; `observe` sees
+    /// every message first. A failure to apply stops the job and is returned.
+    fn prepare_inline(
+        &mut self,
+        job: PrepareJob,
+        batch_chunks: usize,
+        observe: &mut dyn FnMut(&Prepared),
+    ) -> Result<StageTimes> {
+        let models = self.models.clone();
+        let limits = self.limits.clone();
+        let flags: Vec<Arc<AtomicBool>> = job.docs.iter().map(|d| d.cancel.clone()).collect();
+        let mut failure = None;
+        let times = prepare(&models, &limits, job, batch_chunks, &mut |m| {
+            if failure.is_some() {
+                return;
+            }
+            observe(&m);
+            if let Err(e) = self.apply(m) {
+                failure = Some(e);
+                for f in &flags {
+                    f.store(true, Ordering::Relaxed);
+                }
+            }
+        });
+        match failure {
+            Some(e) => Err(e),
+            None => Ok(times),
+        }
     }
 
     /// Stores a document durably (the original blob, fsynced, and its `queued` record,
-    /// flushed) and queues it for [`process_queued`](Self::process_queued); returns its id.
-    /// Once this returns the document is acknowledged: after a crash, [`open`](Self::open)
-    /// finishes it. Same content under the same name that is done or already queued is
-    /// `Unchanged`; new content under an existing name replaces that document at once.
+    /// flushed) and queues it; returns its id. Once this returns the document is acknowledged:
+    /// after a crash, [`open`](Self::open) queues it again. See [`Admission`] for what an
+    /// existing name does.
     pub fn accept(&mut self, collection: &str, nd: NewDocument) -> Result<Accepted> {
         validate_doc(&nd)?;
         let mut coll = self.collection(collection)?;
-        let (doc, (outcome, id)) = self.store_doc(&mut coll, &nd, true)?;
-        if doc.is_some() {
-            let bg = self.background.entry(coll.id).or_default();
-            bg.name = coll.name.clone();
-            if !bg.queue.contains(&id) {
-                bg.queue.push_back(id);
-            }
+        let (id, outcome) = self.store_doc(&mut coll, &nd, true)?;
+        if outcome != Admission::Unchanged {
+            self.enqueue(&coll, id);
         }
         Ok(Accepted { doc: id, outcome })
     }
 
-    /// Moves the queue of `collection` on by one bounded step: parse and chunk one document,
-    /// or embed up to `budget` chunks (at least one), or write an embedded group to the
-    /// catalog and the indexes, or commit the indexes (documents become `done`). A caller
-    /// that interleaves these calls with searches keeps both going.
+    fn enqueue(&mut self, coll: &Collection, doc: u64) {
+        let bg = self.background.entry(coll.id).or_default();
+        bg.name = coll.name.clone();
+        if !bg.queue.contains(&doc) {
+            bg.queue.push_back(doc);
+        }
+    }
+
+    /// Moves the queue of `collection` on by one step on this thread: one index step (or
+    /// commit) when documents wait for the indexes, else one prepare job (up to
+    /// [`JOB_MAX_DOCS`] documents, embedded `budget` chunks per call of the embedder), run to
+    /// its end. A caller that interleaves these calls with searches keeps both going; the
+    /// daemon runs the prepare jobs on a thread of its own instead.
     pub fn process_queued(&mut self, collection: &str, budget: usize) -> Result<QueueStep> {
         let coll = self.collection(collection)?;
-        let coll_id = coll.id;
-        let Some(mut bg) = self.background.remove(&coll_id) else {
-            return Ok(QueueStep::default());
-        };
-        let mut run = match bg.run.take() {
-            Some(mut r) => {
-                // Another call (a deletion, a replacement) may have changed the record.
-                r.coll = coll;
-                r
-            }
-            None if !bg.queue.is_empty() => self.start_run(coll, JobKind::Ingest, true)?,
-            None => return Ok(QueueStep::default()),
-        };
-        let mut step = QueueStep {
-            worked: true,
-            ..QueueStep::default()
-        };
-        let res = self.step(&mut run, &mut bg.queue, budget.max(1), &mut step);
-        step.failed.append(&mut run.failed_ids);
-        let res = match res {
-            Ok(false) => {
-                bg.run = Some(run);
-                Ok(())
-            }
-            Ok(true) => self.finish_run(run, Ok(()), Instant::now()).map(|_| ()),
-            Err(e) => {
-                // Documents caught in the failed step are marked failed (a re-index retries
-                // them); the rest of the queue goes on in the next call.
-                let reason = format!("ingestion stopped: {e}");
-                let indexed: Vec<u64> = run.uncommitted.iter().map(|&(d, _)| d).collect();
-                if self.commit_indexes(&mut run.coll, &indexed).is_ok() {
-                    step.done = indexed;
-                }
-                for p in std::mem::take(&mut run.group) {
-                    let mut d = p.doc;
-                    d.fail(reason.clone());
-                    let mut txn = Txn::default();
-                    if txn.put_document(&d).is_ok() && self.catalog.write(txn).is_ok() {
-                        step.failed.push(d.id);
-                    }
-                }
-                self.finish_run(run, Err(e), Instant::now()).map(|_| ())
-            }
-        };
-        step.pending = bg.pending();
-        if step.pending > 0 {
-            self.background.insert(coll_id, bg);
+        let mut step = QueueStep::default();
+        if self.index_step_in(&coll.name, INDEX_STEP, false)?.is_some() {
+            step.worked = true;
+        } else if let Some(job) = self.next_job_in(&coll.name, JOB_MAX_DOCS, JOB_MAX_BYTES)? {
+            self.prepare_inline(job, budget, &mut |_| {})?;
+            step.worked = true;
+        } else if self.index_step_in(&coll.name, INDEX_STEP, true)?.is_some() {
+            step.worked = true;
         }
-        res.map(|()| step)
+        for f in self.take_finished() {
+            if f.done {
+                step.done.push(f.doc);
+            } else {
+                step.failed.push(f.doc);
+            }
+        }
+        step.pending = self.background.get(&coll.id).map_or(0, Background::pending);
+        Ok(step)
+    }
+
+    /// Runs every collection's queue to its end on this thread (what the command line does
+    /// with documents an interrupted run left); returns how many documents it finished.
+    pub fn finish_queued(&mut self) -> Result<usize> {
+        let before = self.queued_documents();
+        for name in self.queued_collections() {
+            let report = IngestReport::default();
+            self.drain(&name, &report, &HashMap::new(), &mut |_| {})?;
+        }
+        self.take_finished();
+        Ok(before - self.queued_documents())
     }
 
     /// Names of the collections with documents queued or in the pipeline.
@@ -332,41 +556,405 @@ impl KnowledgeBase {
         self.background.values().map(Background::pending).sum()
     }
 
-    /// Cancels a document that is still `queued` (not yet picked up): it becomes `failed`
-    /// with the reason `cancelled`, keeps its original, and can be re-indexed.
-    pub fn cancel(&mut self, collection: &str, id_or_name: &str) -> Result<Document> {
-        let mut doc = self.document(collection, id_or_name)?;
-        let picked_up = self
+    /// Whether a document waits for a preparer (see [`next_job`](Self::next_job)).
+    pub fn has_queued(&self) -> bool {
+        self.background.values().any(|b| !b.queue.is_empty())
+    }
+
+    /// Documents that became `done` or `failed` since the last call.
+    pub fn take_finished(&mut self) -> Vec<Finished> {
+        std::mem::take(&mut self.finished)
+    }
+
+    /// Hands out the next documents waiting in any collection (round robin): up to
+    /// `max_docs` documents and about `max_bytes` of originals, read from the blob store, each
+    /// with a cancel flag the knowledge base sets when the document is cancelled, deleted or
+    /// replaced. Their stage becomes `parsing`. Feed what the preparer reports to
+    /// [`apply`](Self::apply).
+    pub fn next_job(&mut self, max_docs: usize, max_bytes: usize) -> Result<Option<PrepareJob>> {
+        let mut names: Vec<String> = self
             .background
-            .get(&doc.collection)
-            .and_then(|b| b.run.as_ref())
-            .is_some_and(|r| r.group.iter().any(|p| p.doc.id == doc.id));
-        if doc.stage != Stage::Queued || picked_up {
-            return Err(KbError::WrongStage {
-                doc: doc.id,
-                stage: if picked_up {
-                    "parsing"
-                } else {
-                    doc.stage.name()
+            .values()
+            .filter(|b| !b.queue.is_empty())
+            .map(|b| b.name.clone())
+            .collect();
+        names.sort();
+        if names.is_empty() {
+            return Ok(None);
+        }
+        self.turn = self.turn.wrapping_add(1);
+        let n = names.len();
+        for i in 0..n {
+            let name = &names[(self.turn + i) % n];
+            if let Some(job) = self.next_job_in(name, max_docs, max_bytes)? {
+                return Ok(Some(job));
+            }
+        }
+        Ok(None)
+    }
+
+    fn next_job_in(
+        &mut self,
+        collection: &str,
+        max_docs: usize,
+        max_bytes: usize,
+    ) -> Result<Option<PrepareJob>> {
+        let coll = self.collection(collection)?;
+        let mut docs = Vec::new();
+        let mut bytes = 0usize;
+        loop {
+            if docs.len() >= max_docs.max(1) || (bytes >= max_bytes && !docs.is_empty()) {
+                break;
+            }
+            let Some(bg) = self.background.get_mut(&coll.id) else {
+                break;
+            };
+            let Some(id) = bg.queue.pop_front() else {
+                break;
+            };
+            if bg.in_flight.contains_key(&id) {
+                continue;
+            }
+            let Some(mut d) = self.catalog.document(id)? else {
+                continue;
+            };
+            if d.stage.is_final() || d.collection != coll.id {
+                continue;
+            }
+            let original = match self.original(&d) {
+                Ok(b) => b,
+                Err(e) => {
+                    self.fail_doc(&coll, d, format!("the stored original cannot be read: {e}"))?;
+                    continue;
+                }
+            };
+            // Chunks an interrupted run stored (they are contiguous from the first).
+            let stored = self
+                .catalog
+                .last_chunk(id)?
+                .map(|c| (c.ordinal + 1, c.bytes));
+            d.enter(Stage::Parsing);
+            d.progress = None;
+            let mut txn = Txn::default();
+            txn.put_document(&d)?;
+            self.catalog.write(txn)?;
+            let cancel = Arc::new(AtomicBool::new(false));
+            let bg = self.background.get_mut(&coll.id).expect("looked up above");
+            bg.in_flight.insert(
+                id,
+                InFlight {
+                    revision: d.revision,
+                    cancel: cancel.clone(),
+                    next: 0,
+                    chunks: 0,
                 },
-                wanted: "queued",
+            );
+            bytes += original.len();
+            docs.push(PrepareDoc {
+                doc: id,
+                revision: d.revision,
+                name: d.name,
+                bytes: original,
+                stored,
+                cancel,
             });
         }
-        if let Some(bg) = self.background.get_mut(&doc.collection) {
-            bg.queue.retain(|&d| d != doc.id);
+        if docs.is_empty() {
+            return Ok(None);
         }
-        doc.fail(CANCELLED);
+        if self.background[&coll.id].job.is_none() {
+            let job = self.new_job(&coll, JobKind::Ingest)?;
+            self.background.get_mut(&coll.id).expect("exists").job = Some(job);
+        }
+        let bg = self.background.get_mut(&coll.id).expect("exists");
+        if let Some(j) = &mut bg.job {
+            j.total += docs.len() as u64;
+        }
+        Ok(Some(PrepareJob {
+            collection: coll.id,
+            chunking: coll.chunking,
+            docs,
+        }))
+    }
+
+    /// Applies one message of a preparer: the document's stage and progress, its chunks and
+    /// vectors (written to the catalog), its failure, or its end (`indexing`, with an `Add`
+    /// entry in the change log). A message about a document that is no longer in flight under
+    /// that revision (cancelled, deleted, replaced) is dropped.
+    pub fn apply(&mut self, msg: Prepared) -> Result<()> {
+        let (doc, revision) = msg.doc();
+        let Some(coll_id) = self
+            .background
+            .iter()
+            .find(|(_, b)| {
+                b.in_flight
+                    .get(&doc)
+                    .is_some_and(|f| f.revision == revision)
+            })
+            .map(|(&c, _)| c)
+        else {
+            return Ok(());
+        };
+        let current = self
+            .catalog
+            .document(doc)?
+            .filter(|d| d.revision == revision && !d.stage.is_final());
+        let Some(mut d) = current else {
+            self.forget_queued(coll_id, doc);
+            return Ok(());
+        };
+        let name = self.background[&coll_id].name.clone();
+        let mut coll = self.collection(&name)?;
         let mut txn = Txn::default();
-        txn.put_document(&doc)?;
+        match msg {
+            Prepared::Parsed {
+                format,
+                title,
+                text_bytes,
+                ..
+            } => {
+                d.format = Some(format);
+                d.title = title;
+                d.progress_mut().text_bytes = text_bytes;
+                d.enter(Stage::Chunking);
+            }
+            Prepared::Chunking { done, .. } => {
+                d.progress_mut().text_bytes_chunked = done;
+            }
+            Prepared::Chunked { chunks, stored, .. } => {
+                let p = d.progress_mut();
+                p.text_bytes_chunked = p.text_bytes;
+                p.chunks = chunks;
+                p.chunks_embedded = stored;
+                d.enter(Stage::Embedding);
+                let f = self.in_flight(coll_id, doc);
+                f.next = stored;
+                f.chunks = chunks;
+                // Chunks of an interrupted run that no longer match are dropped.
+                self.remove_chunks_from(doc, stored, &mut txn)?;
+            }
+            Prepared::Embedded {
+                chunks, vectors, ..
+            } => {
+                let f = self.in_flight(coll_id, doc);
+                let expected = f.next;
+                if chunks.first().map(|c| c.ordinal) != Some(expected)
+                    || chunks.len() != vectors.len()
+                {
+                    let reason = format!(
+                        "internal error: chunks arrived out of order (expected chunk {expected})"
+                    );
+                    return self.fail_doc(&coll, d, reason);
+                }
+                f.next += chunks.len() as u32;
+                let next = f.next;
+                for (c, v) in chunks.iter().zip(&vectors) {
+                    txn.put_chunk(c, v)?;
+                }
+                d.progress_mut().chunks_embedded = next;
+            }
+            Prepared::Finished { .. } => {
+                let bg = self.background.get_mut(&coll_id).expect("found above");
+                let f = bg.in_flight.remove(&doc).expect("found above");
+                let seq = self.catalog.seq()? + 1;
+                d.chunks = f.chunks;
+                d.progress_mut().chunks_embedded = f.chunks;
+                d.enter(Stage::Indexing);
+                coll.documents += 1;
+                coll.chunks += f.chunks as u64;
+                coll.last_seq = seq;
+                txn.log(coll.id, seq, LogOp::Add { doc });
+                txn.put_collection(&coll);
+                txn.set_seq(seq);
+                bg.ready.push_back(Ready {
+                    doc,
+                    revision,
+                    seq,
+                    chunks: f.chunks,
+                    next: 0,
+                });
+            }
+            Prepared::Failed { reason, .. } => return self.fail_doc(&coll, d, reason),
+        }
+        txn.put_document(&d)?;
+        self.catalog.write(txn)
+    }
+
+    fn in_flight(&mut self, coll: u64, doc: u64) -> &mut InFlight {
+        self.background
+            .get_mut(&coll)
+            .and_then(|b| b.in_flight.get_mut(&doc))
+            .expect("the caller found it in flight")
+    }
+
+    /// Adds the removal of `doc`'s chunks from ordinal `from` on to `txn`.
+    fn remove_chunks_from(&self, doc: u64, mut from: u32, txn: &mut Txn) -> Result<()> {
+        loop {
+            let stale = self.catalog.chunks_from(doc, from, 1024)?;
+            let Some(last) = stale.last() else {
+                return Ok(());
+            };
+            from = last.ordinal + 1;
+            for c in &stale {
+                txn.remove_chunk(c.id);
+            }
+        }
+    }
+
+    /// Records a failed document durably with its reason, dropping any chunks it stored.
+    fn fail_doc(&mut self, coll: &Collection, mut d: Document, reason: String) -> Result<()> {
+        if let Some(bg) = self.background.get_mut(&coll.id) {
+            bg.forget(d.id);
+            if let Some(j) = &mut bg.job {
+                j.failed += 1;
+            }
+        }
+        let mut txn = Txn::default();
+        self.remove_chunks_from(d.id, 0, &mut txn)?;
+        d.fail(reason);
+        d.chunks = 0;
+        txn.put_document(&d)?;
         self.catalog.write(txn)?;
         self.catalog.flush()?;
-        Ok(doc)
+        self.finished.push(Finished {
+            collection: coll.name.clone(),
+            doc: d.id,
+            done: false,
+            chunks: 0,
+        });
+        self.close_job_if_idle(coll.id)
+    }
+
+    /// Adds up to `budget` chunks of finished documents to the indexes of some collection
+    /// (round robin), or commits them when a commit is due (the documents become `done`).
+    /// `None` when there was nothing to do.
+    pub fn index_step(&mut self, budget: usize) -> Result<Option<IndexStep>> {
+        let mut names: Vec<String> = self
+            .background
+            .values()
+            .filter(|b| !b.ready.is_empty() || b.commit_due())
+            .map(|b| b.name.clone())
+            .collect();
+        names.sort();
+        if names.is_empty() {
+            return Ok(None);
+        }
+        self.turn = self.turn.wrapping_add(1);
+        let name = names[self.turn % names.len()].clone();
+        self.index_step_in(&name, budget, false)
+    }
+
+    /// [`index_step`](Self::index_step) in one collection; `commit_now` commits whatever is
+    /// indexed even when no commit is due.
+    fn index_step_in(
+        &mut self,
+        collection: &str,
+        budget: usize,
+        commit_now: bool,
+    ) -> Result<Option<IndexStep>> {
+        let mut coll = self.collection(collection)?;
+        let Some(bg) = self.background.get_mut(&coll.id) else {
+            return Ok(None);
+        };
+        let mut step = IndexStep {
+            collection: coll.name.clone(),
+            ..IndexStep::default()
+        };
+        if let Some(front) = bg.ready.front() {
+            let (doc, revision, from, total) =
+                (front.doc, front.revision, front.next, front.chunks);
+            let current = self
+                .catalog
+                .document(doc)?
+                .filter(|d| d.revision == revision && d.stage == Stage::Indexing);
+            let Some(mut d) = current else {
+                self.background
+                    .get_mut(&coll.id)
+                    .expect("found above")
+                    .ready
+                    .pop_front();
+                return Ok(Some(step));
+            };
+            let chunks = self
+                .catalog
+                .chunks_from(doc, from, budget.clamp(1, 1 << 20))?;
+            self.index_add(&coll, crate::kb::Which::Bm25, &chunks)?;
+            self.index_add(&coll, crate::kb::Which::Vectors, &chunks)?;
+            step.chunks = chunks.len();
+            let next = from + chunks.len() as u32;
+            d.progress_mut().chunks_indexed = next;
+            let mut txn = Txn::default();
+            txn.put_document(&d)?;
+            self.catalog.write(txn)?;
+            let bg = self.background.get_mut(&coll.id).expect("found above");
+            let front = bg.ready.front_mut().expect("found above");
+            front.next = next;
+            if next >= total || chunks.is_empty() {
+                bg.ready.pop_front();
+                bg.uncommitted.push((doc, total));
+                bg.uncommitted_chunks += total as usize;
+                bg.since.get_or_insert_with(Instant::now);
+            }
+            if !(bg.commit_due() || commit_now && bg.ready.is_empty()) {
+                return Ok(Some(step));
+            }
+        }
+        let bg = self.background.get_mut(&coll.id).expect("found above");
+        if bg.uncommitted.is_empty() || !(commit_now || bg.commit_due()) {
+            return Ok((step.chunks > 0).then_some(step));
+        }
+        let done: Vec<(u64, u32)> = std::mem::take(&mut bg.uncommitted);
+        bg.uncommitted_chunks = 0;
+        bg.since = None;
+        let ids: Vec<u64> = done.iter().map(|&(d, _)| d).collect();
+        let marked = self.commit_indexes(&mut coll, &ids)?;
+        let bg = self.background.get_mut(&coll.id).expect("found above");
+        if let Some(j) = &mut bg.job {
+            j.done += marked.len() as u64;
+        }
+        for &(doc, chunks) in &done {
+            if marked.contains(&doc) {
+                self.finished.push(Finished {
+                    collection: coll.name.clone(),
+                    doc,
+                    done: true,
+                    chunks,
+                });
+            }
+        }
+        step.committed = true;
+        self.close_job_if_idle(coll.id)?;
+        Ok(Some(step))
+    }
+
+    /// Cancels a document that is queued or anywhere in the pipeline: the work on it stops
+    /// (a preparer sees its flag within one batch), its chunks leave the catalog and the
+    /// indexes, and it becomes `failed` with the reason `cancelled`, keeping its original so
+    /// it can be re-indexed. A `done` or `failed` document is refused.
+    pub fn cancel(&mut self, collection: &str, id_or_name: &str) -> Result<Document> {
+        let doc = self.document(collection, id_or_name)?;
+        let mut coll = self.collection(collection)?;
+        if doc.stage.is_final() {
+            return Err(KbError::WrongStage {
+                doc: doc.id,
+                stage: doc.stage.name(),
+                wanted: "queued or in the pipeline",
+            });
+        }
+        if let Some(bg) = self.background.get_mut(&coll.id) {
+            bg.forget(doc.id);
+        }
+        let mut next = doc.clone();
+        next.fail(CANCELLED);
+        next.chunks = 0;
+        self.unindex_document(&mut coll, &doc, &next)?;
+        self.close_job_if_idle(coll.id)?;
+        Ok(next)
     }
 
     /// Runs a document through the pipeline again from its stored original (after a failure,
     /// a cancellation, or a change of chunking): its chunks leave the indexes now, and it is
-    /// queued for [`process_queued`](Self::process_queued). A document still in the pipeline
-    /// is refused.
+    /// queued. A document still in the pipeline is refused.
     pub fn reindex(&mut self, collection: &str, id_or_name: &str) -> Result<Document> {
         let mut doc = self.document(collection, id_or_name)?;
         let mut coll = self.collection(collection)?;
@@ -392,94 +980,58 @@ impl KnowledgeBase {
         doc.error = None;
         doc.chunks = 0;
         doc.revision += 1;
+        doc.progress = None;
         doc.enter(Stage::Queued);
         self.unindex_document(&mut coll, &old, &doc)?;
-        let bg = self.background.entry(coll.id).or_default();
-        bg.name = coll.name.clone();
-        bg.queue.push_back(doc.id);
+        self.enqueue(&coll, doc.id);
         Ok(doc)
     }
 
-    /// Drops `doc` from the background queue (it was removed).
+    /// Stops every preparer at its next check (shutdown): the documents stay where the catalog
+    /// has them and are queued again at the next open.
+    pub fn stop_work(&mut self) {
+        for bg in self.background.values_mut() {
+            for f in bg.in_flight.values() {
+                f.cancel.store(true, Ordering::Relaxed);
+            }
+        }
+    }
+
+    /// Takes a document out of the preparer's hands and queues it again (after its step could
+    /// not be written); the chunks it stored are kept for the next try.
+    pub fn requeue(&mut self, doc: u64) {
+        let Some(coll) = self
+            .background
+            .iter()
+            .find(|(_, b)| b.holds(doc))
+            .map(|(&c, _)| c)
+        else {
+            return;
+        };
+        let bg = self.background.get_mut(&coll).expect("found above");
+        if bg.in_flight.contains_key(&doc) {
+            bg.forget(doc);
+            bg.queue.push_back(doc);
+        }
+    }
+
+    /// Drops `doc` from the background work of `coll` (it is being removed or replaced),
+    /// stopping a preparer working on it.
     pub(crate) fn forget_queued(&mut self, coll: u64, doc: u64) {
         if let Some(bg) = self.background.get_mut(&coll) {
-            bg.queue.retain(|&d| d != doc);
+            bg.forget(doc);
         }
     }
 
-    /// One step of a background run; `Ok(true)` when the run has nothing left.
-    fn step(
-        &mut self,
-        run: &mut Run,
-        queue: &mut VecDeque<u64>,
-        budget: usize,
-        step: &mut QueueStep,
-    ) -> Result<bool> {
-        let mut ignore = |_: Progress<'_>| {};
-        if !run.group.is_empty() && (run.group_chunks >= EMBED_BATCH || queue.is_empty()) {
-            if run.vectors.len() < run.group_chunks {
-                self.embed_some(run, budget, &mut ignore)?;
-            } else {
-                self.write_group(run, &mut ignore)?;
-            }
-            return Ok(false);
+    /// Queues documents an interrupted run left before indexing (at open): they go through
+    /// the pipeline again from their stored original, keeping the chunks already stored.
+    pub(crate) fn resume(&mut self, coll: &Collection, docs: Vec<Document>) {
+        for d in docs {
+            self.enqueue(coll, d.id);
         }
-        if run.uncommitted_chunks >= COMMIT_EVERY || (queue.is_empty() && run.group.is_empty()) {
-            if !run.uncommitted.is_empty() {
-                let docs: Vec<u64> = run.uncommitted.iter().map(|&(d, _)| d).collect();
-                self.commit_run(run, &mut ignore)?;
-                step.done = docs;
-            }
-            return Ok(queue.is_empty() && run.group.is_empty());
-        }
-        if let Some(id) = queue.pop_front() {
-            match self.catalog.document(id)? {
-                Some(doc) if doc.stage == Stage::Queued && doc.collection == run.coll.id => {
-                    run.job.total += 1;
-                    match self.original(&doc) {
-                        Ok(bytes) => self.process(run, doc, &bytes, usize::MAX, &mut ignore)?,
-                        Err(e) => {
-                            let reason = format!("the stored original cannot be read: {e}");
-                            self.fail(run, doc, usize::MAX, reason, &mut ignore)?;
-                        }
-                    }
-                }
-                // Deleted, cancelled or replaced since it was queued.
-                _ => {}
-            }
-        }
-        Ok(false)
     }
 
-    /// Runs documents an interrupted run left before indexing through the pipeline again.
-    pub(crate) fn resume(&mut self, coll: &mut Collection, docs: Vec<Document>) -> Result<()> {
-        let started = Instant::now();
-        let mut ignore = |_: Progress<'_>| {};
-        let mut run = self.start_run(coll.clone(), JobKind::Resume, false)?;
-        let res = (|| {
-            for doc in docs {
-                run.job.total += 1;
-                let bytes = match self.original(&doc) {
-                    Ok(b) => b,
-                    Err(e) => {
-                        let reason = format!("the stored original cannot be read: {e}");
-                        self.fail(&mut run, doc, usize::MAX, reason, &mut ignore)?;
-                        continue;
-                    }
-                };
-                self.process(&mut run, doc, &bytes, usize::MAX, &mut ignore)?;
-                if run.group_chunks >= EMBED_BATCH {
-                    self.flush_group(&mut run, &mut ignore)?;
-                }
-            }
-            self.flush_group(&mut run, &mut ignore)?;
-            self.commit_run(&mut run, &mut ignore)
-        })();
-        *coll = run.coll.clone();
-        self.finish_run(run, res, started).map(|_| ())
-    }
-
-    fn start_run(&mut self, coll: Collection, kind: JobKind, background: bool) -> Result<Run> {
+    fn new_job(&mut self, coll: &Collection, kind: JobKind) -> Result<Job> {
         let job = Job {
             id: self.catalog.new_id()?,
             collection: coll.id,
@@ -494,92 +1046,37 @@ impl KnowledgeBase {
         let mut txn = Txn::default();
         txn.put_job(&job);
         self.catalog.write(txn)?;
-        self.indexes_mut(&coll)?;
-        Ok(Run {
-            coll,
-            report: IngestReport {
-                job: job.id,
-                ..IngestReport::default()
-            },
-            job,
-            group: Vec::new(),
-            group_chunks: 0,
-            vectors: Vec::new(),
-            uncommitted: Vec::new(),
-            uncommitted_chunks: 0,
-            background,
-            failed_ids: Vec::new(),
-        })
+        Ok(job)
     }
 
-    fn finish_run(&mut self, run: Run, res: Result<()>, started: Instant) -> Result<IngestReport> {
-        let Run {
-            mut job,
-            mut report,
-            ..
-        } = run;
+    fn finish_job(&mut self, mut job: Job, err: Option<&KbError>) -> Result<()> {
         job.finished_ms = Some(now_ms());
-        job.state = match &res {
-            Ok(()) => JobState::Done,
-            Err(e) => JobState::Failed {
+        job.state = match err {
+            None => JobState::Done,
+            Some(e) => JobState::Failed {
                 reason: e.to_string(),
             },
         };
         let mut txn = Txn::default();
         txn.put_job(&job);
-        // Record the job even after a failure, but report the failure that stopped it.
-        let recorded = self.catalog.write(txn).and_then(|()| self.catalog.flush());
-        res?;
-        recorded?;
-        report.elapsed = started.elapsed();
-        Ok(report)
+        self.catalog.write(txn)?;
+        self.catalog.flush()
     }
 
-    fn ingest_one(
-        &mut self,
-        run: &mut Run,
-        nd: NewDocument,
-        progress: &mut dyn FnMut(Progress<'_>),
-    ) -> Result<()> {
-        run.job.total += 1;
-        let at = run.report.docs.len();
-        run.report.docs.push(DocReport {
-            name: nd.name.clone(),
-            outcome: Outcome::Failed {
-                reason: "not processed".into(),
-            },
-        });
-        if let Err(e) = validate_doc(&nd) {
-            let reason = e.to_string();
-            progress(Progress::Failed {
-                name: &nd.name,
-                reason: &reason,
-            });
-            run.report.docs[at].outcome = Outcome::Failed { reason };
-            run.job.failed += 1;
+    /// Ends the background job of a collection once nothing of it is left.
+    pub(crate) fn close_job_if_idle(&mut self, coll: u64) -> Result<()> {
+        let Some(bg) = self.background.get_mut(&coll) else {
+            return Ok(());
+        };
+        if bg.pending() > 0 {
             return Ok(());
         }
-        let t = Instant::now();
-        let (doc, (admission, id)) = self.store_doc(&mut run.coll, &nd, false)?;
-        run.report.times.store += t.elapsed();
-        match admission {
-            Admission::Unchanged => {
-                run.report.docs[at].outcome = Outcome::Unchanged { doc: id };
-                run.job.done += 1;
-                progress(Progress::Parsed { name: &nd.name });
-                return Ok(());
-            }
-            Admission::Replaced { old } => {
-                run.report.docs[at].outcome = Outcome::Replaced {
-                    doc: 0,
-                    chunks: 0,
-                    old,
-                };
-            }
-            Admission::Queued | Admission::Requeued => {}
+        let job = bg.job.take();
+        self.background.remove(&coll);
+        match job {
+            Some(j) => self.finish_job(j, None),
+            None => Ok(()),
         }
-        let doc = doc.expect("a stored document unless unchanged");
-        self.process(run, doc, &nd.bytes, at, progress)
     }
 
     /// The store step of ingestion. A document is a name in a collection: its id is handed
@@ -587,14 +1084,14 @@ impl KnowledgeBase {
     /// `Unchanged` (its metadata is updated) or, after a failure, `Requeued`; the same name with
     /// new content is `Replaced` in place (same id, next revision, old chunks gone); a new name
     /// is a new document, even when another name has the same bytes (the blob is shared).
-    /// Stores the blob and the `queued` record (flushed when `flush`). Returns the record to
-    /// process (none when unchanged), the admission and the document id.
+    /// Stores the blob and the `queued` record (flushed when `flush`). Returns the id and the
+    /// admission; the caller queues the document unless it is unchanged.
     fn store_doc(
         &mut self,
         coll: &mut Collection,
         nd: &NewDocument,
         flush: bool,
-    ) -> Result<(Option<Document>, (Admission, u64))> {
+    ) -> Result<(u64, Admission)> {
         let hash = crate::blobs::ContentHash::of(&nd.bytes);
         let coll_id = coll.id;
         let existing = match self.catalog.doc_by_name(coll_id, &nd.name)? {
@@ -618,7 +1115,7 @@ impl KnowledgeBase {
                         self.catalog.flush()?;
                     }
                 }
-                return Ok((None, (Admission::Unchanged, d.id)));
+                return Ok((d.id, Admission::Unchanged));
             }
             Some(d) if d.hash == hash.to_hex() => (d, Admission::Requeued),
             Some(d) => {
@@ -640,12 +1137,14 @@ impl KnowledgeBase {
                     stages: Vec::new(),
                     error: None,
                     revision: 0,
+                    progress: None,
                 };
                 (d, Admission::Queued)
             }
         };
         let old = d.clone();
         if admission != Admission::Queued {
+            self.forget_queued(coll_id, d.id);
             d.revision += 1;
             d.error = None;
             d.chunks = 0;
@@ -654,6 +1153,7 @@ impl KnowledgeBase {
             d.metadata = nd.metadata.clone();
             d.format = None;
             d.title = None;
+            d.progress = None;
         }
         // The blob first: a record never names content that is not stored.
         self.blobs.put(&nd.bytes)?;
@@ -663,8 +1163,8 @@ impl KnowledgeBase {
             txn.put_document(&d)?;
             self.catalog.write(txn)?;
         } else {
-            // Its previous chunks leave the catalog and the indexes now; a run that still holds
-            // the previous revision drops it (see `write_group`).
+            // Its previous chunks leave the catalog and the indexes now; work still in flight
+            // for the previous revision is stopped and dropped (see `apply`).
             self.unindex_document(coll, &old, &d)?;
         }
         if flush {
@@ -673,309 +1173,8 @@ impl KnowledgeBase {
         if old.hash != d.hash {
             self.remove_blob_if_unused(crate::catalog::doc_hash(&old)?)?;
         }
-        let id = d.id;
-        Ok((Some(d), (admission, id)))
+        Ok((d.id, admission))
     }
-
-    /// Parses and chunks one stored document and queues it for embedding.
-    fn process(
-        &mut self,
-        run: &mut Run,
-        mut doc: Document,
-        bytes: &[u8],
-        at: usize,
-        progress: &mut dyn FnMut(Progress<'_>),
-    ) -> Result<()> {
-        let t = Instant::now();
-        doc.enter(Stage::Parsing);
-        let parsed = engram_parse::parse(&doc.name, bytes, &self.limits);
-        run.report.times.parse += t.elapsed();
-        let parsed = match parsed {
-            Ok(p) => p,
-            Err(e) => return self.fail(run, doc, at, format!("cannot parse: {e}"), progress),
-        };
-        progress(Progress::Parsed { name: &doc.name });
-        doc.format = Some(format!("{:?}", parsed.format).to_lowercase());
-        doc.title = parsed.title.clone();
-
-        let t = Instant::now();
-        doc.enter(Stage::Chunking);
-        let spans = chunk_text(
-            &parsed.text,
-            &run.coll.chunking,
-            self.models.tokens.as_ref(),
-        );
-        run.report.times.chunk += t.elapsed();
-        if spans.is_empty() {
-            return self.fail(
-                run,
-                doc,
-                at,
-                "no text found (a scanned PDF needs OCR before it can be ingested)".into(),
-                progress,
-            );
-        }
-        if spans.len() as u64 > MAX_CHUNKS_PER_DOC {
-            let reason = format!(
-                "{} chunks, more than the {MAX_CHUNKS_PER_DOC} a document may have: split the file or raise chunk_tokens",
-                spans.len()
-            );
-            return self.fail(run, doc, at, reason, progress);
-        }
-        let chunks: Vec<Chunk> = spans
-            .into_iter()
-            .enumerate()
-            .map(|(i, s)| Chunk {
-                id: chunk_id(doc.id, i as u32),
-                doc: doc.id,
-                ordinal: i as u32,
-                page: page_of(&parsed.pages, s.bytes.start),
-                text: parsed.text[s.bytes.clone()].to_owned(),
-                bytes: s.bytes,
-                chars: s.chars,
-                tokens: s.tokens as u32,
-            })
-            .collect();
-        progress(Progress::Chunked {
-            name: &doc.name,
-            chunks: chunks.len(),
-        });
-        if run.background {
-            // Visible between steps: the document waits for (or is in) the embedder.
-            doc.enter(Stage::Embedding);
-            let mut txn = Txn::default();
-            txn.put_document(&doc)?;
-            self.catalog.write(txn)?;
-        }
-        run.group_chunks += chunks.len();
-        run.group.push(Pending {
-            doc,
-            chunks,
-            report: at,
-        });
-        Ok(())
-    }
-
-    /// Records a failed document (durably, with its reason).
-    fn fail(
-        &mut self,
-        run: &mut Run,
-        mut doc: Document,
-        at: usize,
-        reason: String,
-        progress: &mut dyn FnMut(Progress<'_>),
-    ) -> Result<()> {
-        doc.fail(reason.clone());
-        let mut txn = Txn::default();
-        txn.put_document(&doc)?;
-        self.catalog.write(txn)?;
-        if run.background {
-            self.catalog.flush()?;
-        }
-        progress(Progress::Failed {
-            name: &doc.name,
-            reason: &reason,
-        });
-        if let Some(r) = run.report.docs.get_mut(at) {
-            r.outcome = Outcome::Failed { reason };
-        }
-        run.job.failed += 1;
-        run.failed_ids.push(doc.id);
-        Ok(())
-    }
-
-    /// The group's chunks' indexed texts, in order.
-    fn group_texts(group: &[Pending]) -> Vec<String> {
-        group
-            .iter()
-            .flat_map(|p| {
-                let title = p.doc.title.as_deref();
-                p.chunks
-                    .iter()
-                    .map(move |c| c.indexed_text(title).into_owned())
-            })
-            .collect()
-    }
-
-    /// Embeds up to `budget` more chunks of the group (at most [`EMBED_BATCH`] per call of
-    /// the embedder).
-    fn embed_some(
-        &mut self,
-        run: &mut Run,
-        budget: usize,
-        progress: &mut dyn FnMut(Progress<'_>),
-    ) -> Result<()> {
-        let t = Instant::now();
-        let texts = Self::group_texts(&run.group);
-        let from = run.vectors.len();
-        let to = from.saturating_add(budget).min(texts.len());
-        for batch in texts[from..to].chunks(EMBED_BATCH) {
-            let batch: Vec<&str> = batch.iter().map(String::as_str).collect();
-            run.vectors.extend(self.models.embedder.embed(&batch)?);
-            progress(Progress::Embedded {
-                chunks: batch.len(),
-            });
-        }
-        run.report.times.embed += t.elapsed();
-        Ok(())
-    }
-
-    /// Embeds the queued documents' chunks, writes them to the catalog with one change-log
-    /// entry per document, and adds them to the indexes (committed later).
-    fn flush_group(&mut self, run: &mut Run, progress: &mut dyn FnMut(Progress<'_>)) -> Result<()> {
-        if run.group.is_empty() {
-            return Ok(());
-        }
-        for p in &mut run.group {
-            if p.doc.stage != Stage::Embedding {
-                p.doc.enter(Stage::Embedding);
-            }
-        }
-        self.embed_some(run, usize::MAX, progress)?;
-        self.write_group(run, progress)
-    }
-
-    /// Writes an embedded group to the catalog and the indexes; commits when enough chunks
-    /// wait for a commit.
-    fn write_group(&mut self, run: &mut Run, progress: &mut dyn FnMut(Progress<'_>)) -> Result<()> {
-        let mut group = std::mem::take(&mut run.group);
-        let mut vectors = std::mem::take(&mut run.vectors);
-        run.group_chunks = 0;
-        debug_assert_eq!(
-            vectors.len(),
-            group.iter().map(|p| p.chunks.len()).sum::<usize>()
-        );
-        if run.background {
-            // A document deleted (or replaced) while it waited for the embedder is dropped.
-            let mut keep = Vec::with_capacity(group.len());
-            for p in &group {
-                let live = self
-                    .catalog
-                    .document(p.doc.id)?
-                    .is_some_and(|d| !d.stage.is_final() && d.revision == p.doc.revision);
-                keep.push(live);
-            }
-            if keep.iter().any(|k| !k) {
-                let mut kept_vectors = Vec::with_capacity(vectors.len());
-                let mut vecs = vectors.into_iter();
-                for (p, &k) in group.iter().zip(&keep) {
-                    for _ in 0..p.chunks.len() {
-                        let v = vecs.next().expect("one vector per chunk");
-                        if k {
-                            kept_vectors.push(v);
-                        }
-                    }
-                }
-                vectors = kept_vectors;
-                let mut k = keep.iter();
-                group.retain(|_| *k.next().expect("one flag per document"));
-            }
-            if group.is_empty() {
-                return Ok(());
-            }
-        }
-        let texts = Self::group_texts(&group);
-
-        let t = Instant::now();
-        let mut seq = self.catalog.seq()?;
-        let mut txn = Txn::default();
-        let mut vecs = vectors.iter();
-        for p in &mut group {
-            for c in &p.chunks {
-                txn.put_chunk(c, vecs.next().expect("one vector per chunk"))?;
-            }
-            seq += 1;
-            p.doc.chunks = p.chunks.len() as u32;
-            p.doc.enter(Stage::Indexing);
-            txn.put_document(&p.doc)?;
-            txn.log(run.coll.id, seq, LogOp::Add { doc: p.doc.id });
-            run.coll.documents += 1;
-            run.coll.chunks += p.chunks.len() as u64;
-        }
-        run.coll.last_seq = seq;
-        txn.put_collection(&run.coll);
-        txn.set_seq(seq);
-        self.catalog.write(txn)?;
-
-        let chunk_docs: Vec<ChunkDoc<'_>> = group
-            .iter()
-            .flat_map(|p| p.chunks.iter())
-            .zip(&texts)
-            .map(|(c, t)| ChunkDoc {
-                chunk_id: c.id,
-                doc_id: c.doc,
-                text: t,
-            })
-            .collect();
-        let items: Vec<(u64, u64, &[f32])> = group
-            .iter()
-            .flat_map(|p| p.chunks.iter())
-            .zip(&vectors)
-            .map(|(c, v)| (c.id, c.doc, v.as_slice()))
-            .collect();
-        let idx = self.indexes_mut(&run.coll)?;
-        idx.bm25.add(&chunk_docs)?;
-        idx.vectors.add(&items)?;
-        for p in &group {
-            let n = p.chunks.len();
-            run.uncommitted.push((p.doc.id, n));
-            run.uncommitted_chunks += n;
-            run.report.chunks += n as u64;
-            if let Some(r) = run.report.docs.get_mut(p.report) {
-                r.outcome = match r.outcome {
-                    Outcome::Replaced { old, .. } => Outcome::Replaced {
-                        doc: p.doc.id,
-                        chunks: n as u32,
-                        old,
-                    },
-                    _ => Outcome::Added {
-                        doc: p.doc.id,
-                        chunks: n as u32,
-                    },
-                };
-            }
-        }
-        run.report.times.index += t.elapsed();
-        if run.uncommitted_chunks >= COMMIT_EVERY && !run.background {
-            self.commit_run(run, progress)?;
-        }
-        Ok(())
-    }
-
-    /// Commits the indexes and marks the uncommitted documents done.
-    fn commit_run(&mut self, run: &mut Run, progress: &mut dyn FnMut(Progress<'_>)) -> Result<()> {
-        if run.uncommitted.is_empty() {
-            // Deletions (replaced documents) still need their commit.
-            return self.commit_indexes(&mut run.coll, &[]);
-        }
-        let t = Instant::now();
-        let docs: Vec<u64> = run.uncommitted.iter().map(|&(d, _)| d).collect();
-        self.commit_indexes(&mut run.coll, &docs)?;
-        run.report.times.index += t.elapsed();
-        run.job.done += docs.len() as u64;
-        let mut txn = Txn::default();
-        txn.put_job(&run.job);
-        self.catalog.write(txn)?;
-        progress(Progress::Indexed {
-            docs: docs.len(),
-            chunks: run.uncommitted_chunks,
-        });
-        run.uncommitted.clear();
-        run.uncommitted_chunks = 0;
-        Ok(())
-    }
-}
-
-/// The reason a cancelled document carries.
-pub const CANCELLED: &str = "cancelled";
-
-/// The 1-based page holding byte `at`, when the parser reported pages.
-fn page_of(pages: &[std::ops::Range<usize>], at: usize) -> Option<u32> {
-    if pages.is_empty() {
-        return None;
-    }
-    let i = pages.partition_point(|p| p.end <= at);
-    Some(i.min(pages.len() - 1) as u32 + 1)
 }
 
 /// Names and metadata must be usable as catalog keys: no NUL, bounded length.
@@ -997,20 +1196,4 @@ fn validate_doc(nd: &NewDocument) -> Result<()> {
         }
     }
     Ok(())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn pages_by_start_offset() {
-        let pages = [0..10, 10..25, 25..30];
-        assert_eq!(page_of(&pages, 0), Some(1));
-        assert_eq!(page_of(&pages, 9), Some(1));
-        assert_eq!(page_of(&pages, 10), Some(2));
-        assert_eq!(page_of(&pages, 29), Some(3));
-        assert_eq!(page_of(&pages, 99), Some(3));
-        assert_eq!(page_of(&[], 3), None);
-    }
 }

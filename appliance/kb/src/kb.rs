@@ -123,7 +123,8 @@ pub struct Recovery {
     pub caught_up: Vec<(String, &'static str, usize)>,
     /// Collections whose chunks were re-embedded for a new model.
     pub reembedded: Vec<String>,
-    /// Documents an interrupted run left half-way, now finished.
+    /// Documents an interrupted run left half-way: finished when their chunks were all
+    /// stored, else queued again (the chunks already stored are kept).
     pub resumed: usize,
     /// Unreferenced blobs removed.
     pub blobs_removed: usize,
@@ -146,9 +147,14 @@ pub struct KnowledgeBase {
     pub(crate) models: Models,
     pub(crate) indexes: HashMap<u64, Indexes>,
     pub(crate) limits: engram_parse::Limits,
-    /// Accepted documents waiting for [`process_queued`](Self::process_queued), by
-    /// collection id.
+    /// Accepted documents between acceptance and `done`, by collection id.
     pub(crate) background: HashMap<u64, crate::ingest::Background>,
+    /// Documents that became `done` or `failed`, until [`take_finished`](Self::take_finished).
+    pub(crate) finished: Vec<crate::ingest::Finished>,
+    /// Round-robin counter over collections with work.
+    pub(crate) turn: usize,
+    /// Chunks of the documents waiting for their chunk KV (counted on first use).
+    kv_pending_chunks: Option<u64>,
     recovery: Recovery,
 }
 
@@ -193,6 +199,9 @@ impl KnowledgeBase {
             indexes: HashMap::new(),
             limits: engram_parse::Limits::default(),
             background: HashMap::new(),
+            finished: Vec::new(),
+            turn: 0,
+            kv_pending_chunks: None,
             recovery: Recovery::default(),
         };
         kb.recover()?;
@@ -212,6 +221,11 @@ impl KnowledgeBase {
     /// The models in use.
     pub fn models(&self) -> &Models {
         &self.models
+    }
+
+    /// The parser's limits.
+    pub fn parse_limits(&self) -> &engram_parse::Limits {
+        &self.limits
     }
 
     /// Sets the parser's limits for later ingestion.
@@ -279,6 +293,7 @@ impl KnowledgeBase {
         let mut txn = Txn::default();
         for d in &docs {
             txn.remove_document(d)?;
+            txn.remove_kv_pending(d.id);
             for c in self.catalog.chunks(d.id)? {
                 txn.remove_chunk(c.id);
             }
@@ -290,7 +305,12 @@ impl KnowledgeBase {
         self.catalog.write(txn)?;
         self.catalog.flush()?;
         self.indexes.remove(&coll.id);
-        self.background.remove(&coll.id);
+        if let Some(mut bg) = self.background.remove(&coll.id) {
+            for d in &docs {
+                bg.forget(d.id);
+            }
+        }
+        self.kv_pending_chunks = None;
         let dir = self.collection_dir(coll.id);
         if dir.exists() {
             fs::remove_dir_all(&dir).map_err(|e| KbError::io("removing", &dir, e))?;
@@ -373,6 +393,7 @@ impl KnowledgeBase {
         let mut coll = self.collection(collection)?;
         self.remove_document(&mut coll, &doc)?;
         self.commit_indexes(&mut coll, &[])?;
+        self.close_job_if_idle(coll.id)?;
         self.remove_blob_if_unused(doc_hash(&doc)?)?;
         Ok(doc)
     }
@@ -382,8 +403,10 @@ impl KnowledgeBase {
         self.forget_queued(coll.id, doc.id);
         let chunks = self.catalog.chunks(doc.id)?;
         let seq = self.catalog.seq()? + 1;
+        self.forget_kv(doc);
         let mut txn = Txn::default();
         txn.remove_document(doc)?;
+        txn.remove_kv_pending(doc.id);
         for c in &chunks {
             txn.remove_chunk(c.id);
         }
@@ -420,6 +443,8 @@ impl KnowledgeBase {
         }
         txn.remove_document(doc)?;
         txn.put_document(next)?;
+        self.forget_kv(doc);
+        txn.remove_kv_pending(doc.id);
         if matches!(doc.stage, Stage::Indexing | Stage::Done) {
             coll.documents = coll.documents.saturating_sub(1);
             coll.chunks = coll.chunks.saturating_sub(chunks.len() as u64);
@@ -432,7 +457,7 @@ impl KnowledgeBase {
         let idx = self.indexes_mut(coll)?;
         idx.bm25.delete_doc(doc.id)?;
         idx.vectors.delete_doc(doc.id)?;
-        self.commit_indexes(coll, &[])
+        self.commit_indexes(coll, &[]).map(|_| ())
     }
 
     pub(crate) fn remove_blob_if_unused(&self, hash: ContentHash) -> Result<()> {
@@ -442,23 +467,40 @@ impl KnowledgeBase {
         Ok(())
     }
 
-    /// Commits both indexes of `coll` at its `last_seq` (after flushing the catalog, so an
-    /// index is never ahead of it), marks `done` documents done, and drops the change-log
-    /// entries both indexes now cover.
-    pub(crate) fn commit_indexes(&mut self, coll: &mut Collection, done: &[u64]) -> Result<()> {
+    /// Commits both indexes of `coll` at the highest sequence number they fully hold (its
+    /// `last_seq` unless a finished document is still being added; after flushing the catalog,
+    /// so an index is never ahead of it), marks the `done` documents that are still
+    /// `indexing` done (and waiting for their chunk KV, see [`kv_pending`](Self::kv_pending)),
+    /// and drops the
+    /// change-log entries both indexes now cover. Returns the documents marked done.
+    pub(crate) fn commit_indexes(
+        &mut self,
+        coll: &mut Collection,
+        done: &[u64],
+    ) -> Result<Vec<u64>> {
         self.catalog.flush()?;
-        let seq = coll.last_seq;
+        let seq = self
+            .background
+            .get(&coll.id)
+            .map_or(coll.last_seq, |b| b.safe_seq(coll.last_seq));
         let idx = self.indexes_mut(coll)?;
         idx.bm25.commit(seq)?;
         idx.vectors.commit(seq)?;
         let mut txn = Txn::default();
+        let mut marked = Vec::new();
         for &id in done {
             // A document requeued since its chunks were written (new content under its name)
             // is not done: its new revision is on its way.
             if let Some(mut d) = self.catalog.document(id)? {
                 if d.stage == Stage::Indexing {
                     d.enter(Stage::Done);
+                    d.progress = None;
                     txn.put_document(&d)?;
+                    txn.set_kv_pending(id);
+                    if let Some(n) = &mut self.kv_pending_chunks {
+                        *n += d.chunks as u64;
+                    }
+                    marked.push(id);
                 }
             }
         }
@@ -468,7 +510,8 @@ impl KnowledgeBase {
         coll.log_floor = seq;
         txn.put_collection(coll);
         self.catalog.write(txn)?;
-        self.catalog.flush()
+        self.catalog.flush()?;
+        Ok(marked)
     }
 
     pub(crate) fn indexes_mut(&mut self, coll: &Collection) -> Result<&mut Indexes> {
@@ -516,6 +559,81 @@ impl KnowledgeBase {
         };
         self.indexes.insert(coll.id, Indexes { bm25, vectors });
         Ok(replaced)
+    }
+
+    // ---- the chunk KV stage ----
+
+    /// Up to `n` documents, after document `after` in id order, that are `done` and whose chunk
+    /// KV is not recorded as stored: the chunk KV stage's durable queue. A document enters it
+    /// when it becomes `done` and leaves it through [`kv_done`](Self::kv_done), deletion or
+    /// re-indexing, so a crash never loses the work.
+    pub fn kv_pending(&self, after: u64, n: usize) -> Result<Vec<u64>> {
+        self.catalog.kv_pending(after, n)
+    }
+
+    /// Records that every chunk of `doc` has its KV stored.
+    pub fn kv_done(&mut self, doc: u64) -> Result<()> {
+        if self.catalog.kv_pending(doc.saturating_sub(1), 1)? != [doc] {
+            return Ok(());
+        }
+        if let (Some(n), Some(d)) = (&mut self.kv_pending_chunks, self.catalog.document(doc)?) {
+            *n = n.saturating_sub(d.chunks as u64);
+        }
+        let mut txn = Txn::default();
+        txn.remove_kv_pending(doc);
+        self.catalog.write(txn)
+    }
+
+    /// Puts every `done` document (of `collection`, or of all) back in the chunk KV queue:
+    /// after a change of model or frame. Returns how many.
+    pub fn mark_kv_pending(&mut self, collection: Option<&str>) -> Result<usize> {
+        let colls = match collection {
+            Some(name) => vec![self.collection(name)?],
+            None => self.catalog.collections()?,
+        };
+        let mut n = 0;
+        for c in colls {
+            let mut txn = Txn::default();
+            for d in self.catalog.documents(c.id)? {
+                if d.stage == Stage::Done {
+                    txn.set_kv_pending(d.id);
+                    n += 1;
+                }
+            }
+            self.catalog.write(txn)?;
+        }
+        self.catalog.flush()?;
+        self.kv_pending_chunks = None;
+        Ok(n)
+    }
+
+    /// Chunks of the documents waiting in the chunk KV queue (counted once, then kept up to
+    /// date).
+    pub fn kv_pending_chunks(&mut self) -> Result<u64> {
+        if let Some(n) = self.kv_pending_chunks {
+            return Ok(n);
+        }
+        let mut n = 0u64;
+        let mut after = 0;
+        loop {
+            let ids = self.catalog.kv_pending(after, 1024)?;
+            let Some(&last) = ids.last() else { break };
+            for id in ids {
+                n += self.catalog.document(id)?.map_or(0, |d| d.chunks as u64);
+            }
+            after = last;
+        }
+        self.kv_pending_chunks = Some(n);
+        Ok(n)
+    }
+
+    /// Drops a document's share of the cached pending count before its marker is removed.
+    fn forget_kv(&mut self, doc: &Document) {
+        let marked =
+            self.catalog.kv_pending(doc.id.saturating_sub(1), 1).ok() == Some(vec![doc.id]);
+        if let (Some(n), true) = (&mut self.kv_pending_chunks, marked) {
+            *n = n.saturating_sub(doc.chunks as u64);
+        }
     }
 
     // ---- recovery ----
@@ -654,7 +772,12 @@ impl KnowledgeBase {
 
     /// Adds chunks to one index, taking vectors from the catalog (re-embedding any that are
     /// missing or unreadable, and storing them back).
-    fn index_add(&mut self, coll: &Collection, which: Which, chunks: &[Chunk]) -> Result<()> {
+    pub(crate) fn index_add(
+        &mut self,
+        coll: &Collection,
+        which: Which,
+        chunks: &[Chunk],
+    ) -> Result<()> {
         if chunks.is_empty() {
             return Ok(());
         }
@@ -754,8 +877,12 @@ impl KnowledgeBase {
             self.indexes.insert(coll.id, Indexes { bm25, vectors });
         }
         let mut pending = Vec::new();
-        for id in self.catalog.document_ids(coll.id)? {
-            pending.extend(self.catalog.chunks(id)?);
+        for d in self.catalog.documents(coll.id)? {
+            // Chunks of a document still being embedded are not in the indexes yet.
+            if !matches!(d.stage, Stage::Indexing | Stage::Done) {
+                continue;
+            }
+            pending.extend(self.catalog.chunks(d.id)?);
             if pending.len() >= COMMIT_EVERY {
                 self.index_add(coll, which, &pending)?;
                 pending.clear();
@@ -827,8 +954,9 @@ impl KnowledgeBase {
     }
 
     /// Finishes documents an interrupted run left: those already indexing only need marking
-    /// done (their chunks are in the catalog and the indexes were just synced); the others go
-    /// through the pipeline again from their stored original.
+    /// done (their chunks are in the catalog and the indexes were just synced); the others are
+    /// queued again, to go through the pipeline from their stored original after `open`
+    /// returns (the daemon serves meanwhile).
     fn resume_documents(&mut self, coll: &mut Collection) -> Result<()> {
         let unfinished: Vec<Document> = self
             .catalog
@@ -846,11 +974,13 @@ impl KnowledgeBase {
         let mut txn = Txn::default();
         for mut d in indexing {
             d.enter(Stage::Done);
+            d.progress = None;
             txn.put_document(&d)?;
+            txn.set_kv_pending(d.id);
         }
         self.catalog.write(txn)?;
         if !rest.is_empty() {
-            self.resume(coll, rest)?;
+            self.resume(coll, rest);
         }
         Ok(())
     }

@@ -40,26 +40,30 @@ mod chunker;
 mod error;
 mod ingest;
 mod kb;
+mod prepare;
 mod records;
 mod search;
 
 pub use blobs::ContentHash;
 pub use catalog::SCHEMA_VERSION;
 pub use chunker::{
-    chunk_text, ChunkConfig, ChunkSpan, TokenCounter, DEFAULT_CHUNK_TOKENS, DEFAULT_OVERLAP_TOKENS,
-    MAX_CHUNK_TOKENS, MIN_CHUNK_TOKENS,
+    chunk_text, ChunkConfig, ChunkSpan, Chunker, TokenCounter, DEFAULT_CHUNK_TOKENS,
+    DEFAULT_OVERLAP_TOKENS, MAX_CHUNK_TOKENS, MIN_CHUNK_TOKENS,
 };
 pub use engram_index::FusionMode;
 pub use error::{KbError, Result};
 pub use ingest::{
-    Accepted, Admission, DocReport, IngestReport, NewDocument, Outcome, Progress, QueueStep,
-    StageTimes, CANCELLED,
+    Accepted, Admission, DocReport, Finished, IndexStep, IngestReport, NewDocument, Outcome,
+    Progress, QueueStep, StageTimes, CANCELLED, COMMIT_INTERVAL, INDEX_STEP, JOB_MAX_BYTES,
+    JOB_MAX_DOCS,
 };
 pub use kb::{
     blind_pieces, KnowledgeBase, Models, Recovery, COMMIT_EVERY, EMBED_BATCH, MIN_CJK_VOCAB,
 };
+pub use prepare::{prepare, PrepareDoc, PrepareJob, Prepared, CHUNK_CHECK_EVERY};
 pub use records::{
-    Chunk, Collection, Document, Job, JobKind, JobState, Stage, StageTime, RECORD_VERSION,
+    Chunk, Collection, DocProgress, Document, Job, JobKind, JobState, Stage, StageTime,
+    RECORD_VERSION,
 };
 pub use search::{
     DenseSignal, Retrieved, SearchHit, SearchMode, SearchRequest, SearchResults, BLIND_SHARE_FULL,

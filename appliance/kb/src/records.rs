@@ -128,6 +128,22 @@ pub struct Document {
     /// re-index): work still in flight for an earlier revision is dropped, not written.
     #[serde(default)]
     pub revision: u32,
+    /// How far the pipeline is with it, while it is in the pipeline.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub progress: Option<DocProgress>,
+}
+
+/// Where a document in the pipeline is, in units an operator can follow.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DocProgress {
+    /// Bytes of its parsed text, and how many of them are cut into chunks.
+    pub text_bytes: u64,
+    pub text_bytes_chunked: u64,
+    /// Chunks it has (0 until it is chunked), how many are embedded and stored, and how many
+    /// are in the indexes.
+    pub chunks: u32,
+    pub chunks_embedded: u32,
+    pub chunks_indexed: u32,
 }
 
 impl Document {
@@ -143,7 +159,13 @@ impl Document {
     /// Moves to [`Stage::Failed`] with a reason.
     pub fn fail(&mut self, reason: impl Into<String>) {
         self.error = Some(reason.into());
+        self.progress = None;
         self.enter(Stage::Failed);
+    }
+
+    /// Its progress, created on first use.
+    pub fn progress_mut(&mut self) -> &mut DocProgress {
+        self.progress.get_or_insert_with(DocProgress::default)
     }
 }
 

@@ -118,35 +118,6 @@ pub struct EngineInfo {
     pub kv_model_changed: bool,
 }
 
-/// The file under the KV directory that records which model and frame the stored chunk KV
-/// belongs to (the hex `ChunkStore` fingerprint).
-pub const KV_MODEL_RECORD: &str = "chunk-kv-model";
-
-/// Whether the KV directory's record names another store fingerprint than `fp`; records `fp`
-/// (crash-safe rename) so the re-precompute is scheduled once per change.
-fn kv_model_changed(dir: &std::path::Path, fp: &engram_kvstore::ModelFingerprint) -> bool {
-    let hex: String = fp.0.iter().map(|b| format!("{b:02x}")).collect();
-    let path = dir.join(KV_MODEL_RECORD);
-    let recorded = std::fs::read_to_string(&path).ok();
-    if recorded.as_deref().map(str::trim) == Some(hex.as_str()) {
-        return false;
-    }
-    let tmp = path.with_extension("tmp");
-    let written = std::fs::create_dir_all(dir)
-        .and_then(|()| std::fs::write(&tmp, &hex))
-        .and_then(|()| std::fs::rename(&tmp, &path));
-    if let Err(e) = written {
-        tracing::warn!(
-            "cannot record the chunk KV model in {}: {e}",
-            path.display()
-        );
-    }
-    if let Some(old) = recorded {
-        tracing::info!(old = old.trim(), new = %hex, "model or frame changed: chunk KV will be recomputed in the background");
-    }
-    true
-}
-
 /// A cheap, cloneable handle to the engine thread.
 #[derive(Clone)]
 pub struct EngineHandle {
@@ -161,7 +132,8 @@ impl EngineHandle {
     pub fn spawn(
         opts: EngineOptions,
         metrics: Arc<Metrics>,
-        kv_work: mpsc::UnboundedReceiver<KvWork>,
+        kv_work: mpsc::Receiver<KvWork>,
+        kv_done: mpsc::UnboundedSender<u64>,
     ) -> Result<(EngineHandle, std::thread::JoinHandle<()>)> {
         let (tx, rx) = mpsc::channel::<Job>(opts.queue_depth);
         let (ready_tx, ready_rx) = std::sync::mpsc::channel();
@@ -177,10 +149,20 @@ impl EngineHandle {
                         tracing::warn!("fidelity gate for {}: {e}", opts.policy);
                     }
                     let mut info = engine.info();
-                    info.kv_model_changed =
-                        kv_model_changed(&opts.kv_dir, &engine.store.fingerprint());
+                    info.kv_model_changed = match engine.store.record_fingerprint() {
+                        Ok(changed) => changed,
+                        Err(e) => {
+                            tracing::warn!("cannot record the chunk KV model: {e}");
+                            false
+                        }
+                    };
+                    if info.kv_model_changed {
+                        tracing::info!(
+                            "model or frame changed: chunk KV will be recomputed in the background"
+                        );
+                    }
                     let _ = ready_tx.send(Ok(info));
-                    engine.run(rx, kv_work);
+                    engine.run(rx, kv_work, kv_done);
                 }
                 Err(e) => {
                     let _ = ready_tx.send(Err(e));
@@ -375,7 +357,12 @@ impl Engine {
     /// the batch, repeat; chunk KV work only when no job waits or runs; block on both when
     /// idle. Stops when every handle is gone and the batch has finished (chunk KV work left
     /// then is only a cache not yet filled).
-    fn run(self, mut rx: mpsc::Receiver<Job>, mut kv: mpsc::UnboundedReceiver<KvWork>) {
+    fn run(
+        self,
+        mut rx: mpsc::Receiver<Job>,
+        mut kv: mpsc::Receiver<KvWork>,
+        kv_done: mpsc::UnboundedSender<u64>,
+    ) {
         enum Next {
             Job(Option<Job>),
             Kv(Option<KvWork>),
@@ -384,7 +371,8 @@ impl Engine {
         let waiter = tokio::runtime::Builder::new_current_thread()
             .build()
             .expect("a current-thread runtime builds");
-        let mut chunks: VecDeque<String> = VecDeque::new();
+        // Documents whose chunks wait for their KV, the front one being worked through.
+        let mut chunks: VecDeque<KvWork> = VecDeque::new();
         let mut kv_open = true;
         let mut jobs_open = true;
         let mut batch: Vec<Active<'_>> = Vec::new();
@@ -410,8 +398,15 @@ impl Engine {
             if !rx.is_empty() {
                 continue;
             }
-            if let Some(text) = chunks.pop_front() {
-                self.precompute(&text);
+            if let Some(work) = chunks.front_mut() {
+                match work.texts.pop() {
+                    Some(text) => self.precompute(&text),
+                    None => {
+                        // Every chunk of the document is stored (or was tried and logged).
+                        let _ = kv_done.send(work.doc);
+                        chunks.pop_front();
+                    }
+                }
                 continue;
             }
             let next = match kv.try_recv() {
@@ -431,7 +426,7 @@ impl Engine {
                     }
                 }
                 Next::Job(None) => jobs_open = false,
-                Next::Kv(Some(w)) => chunks.extend(w),
+                Next::Kv(Some(w)) => chunks.push_back(w),
                 Next::Kv(None) => kv_open = false,
             }
         }
@@ -591,10 +586,6 @@ impl Engine {
     /// (the key is the one a question over this chunk looks up). Failures are logged: the
     /// chunk is then computed when a question first needs it.
     fn precompute(&self, text: &str) {
-        self.metrics
-            .ingest_pending
-            .with_label_values(&["chunk_kv"])
-            .dec();
         let computed = chunk_tokens(&self.tokenizer, text)
             .map_err(|e| e.to_string())
             .and_then(|ids| {
@@ -766,23 +757,5 @@ impl Engine {
             stats: done.stats,
             job,
         })
-    }
-}
-
-#[cfg(test)]
-mod kv_record_tests {
-    use super::*;
-
-    #[test]
-    fn a_changed_store_fingerprint_is_reported_once() {
-        let dir = std::env::temp_dir().join(format!("engram-kv-record-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        let a = engram_kvstore::ModelFingerprint([1; 16]);
-        let b = engram_kvstore::ModelFingerprint([2; 16]);
-        assert!(kv_model_changed(&dir, &a), "no record yet");
-        assert!(!kv_model_changed(&dir, &a), "recorded");
-        assert!(kv_model_changed(&dir, &b), "another model");
-        assert!(!kv_model_changed(&dir, &b));
-        let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -1,12 +1,20 @@
 //! The knowledge base's one owner: a thread that holds the `KnowledgeBase` and runs the
-//! commands (closures) sent to it over a channel, answering each on a oneshot. Between
-//! commands it moves the ingestion queue on, one bounded step at a time, and hands the
-//! chunks of every document that becomes searchable to the engine's chunk KV stage.
+//! commands (closures) sent to it over a channel, answering each on a oneshot. The heavy half
+//! of ingestion (parse, chunk, embed) runs on a second thread, the preparer, which reports each
+//! step back; the owner applies those reports, adds finished documents to the indexes in
+//! bounded steps and commits, always after the commands waiting, so a query waits behind at
+//! most one such step (milliseconds to a few hundred), never behind a document.
+//!
+//! The owner also feeds the engine's chunk KV stage from the catalog's durable queue of `done`
+//! documents whose KV is not stored yet, a few documents at a time, and records each document
+//! the engine reports finished.
 
+use std::collections::HashSet;
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::time::Duration;
 
-use engram_kb::{KnowledgeBase, Models};
+use engram_kb::{KnowledgeBase, Models, PrepareJob, Prepared};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::error::{ApiError, Result, ServerError};
@@ -16,30 +24,52 @@ use crate::metrics::Metrics;
 /// ingestion is bounded separately, so this only absorbs bursts.
 const COMMAND_QUEUE: usize = 256;
 
-/// Chunks embedded per background step: one packed batch of the encoder (4096 tokens, about
-/// 16 chunks of 256), about a second on a 2-core CPU. A query never waits behind more than
-/// one step (or one document's parse).
+/// Chunks embedded per call of the embedder on the preparer: one packed batch of the encoder
+/// (4096 tokens, about 16 chunks of 256), about a second on a 2-core CPU; the preparer looks
+/// at a document's cancel flag between batches.
 pub const STEP_CHUNKS: usize = 16;
+
+/// Messages the preparer may have sent before the owner applies them: a few batches, so memory
+/// stays bounded when the owner is busy with queries.
+const PREPARED_QUEUE: usize = 8;
+
+/// Documents handed to the engine's chunk KV stage at a time: enough to keep it busy, few
+/// enough that a deletion or shutdown wastes little.
+pub const KV_WORK_QUEUE: usize = 2;
 
 /// Pause after a background step failed, so that a persistent failure (a full disk) does not
 /// spin the thread; the queue goes on afterwards.
-const STEP_ERROR_PAUSE: std::time::Duration = std::time::Duration::from_millis(500);
+const STEP_ERROR_PAUSE: Duration = Duration::from_millis(500);
+
+/// Longest the owner sleeps without a message: commits that are due on time (see
+/// `engram_kb::COMMIT_INTERVAL`) happen even when nothing else arrives.
+const IDLE_TICK: Duration = Duration::from_secs(1);
 
 type Command = Box<dyn FnOnce(&mut KnowledgeBase) + Send>;
 
-/// Chunk texts of a document that became searchable, for the engine's chunk KV stage.
-pub type KvWork = Vec<String>;
+/// The chunks of one `done` document, for the engine's chunk KV stage.
+#[derive(Debug)]
+pub struct KvWork {
+    pub doc: u64,
+    pub texts: Vec<String>,
+}
+
+/// The two ends of the chunk KV stage the knowledge base holds: work out, finished documents
+/// back.
+pub struct KvLink {
+    pub work: mpsc::Sender<KvWork>,
+    pub done: mpsc::UnboundedReceiver<u64>,
+}
 
 /// What the knowledge base needs to open.
-#[derive(Clone, Debug)]
 pub struct KbOptions {
     pub data_dir: PathBuf,
     pub embedder: PathBuf,
     pub llm: PathBuf,
     pub threads: usize,
     pub max_upload_bytes: usize,
-    /// Where the chunks of indexed documents go for their KV (none: no precompute).
-    pub kv_work: Option<mpsc::UnboundedSender<KvWork>>,
+    /// The engine's chunk KV stage (none: no precompute).
+    pub kv: Option<KvLink>,
 }
 
 /// A cheap, cloneable handle to the knowledge-base thread.
@@ -52,9 +82,9 @@ pub struct KbHandle {
 }
 
 impl KbHandle {
-    /// Starts the thread and opens the knowledge base there (with recovery); returns once it
-    /// is open. The thread ends, dropping (and so flushing) the knowledge base, when every
-    /// handle is gone.
+    /// Starts the thread and opens the knowledge base there (recovery queues interrupted
+    /// documents rather than finishing them first); returns once it is open. The thread ends,
+    /// dropping (and so flushing) the knowledge base, when every handle is gone.
     pub fn spawn(
         opts: KbOptions,
         metrics: Arc<Metrics>,
@@ -75,7 +105,13 @@ impl KbHandle {
                         return;
                     }
                 };
-                owner_loop(&mut kb, &mut rx, opts.kv_work.as_ref(), &metrics);
+                let mut kv = opts.kv;
+                match Preparer::spawn(&kb, metrics.clone()) {
+                    Ok(preparer) => {
+                        owner_loop(&mut kb, &mut rx, preparer, kv.as_mut(), &metrics);
+                    }
+                    Err(e) => tracing::error!("cannot start the preparer thread: {e}"),
+                }
                 tracing::info!("knowledge base closed");
             })
             .map_err(|e| ServerError::io("spawning", "engram-kb thread", e))?;
@@ -114,104 +150,301 @@ impl KbHandle {
     }
 }
 
-/// Commands first, always: a background step runs only when no command is waiting, and a
-/// closed channel (shutdown) stops the loop between two steps. What is left in the queue is
-/// durable and resumed on the next start.
+/// What the preparer thread sends back.
+enum FromPreparer {
+    Step(Prepared),
+    /// The job handed out last is finished (a new one can go).
+    JobDone,
+}
+
+/// The preparer thread: parses, chunks and embeds the jobs it is given (one at a time) with
+/// the knowledge base's models, off the owner thread.
+struct Preparer {
+    jobs: std::sync::mpsc::Sender<PrepareJob>,
+    out: mpsc::Receiver<FromPreparer>,
+    busy: bool,
+    join: std::thread::JoinHandle<()>,
+}
+
+impl Preparer {
+    fn spawn(kb: &KnowledgeBase, metrics: Arc<Metrics>) -> std::io::Result<Preparer> {
+        let (jobs, job_rx) = std::sync::mpsc::channel::<PrepareJob>();
+        let (tx, out) = mpsc::channel(PREPARED_QUEUE);
+        let models: Models = kb.models().clone();
+        let limits = kb.parse_limits().clone();
+        let join = std::thread::Builder::new()
+            .name("engram-prepare".into())
+            .spawn(move || {
+                while let Ok(job) = job_rx.recv() {
+                    let docs: Vec<(u64, u32)> =
+                        job.docs.iter().map(|d| (d.doc, d.revision)).collect();
+                    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                        engram_kb::prepare(&models, &limits, job, STEP_CHUNKS, &mut |m| {
+                            match &m {
+                                Prepared::Chunked { chunks, .. } => metrics
+                                    .ingest_chunks
+                                    .with_label_values(&["chunked"])
+                                    .inc_by(u64::from(*chunks)),
+                                Prepared::Embedded { chunks, .. } => metrics
+                                    .ingest_chunks
+                                    .with_label_values(&["embedded"])
+                                    .inc_by(chunks.len() as u64),
+                                _ => {}
+                            }
+                            // A closed channel means shutdown: the rest is dropped and resumed
+                            // from the catalog at the next start.
+                            let _ = tx.blocking_send(FromPreparer::Step(m));
+                        })
+                    }));
+                    if r.is_err() {
+                        tracing::error!("the preparer panicked; its documents fail");
+                        for (doc, revision) in docs {
+                            let _ = tx.blocking_send(FromPreparer::Step(Prepared::Failed {
+                                doc,
+                                revision,
+                                reason: "internal error while preparing the document".into(),
+                            }));
+                        }
+                    }
+                    if tx.blocking_send(FromPreparer::JobDone).is_err() {
+                        break;
+                    }
+                }
+            })?;
+        Ok(Preparer {
+            jobs,
+            out,
+            busy: false,
+            join,
+        })
+    }
+}
+
+/// Commands first, always; then the preparer's reports; then handing out the next job, one
+/// index step, and the chunk KV feed; then sleep until something arrives. A closed command
+/// channel (shutdown) stops the loop between two steps: the preparer's current work stops at
+/// its next check, and what is left is durable and resumed on the next start.
 fn owner_loop(
     kb: &mut KnowledgeBase,
     rx: &mut mpsc::Receiver<Command>,
-    kv_work: Option<&mpsc::UnboundedSender<KvWork>>,
+    mut preparer: Preparer,
+    mut kv: Option<&mut KvLink>,
     metrics: &Metrics,
 ) {
+    // Only to wait on several channels at once; nothing runs on it.
+    let waiter = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .build()
+        .expect("a current-thread runtime builds");
     let run = |kb: &mut KnowledgeBase, cmd: Command| {
         let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| cmd(kb)));
         if r.is_err() {
             tracing::error!("a knowledge-base command panicked; the owner goes on");
         }
     };
-    let pending = metrics.ingest_pending.with_label_values(&["documents"]);
-    let mut turn = 0usize;
+    let mut kv_feed = KvFeed::default();
     loop {
+        report(kb, metrics);
         match rx.try_recv() {
             Ok(cmd) => {
                 run(kb, cmd);
-                pending.set(kb.queued_documents() as i64);
                 continue;
             }
             Err(mpsc::error::TryRecvError::Disconnected) => break,
             Err(mpsc::error::TryRecvError::Empty) => {}
         }
-        let colls = kb.queued_collections();
-        if !colls.is_empty() {
-            // Round robin over the collections with work.
-            turn = turn.wrapping_add(1);
-            let coll = &colls[turn % colls.len()];
-            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                kb.process_queued(coll, STEP_CHUNKS)
-            }));
-            match r {
-                Ok(Ok(step)) if step.worked => {
-                    record_step(kb, coll, &step, kv_work, metrics);
-                    pending.set(kb.queued_documents() as i64);
+        match preparer.out.try_recv() {
+            Ok(FromPreparer::Step(m)) => {
+                apply(kb, m);
+                continue;
+            }
+            Ok(FromPreparer::JobDone) => {
+                preparer.busy = false;
+                continue;
+            }
+            Err(_) => {}
+        }
+        if !preparer.busy && kb.has_queued() {
+            match kb.next_job(engram_kb::JOB_MAX_DOCS, engram_kb::JOB_MAX_BYTES) {
+                Ok(Some(job)) => {
+                    if preparer.jobs.send(job).is_ok() {
+                        preparer.busy = true;
+                    }
                     continue;
                 }
-                Ok(Ok(_)) => {}
-                Ok(Err(e)) => {
-                    tracing::error!(collection = %coll, "ingestion step failed: {e}");
-                    std::thread::sleep(STEP_ERROR_PAUSE);
-                    continue;
-                }
-                Err(_) => {
-                    tracing::error!(collection = %coll, "an ingestion step panicked");
+                Ok(None) => {}
+                Err(e) => {
+                    tracing::error!("handing out documents to prepare: {e}");
                     std::thread::sleep(STEP_ERROR_PAUSE);
                     continue;
                 }
             }
         }
-        match rx.blocking_recv() {
-            Some(cmd) => {
-                run(kb, cmd);
-                pending.set(kb.queued_documents() as i64);
+        let step = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            kb.index_step(engram_kb::INDEX_STEP)
+        }));
+        match step {
+            Ok(Ok(Some(s))) => {
+                metrics
+                    .ingest_chunks
+                    .with_label_values(&["indexed"])
+                    .inc_by(s.chunks as u64);
+                continue;
             }
-            None => break,
+            Ok(Ok(None)) => {}
+            Ok(Err(e)) => {
+                tracing::error!("index step failed: {e}");
+                std::thread::sleep(STEP_ERROR_PAUSE);
+                continue;
+            }
+            Err(_) => {
+                tracing::error!("an index step panicked");
+                std::thread::sleep(STEP_ERROR_PAUSE);
+                continue;
+            }
         }
+        if let Some(link) = kv.as_deref_mut() {
+            while let Ok(doc) = link.done.try_recv() {
+                kv_feed.done(kb, doc);
+            }
+            if kv_feed.feed(kb, link) {
+                continue;
+            }
+        }
+        // Nothing to do now: wait for a command, a report, a finished chunk KV document, or
+        // the tick.
+        enum Woke {
+            Cmd(Option<Command>),
+            Prepared(Option<FromPreparer>),
+            KvDone(Option<u64>),
+            Tick,
+        }
+        let woke = waiter.block_on(async {
+            let kv_done = async {
+                match kv.as_deref_mut() {
+                    Some(link) => link.done.recv().await,
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::select! {
+                biased;
+                c = rx.recv() => Woke::Cmd(c),
+                m = preparer.out.recv() => Woke::Prepared(m),
+                d = kv_done => Woke::KvDone(d),
+                () = tokio::time::sleep(IDLE_TICK) => Woke::Tick,
+            }
+        });
+        match woke {
+            Woke::Cmd(Some(cmd)) => run(kb, cmd),
+            Woke::Cmd(None) => break,
+            Woke::Prepared(Some(FromPreparer::Step(m))) => apply(kb, m),
+            Woke::Prepared(Some(FromPreparer::JobDone)) => preparer.busy = false,
+            Woke::Prepared(None) => {
+                tracing::error!("the preparer thread is gone; ingestion stops");
+                preparer.busy = true;
+            }
+            Woke::KvDone(Some(doc)) => kv_feed.done(kb, doc),
+            Woke::KvDone(None) => kv = None,
+            Woke::Tick => {}
+        }
+    }
+    // Stop the preparer at its next check; its documents stay where the catalog has them.
+    kb.stop_work();
+    drop(preparer.jobs);
+    drop(preparer.out);
+    let _ = preparer.join.join();
+}
+
+/// Applies one report of the preparer; a failure to write it (a full disk) puts the document
+/// back in the queue for a later try.
+fn apply(kb: &mut KnowledgeBase, m: Prepared) {
+    let (doc, _) = m.doc();
+    if let Err(e) = kb.apply(m) {
+        tracing::error!(
+            document = doc,
+            "applying an ingestion step failed, retrying later: {e}"
+        );
+        kb.requeue(doc);
+        std::thread::sleep(STEP_ERROR_PAUSE);
     }
 }
 
-/// Logs a step's finished documents, counts them, and queues the chunks of the done ones for
-/// their KV.
-fn record_step(
-    kb: &KnowledgeBase,
-    coll: &str,
-    step: &engram_kb::QueueStep,
-    kv_work: Option<&mpsc::UnboundedSender<KvWork>>,
-    metrics: &Metrics,
-) {
-    for &doc in &step.failed {
-        tracing::warn!(collection = %coll, document = doc, "document failed");
+/// Logs and counts finished documents, and sets the queue gauges.
+fn report(kb: &mut KnowledgeBase, metrics: &Metrics) {
+    for f in kb.take_finished() {
+        if f.done {
+            tracing::info!(collection = %f.collection, document = f.doc, chunks = f.chunks, "document indexed");
+        } else {
+            tracing::warn!(collection = %f.collection, document = f.doc, "document failed");
+        }
+        metrics
+            .ingested
+            .with_label_values(&[if f.done { "done" } else { "failed" }])
+            .inc();
     }
     metrics
-        .ingested
-        .with_label_values(&["failed"])
-        .inc_by(step.failed.len() as u64);
-    metrics
-        .ingested
-        .with_label_values(&["done"])
-        .inc_by(step.done.len() as u64);
-    for &doc in &step.done {
-        tracing::info!(collection = %coll, document = doc, "document indexed");
-        let Some(tx) = kv_work else { continue };
-        match kb.chunks(doc) {
-            Ok(chunks) if !chunks.is_empty() => {
-                let texts: KvWork = chunks.into_iter().map(|c| c.text).collect();
-                metrics
-                    .ingest_pending
-                    .with_label_values(&["chunk_kv"])
-                    .add(texts.len() as i64);
-                let _ = tx.send(texts);
+        .ingest_pending
+        .with_label_values(&["documents"])
+        .set(kb.queued_documents() as i64);
+    if let Ok(n) = kb.kv_pending_chunks() {
+        metrics
+            .ingest_pending
+            .with_label_values(&["chunk_kv"])
+            .set(n as i64);
+    }
+}
+
+/// Which documents of the durable chunk KV queue are with the engine.
+#[derive(Default)]
+struct KvFeed {
+    sent: HashSet<u64>,
+    /// The queue is read in id order from after this document; back to the start when it
+    /// runs out.
+    cursor: u64,
+}
+
+impl KvFeed {
+    /// Sends the next waiting document when the engine has room; whether one was sent.
+    fn feed(&mut self, kb: &mut KnowledgeBase, link: &mut KvLink) -> bool {
+        if link.work.capacity() == 0 {
+            return false;
+        }
+        let next = match kb.kv_pending(self.cursor, 8) {
+            Ok(ids) => ids.into_iter().find(|d| !self.sent.contains(d)),
+            Err(e) => {
+                tracing::warn!("reading the chunk KV queue: {e}");
+                return false;
             }
-            Ok(_) => {}
-            Err(e) => tracing::warn!(document = doc, "chunks for the KV stage: {e}"),
+        };
+        let Some(doc) = next else {
+            // Wrapped around: start over once everything sent is back.
+            if self.cursor != 0 && self.sent.is_empty() {
+                self.cursor = 0;
+                return true;
+            }
+            return false;
+        };
+        self.cursor = doc;
+        let texts = match kb.chunks(doc) {
+            Ok(c) => c.into_iter().map(|c| c.text).collect(),
+            Err(e) => {
+                tracing::warn!(document = doc, "chunks for the KV stage: {e}");
+                return false;
+            }
+        };
+        match link.work.try_send(KvWork { doc, texts }) {
+            Ok(()) => {
+                self.sent.insert(doc);
+                true
+            }
+            Err(_) => false,
+        }
+    }
+
+    fn done(&mut self, kb: &mut KnowledgeBase, doc: u64) {
+        self.sent.remove(&doc);
+        if let Err(e) = kb.kv_done(doc) {
+            tracing::warn!(document = doc, "recording the chunk KV done: {e}");
         }
     }
 }
@@ -241,7 +474,7 @@ fn open(opts: &KbOptions) -> Result<KnowledgeBase> {
     if r.resumed > 0 {
         tracing::info!(
             documents = r.resumed,
-            "recovery: finished interrupted documents"
+            "recovery: interrupted documents queued again (finished in the background)"
         );
     }
     Ok(kb)

@@ -46,6 +46,9 @@ pub struct Metrics {
     pub ingest_pending: IntGaugeVec,
     /// Ingestion outcomes: documents `done`, `failed`; chunk KV `kv_computed`, `kv_present`.
     pub ingested: IntCounterVec,
+    /// Chunks through each ingestion stage: `chunked` and `embedded` (by the preparer),
+    /// `indexed` (added to the indexes).
+    pub ingest_chunks: IntCounterVec,
 }
 
 impl Metrics {
@@ -137,8 +140,17 @@ impl Metrics {
             &["outcome"],
         )
         .expect("valid metric");
+        let ingest_chunks = IntCounterVec::new(
+            Opts::new(
+                "engram_ingest_chunks_total",
+                "Chunks through each ingestion stage: chunked, embedded, indexed",
+            ),
+            &["stage"],
+        )
+        .expect("valid metric");
         for c in [
             Box::new(requests.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(ingest_chunks.clone()),
             Box::new(ingest_pending.clone()),
             Box::new(ingested.clone()),
             Box::new(latency.clone()),
@@ -169,6 +181,7 @@ impl Metrics {
             generated_tokens,
             ingest_pending,
             ingested,
+            ingest_chunks,
         }
     }
 

@@ -68,9 +68,10 @@ impl Daemon {
                 ),
             ));
         }
-        // Chunks of newly indexed documents, from the knowledge base to the engine.
-        let (kv_tx, kv_rx) = tokio::sync::mpsc::unbounded_channel();
-        let kv_again = kv_tx.clone();
+        // Chunks of indexed documents, from the knowledge base's durable chunk KV queue to the
+        // engine, and the documents finished back.
+        let (kv_tx, kv_rx) = tokio::sync::mpsc::channel(crate::kbtask::KV_WORK_QUEUE);
+        let (kv_done_tx, kv_done_rx) = tokio::sync::mpsc::unbounded_channel();
         let (kb, kb_thread) = KbHandle::spawn(
             KbOptions {
                 data_dir: config.data_dir.clone(),
@@ -78,7 +79,10 @@ impl Daemon {
                 llm: config.llm.clone(),
                 threads,
                 max_upload_bytes: config.max_upload_bytes,
-                kv_work: Some(kv_tx),
+                kv: Some(crate::kbtask::KvLink {
+                    work: kv_tx,
+                    done: kv_done_rx,
+                }),
             },
             metrics.clone(),
         )?;
@@ -99,30 +103,14 @@ impl Daemon {
             },
             metrics.clone(),
             kv_rx,
+            kv_done_tx,
         )?;
         tracing::info!(model = %engine.info.model_id, threads, queue_depth, max_batch, "engine ready");
         if engine.info.kv_model_changed {
-            // Every indexed chunk's KV again, in the background (the engine computes it when
-            // no question waits); until then a question computes what it needs.
-            let tx = kv_again.clone();
-            let n = kb
-                .call(move |kb| -> engram_kb::Result<usize> {
-                    let mut n = 0;
-                    for c in kb.collections()? {
-                        for d in kb.documents(&c.name)? {
-                            let texts: Vec<String> =
-                                kb.chunks(d.id)?.into_iter().map(|c| c.text).collect();
-                            n += texts.len();
-                            if !texts.is_empty() && tx.send(texts).is_err() {
-                                return Ok(n);
-                            }
-                        }
-                    }
-                    Ok(n)
-                })
-                .await;
-            match n {
-                Ok(Ok(n)) => tracing::info!(chunks = n, "chunk KV re-precompute scheduled"),
+            // Every indexed document's chunk KV again, in the background (the engine computes
+            // it when no question waits); until then a question computes what it needs.
+            match kb.call(|kb| kb.mark_kv_pending(None)).await {
+                Ok(Ok(n)) => tracing::info!(documents = n, "chunk KV re-precompute scheduled"),
                 Ok(Err(e)) => tracing::warn!("scheduling the chunk KV re-precompute: {e}"),
                 Err(e) => tracing::warn!("scheduling the chunk KV re-precompute: {e:?}"),
             }

@@ -816,3 +816,178 @@ fn concurrent_chats_share_decode_steps_and_answer_as_they_do_alone() {
         "three concurrent chats never shared a decode step"
     );
 }
+
+/// Issue 16.1: the same bytes under several names, through the multipart and the text routes,
+/// are several documents; every acknowledged id stays resolvable, `done` and searchable.
+#[test]
+fn duplicate_content_under_other_names_is_kept_through_every_route() {
+    let s = server();
+    let r = s.call(
+        "POST",
+        "/api/v1/collections",
+        Some(&s.admin),
+        Some(json!({"name": "dup"})),
+    );
+    assert_eq!(r.status, 201, "{}", r.text());
+    let text = "The chlorine dosing pump of the east reservoir is calibrated every spring.";
+    let boundary = "DuPbOuNdArY";
+    let body = format!(
+        "--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"a.txt\"\r\n\r\n{text}\r\n\
+         --{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"b.txt\"\r\n\r\n{text}\r\n--{boundary}--\r\n"
+    );
+    let ct = format!("multipart/form-data; boundary={boundary}");
+    let r = s.raw(
+        "POST",
+        "/api/v1/collections/dup/documents",
+        Some(&s.admin),
+        Some((&ct, body.into_bytes())),
+    );
+    assert_eq!(r.status, 202, "{}", r.text());
+    let mut ids: Vec<u64> = r.json()["documents"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| {
+            assert_eq!(d["outcome"], "queued", "{d}");
+            d["id"].as_u64().unwrap()
+        })
+        .collect();
+    let upload_text = |name: &str| {
+        let r = s.call(
+            "POST",
+            "/api/v1/collections/dup/documents/text",
+            Some(&s.admin),
+            Some(json!({"name": name, "text": text})),
+        );
+        assert_eq!(r.status, 202, "{}", r.text());
+        r.json()["documents"][0].clone()
+    };
+    let c = upload_text("c.txt");
+    assert_eq!(c["outcome"], "queued", "{c}");
+    ids.push(c["id"].as_u64().unwrap());
+    for &id in &ids {
+        s.wait_for_stage("dup", id, "done");
+    }
+    // After processing: a fourth name is a fourth document; a known name is unchanged.
+    let d = upload_text("d.txt");
+    assert_eq!(d["outcome"], "queued", "{d}");
+    ids.push(d["id"].as_u64().unwrap());
+    let again = upload_text("a.txt");
+    assert_eq!(again["outcome"], "unchanged", "{again}");
+    assert_eq!(again["id"].as_u64(), Some(ids[0]));
+    s.wait_for_stage("dup", ids[3], "done");
+    let distinct: std::collections::HashSet<u64> = ids.iter().copied().collect();
+    assert_eq!(distinct.len(), 4, "{ids:?}");
+    for &id in &ids {
+        let r = s.call(
+            "GET",
+            &format!("/api/v1/collections/dup/documents/{id}"),
+            Some(&s.admin),
+            None,
+        );
+        assert_eq!(r.status, 200, "{}", r.text());
+        assert_eq!(r.json()["stage"], "done");
+    }
+    let r = s.call(
+        "POST",
+        "/api/v1/search",
+        Some(&s.admin),
+        Some(json!({"query": "chlorine dosing pump", "collections": ["dup"], "top_k": 10})),
+    );
+    let found: std::collections::HashSet<u64> = r.json()["hits"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|h| h["document"]["id"].as_u64().unwrap())
+        .collect();
+    assert_eq!(found, distinct, "{}", r.text());
+    assert_eq!(
+        s.call("DELETE", "/api/v1/collections/dup", Some(&s.admin), None)
+            .status,
+        204
+    );
+}
+
+/// A metric's value (summed over the label sets whose line starts with `prefix`).
+fn metric(s: &Server, prefix: &str) -> f64 {
+    s.call("GET", "/metrics", Some(&s.admin), None)
+        .text()
+        .lines()
+        .filter(|l| l.starts_with(prefix))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// Issue 16.3: while a large document is embedded, its progress shows, searches are answered
+/// (the document still in the pipeline), and deleting it stops the work within a batch.
+#[test]
+fn a_large_document_shows_progress_and_stops_when_deleted() {
+    let s = server();
+    let r = s.call(
+        "POST",
+        "/api/v1/collections",
+        Some(&s.admin),
+        Some(json!({"name": "large", "chunk_tokens": 32, "overlap_tokens": 0})),
+    );
+    assert_eq!(r.status, 201, "{}", r.text());
+    let long: String = (0..600)
+        .map(|i| format!("Section {i}. Gauge {i} of the canal is read at dawn and at dusk.\n\n"))
+        .collect();
+    let r = s.call(
+        "POST",
+        "/api/v1/collections/large/documents/text",
+        Some(&s.admin),
+        Some(json!({"name": "canal.md", "text": long})),
+    );
+    assert_eq!(r.status, 202, "{}", r.text());
+    let id = r.json()["documents"][0]["id"].as_u64().unwrap();
+    let path = format!("/api/v1/collections/large/documents/{id}");
+    // Embedding, with a few chunks done.
+    let deadline = std::time::Instant::now() + Duration::from_secs(120);
+    let progress = loop {
+        let d = s.call("GET", &path, Some(&s.admin), None).json();
+        if d["stage"] == "embedding" && d["progress"]["chunks_embedded"].as_u64() > Some(0) {
+            break d["progress"].clone();
+        }
+        assert_ne!(
+            d["stage"], "done",
+            "the document finished before it could be observed"
+        );
+        assert!(std::time::Instant::now() < deadline, "{d}");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let total = progress["chunks"].as_u64().unwrap();
+    assert!(total > 100, "{progress}");
+    assert_eq!(progress["text_bytes_chunked"], progress["text_bytes"]);
+    // A search is answered while the document is still in the pipeline.
+    let r = s.call(
+        "POST",
+        "/api/v1/search",
+        Some(&s.admin),
+        Some(json!({"query": "paid leave", "collections": ["a"]})),
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    let d = s.call("GET", &path, Some(&s.admin), None).json();
+    assert_eq!(d["stage"], "embedding", "{d}");
+    // Deleting it stops the preparer: at most the batch under way (16 chunks) is embedded
+    // afterwards, plus the odd small document of a test running beside this one.
+    let embedded = || metric(s, "engram_ingest_chunks_total{stage=\"embedded\"}");
+    let t0 = embedded();
+    std::thread::sleep(Duration::from_secs(3));
+    let working = embedded() - t0;
+    let r = s.call("DELETE", &path, Some(&s.admin), None);
+    assert_eq!(r.status, 200, "{}", r.text());
+    let t1 = embedded();
+    std::thread::sleep(Duration::from_secs(3));
+    let after = embedded() - t1;
+    assert!(
+        after <= 24.0,
+        "{after} chunks embedded in the 3 s after the delete ({working} in the 3 s before)"
+    );
+    assert_eq!(s.call("GET", &path, Some(&s.admin), None).status, 404);
+    assert_eq!(
+        s.call("DELETE", "/api/v1/collections/large", Some(&s.admin), None)
+            .status,
+        204
+    );
+}

@@ -67,6 +67,20 @@ pub struct DocumentInfo {
     pub stage: &'static str,
     pub stages: Vec<StageInfo>,
     pub error: Option<String>,
+    /// While the document is in the pipeline: how far each stage is.
+    pub progress: Option<ProgressInfo>,
+}
+
+/// How far a document in the pipeline is.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ProgressInfo {
+    /// Bytes of its parsed text, and how many are cut into chunks.
+    pub text_bytes: u64,
+    pub text_bytes_chunked: u64,
+    /// Chunks it has (0 until it is chunked), embedded and stored, and in the indexes.
+    pub chunks: u32,
+    pub chunks_embedded: u32,
+    pub chunks_indexed: u32,
 }
 
 #[derive(Debug, Serialize, ToSchema)]
@@ -97,6 +111,13 @@ impl From<&Document> for DocumentInfo {
                 })
                 .collect(),
             error: d.error.clone(),
+            progress: d.progress.map(|p| ProgressInfo {
+                text_bytes: p.text_bytes,
+                text_bytes_chunked: p.text_bytes_chunked,
+                chunks: p.chunks,
+                chunks_embedded: p.chunks_embedded,
+                chunks_indexed: p.chunks_indexed,
+            }),
         }
     }
 }
@@ -334,8 +355,9 @@ pub async fn delete(
     Ok(axum::Json(DocumentInfo::from(&d)))
 }
 
-/// Cancels a document that is still `queued`: it becomes `failed` with the reason
-/// `cancelled` (re-index it to try again). 409 once processing has started. Scope `ingest`.
+/// Cancels a document that is queued or anywhere in the pipeline: the work on it stops (within
+/// about a second), its chunks leave the indexes, and it becomes `failed` with the reason
+/// `cancelled` (re-index it to try again). 409 once it is `done` or `failed`. Scope `ingest`.
 #[utoipa::path(post, path = "/api/v1/collections/{name}/documents/{id}/cancel", tag = "documents",
     params(("name" = String, Path), ("id" = String, Path, description = "document id or name")),
     responses((status = 200, body = DocumentInfo), (status = 404, body = crate::api::openapi::ErrorBody),

@@ -31,6 +31,33 @@ pub struct DocRow {
     pub can_reindex: bool,
     /// (stage key, time) of every stage reached.
     pub stages: Vec<(String, String)>,
+    /// While in the pipeline: (catalog key, "done / total", percent) of the stage under way.
+    pub progress: Option<(String, String, u32)>,
+}
+
+/// What a document in the pipeline shows of its progress: the stage's catalog key, its
+/// figure, and a percentage for the bar.
+pub fn progress_of(d: &Document) -> Option<(String, String, u32)> {
+    let p = d.progress?;
+    let pct = |done: u64, total: u64| (done * 100).checked_div(total).unwrap_or(0) as u32;
+    match d.stage {
+        Stage::Chunking if p.text_bytes > 0 => Some((
+            "progress.chunked".into(),
+            format!("{} / {}", bytes(p.text_bytes_chunked), bytes(p.text_bytes)),
+            pct(p.text_bytes_chunked, p.text_bytes),
+        )),
+        Stage::Embedding if p.chunks > 0 => Some((
+            "progress.embedded".into(),
+            format!("{} / {}", p.chunks_embedded, p.chunks),
+            pct(p.chunks_embedded.into(), p.chunks.into()),
+        )),
+        Stage::Indexing if p.chunks > 0 => Some((
+            "progress.indexed".into(),
+            format!("{} / {}", p.chunks_indexed, p.chunks),
+            pct(p.chunks_indexed.into(), p.chunks.into()),
+        )),
+        _ => None,
+    }
 }
 
 impl DocRow {
@@ -44,13 +71,14 @@ impl DocRow {
             chunks: d.chunks,
             error: d.error.clone(),
             busy: !matches!(d.stage, Stage::Done | Stage::Failed),
-            can_cancel: d.stage == Stage::Queued,
+            can_cancel: !matches!(d.stage, Stage::Done | Stage::Failed),
             can_reindex: matches!(d.stage, Stage::Done | Stage::Failed),
             stages: d
                 .stages
                 .iter()
                 .map(|s| (format!("stage.{}", s.stage.name()), datetime_ms(s.at_ms)))
                 .collect(),
+            progress: progress_of(d),
         }
     }
 }
