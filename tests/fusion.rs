@@ -301,6 +301,7 @@ fn nvme_store(l: &Llm, dir: &Path, budget: u64) -> ChunkStore {
             budget_bytes: budget,
             io: IoMode::Auto,
             direct: true,
+            reserve_free_bytes: 0,
         },
     )
     .expect("nvme tier");

@@ -50,6 +50,7 @@ impl KvArgs {
                         budget_bytes: self.kv_nvme_gib << 30,
                         io: IoMode::Auto,
                         direct: true,
+                        reserve_free_bytes: 0,
                     },
                 )
                 .with_context(|| format!("opening the KV tier in {}", dir.display()))?,

@@ -129,6 +129,7 @@ pub fn run(a: FusionArgs) -> Result<()> {
                     budget_bytes: 16 << 30,
                     io: IoMode::Auto,
                     direct: true,
+                    reserve_free_bytes: 0,
                 },
             )?;
             eprintln!(

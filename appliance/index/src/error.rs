@@ -67,6 +67,26 @@ pub enum IndexError {
 }
 
 impl IndexError {
+    /// Whether the disk was full (ENOSPC or a quota): the write can succeed once space is
+    /// freed.
+    pub fn is_storage_full(&self) -> bool {
+        let full = |e: &std::io::Error| {
+            matches!(
+                e.kind(),
+                std::io::ErrorKind::StorageFull | std::io::ErrorKind::QuotaExceeded
+            )
+        };
+        match self {
+            IndexError::Io { source, .. } => full(source),
+            IndexError::Tantivy { source, .. } => match source {
+                tantivy::TantivyError::IoError(e) => full(e),
+                other => other.to_string().contains("No space left on device"),
+            },
+            IndexError::Hnsw { reason, .. } => reason.contains("No space left on device"),
+            _ => false,
+        }
+    }
+
     /// True for the errors after which the catalog should rebuild the index from its records.
     pub fn needs_rebuild(&self) -> bool {
         matches!(

@@ -19,6 +19,15 @@ pub enum KbError {
         source: std::io::Error,
     },
 
+    /// The disk under the data directory has too little free space to open the catalog
+    /// safely (sled writes as it opens, and must never run out of space mid-write).
+    #[error("the disk under {path} has {available} bytes free; the catalog needs at least {needed} to open safely: free space (or grow the disk), then start again")]
+    DiskFull {
+        path: PathBuf,
+        available: u64,
+        needed: u64,
+    },
+
     /// The sled catalog reported an error (I/O underneath, or its own corruption check).
     #[error("catalog: {0}")]
     Catalog(#[from] sled::Error),
@@ -108,6 +117,24 @@ impl KbError {
             field: field.into(),
             reason: reason.into(),
         }
+    }
+
+    /// Whether the disk is full (ENOSPC, or a quota): the write can succeed once space is
+    /// freed, and nothing was acknowledged.
+    pub fn is_storage_full(&self) -> bool {
+        let io = match self {
+            KbError::DiskFull { .. } => return true,
+            KbError::Io { source, .. } => Some(source),
+            KbError::Catalog(sled::Error::Io(e)) => Some(e),
+            KbError::Index(e) => return e.is_storage_full(),
+            _ => None,
+        };
+        io.is_some_and(|e| {
+            matches!(
+                e.kind(),
+                std::io::ErrorKind::StorageFull | std::io::ErrorKind::QuotaExceeded
+            )
+        })
     }
 
     pub(crate) fn corrupted(what: impl Into<String>, comment: impl Into<String>) -> Self {

@@ -273,6 +273,16 @@ impl Background {
         }
     }
 
+    /// Empties the documents waiting for (or in) their index additions and their commit:
+    /// after a catch-up from the change log put them all in the indexes.
+    pub(crate) fn take_indexed(&mut self) -> Vec<u64> {
+        let mut ids: Vec<u64> = self.ready.drain(..).map(|r| r.doc).collect();
+        ids.extend(self.uncommitted.drain(..).map(|(d, _)| d));
+        self.uncommitted_chunks = 0;
+        self.since = None;
+        ids
+    }
+
     /// The highest sequence number the indexes fully hold: below the oldest `Add` not yet
     /// (completely) added. A commit there is exact after a crash: the catch-up replays that
     /// `Add` (delete, then add every chunk) and whatever follows.
@@ -556,6 +566,17 @@ impl KnowledgeBase {
         self.background.values().map(Background::pending).sum()
     }
 
+    /// Bytes of the originals of the documents queued or with a preparer: what ingestion is
+    /// still to write about (the daemon's disk admission counts it).
+    pub fn queued_bytes(&self) -> u64 {
+        self.background
+            .values()
+            .flat_map(|b| b.queue.iter().chain(b.in_flight.keys()))
+            .filter_map(|&id| self.catalog.document(id).ok().flatten())
+            .map(|d| d.size)
+            .sum()
+    }
+
     /// Whether a document waits for a preparer (see [`next_job`](Self::next_job)).
     pub fn has_queued(&self) -> bool {
         self.background.values().any(|b| !b.queue.is_empty())
@@ -829,6 +850,19 @@ impl KnowledgeBase {
     /// (round robin), or commits them when a commit is due (the documents become `done`).
     /// `None` when there was nothing to do.
     pub fn index_step(&mut self, budget: usize) -> Result<Option<IndexStep>> {
+        // A collection whose indexes failed a write is synced first.
+        if let Some(&id) = self.resync.iter().next() {
+            let Some(mut coll) = self.catalog.collection(id)? else {
+                self.resync.remove(&id);
+                return Ok(None);
+            };
+            self.resync_collection(&mut coll)?;
+            return Ok(Some(IndexStep {
+                collection: coll.name,
+                chunks: 0,
+                committed: true,
+            }));
+        }
         let mut names: Vec<String> = self
             .background
             .values()
@@ -878,8 +912,15 @@ impl KnowledgeBase {
             let chunks = self
                 .catalog
                 .chunks_from(doc, from, budget.clamp(1, 1 << 20))?;
-            self.index_add(&coll, crate::kb::Which::Bm25, &chunks)?;
-            self.index_add(&coll, crate::kb::Which::Vectors, &chunks)?;
+            let added = self
+                .index_add(&coll, crate::kb::Which::Bm25, &chunks)
+                .and_then(|()| self.index_add(&coll, crate::kb::Which::Vectors, &chunks));
+            if let Err(e) = added {
+                // The indexes may be ahead of what the log says they hold: sync them before
+                // anything else is added (the change log has every document).
+                self.resync.insert(coll.id);
+                return Err(e);
+            }
             step.chunks = chunks.len();
             let next = from + chunks.len() as u32;
             d.progress_mut().chunks_indexed = next;
@@ -907,7 +948,20 @@ impl KnowledgeBase {
         bg.uncommitted_chunks = 0;
         bg.since = None;
         let ids: Vec<u64> = done.iter().map(|&(d, _)| d).collect();
-        let marked = self.commit_indexes(&mut coll, &ids)?;
+        let marked = match self.commit_indexes(&mut coll, &ids) {
+            Ok(m) => m,
+            Err(e) => {
+                // Put them back; the sync that follows a failed commit finishes them.
+                let bg = self.background.get_mut(&coll.id).expect("found above");
+                bg.uncommitted_chunks = done.iter().map(|&(_, n)| n as usize).sum();
+                bg.uncommitted = done;
+                bg.since.get_or_insert_with(Instant::now);
+                if matches!(e, KbError::Index(_)) || e.is_storage_full() {
+                    self.resync.insert(coll.id);
+                }
+                return Err(e);
+            }
+        };
         let bg = self.background.get_mut(&coll.id).expect("found above");
         if let Some(j) = &mut bg.job {
             j.done += marked.len() as u64;

@@ -26,6 +26,10 @@ pub const EMBED_BATCH: usize = 64;
 /// means a catch-up on the next start.
 pub const COMMIT_EVERY: usize = 4096;
 
+/// Free bytes the catalog needs to open: sled may write up to two of its 512 KiB log segments
+/// while it recovers, and a write that runs out of space mid-way is what must never happen.
+pub const MIN_OPEN_FREE: u64 = 1 << 20;
+
 /// The longest collection name, in bytes.
 pub const MAX_NAME_BYTES: usize = 128;
 
@@ -128,6 +132,11 @@ pub struct Recovery {
     pub resumed: usize,
     /// Unreferenced blobs removed.
     pub blobs_removed: usize,
+    /// `(collection, why)` of every index sync left for later: a full disk (or another index
+    /// write failure) while catching up or rebuilding. The collection is served from the
+    /// indexes as they are and synced by the first [`index_step`](KnowledgeBase::index_step)
+    /// that can write.
+    pub deferred: Vec<(String, String)>,
 }
 
 /// A collection's two indexes.
@@ -155,6 +164,11 @@ pub struct KnowledgeBase {
     pub(crate) turn: usize,
     /// Chunks of the documents waiting for their chunk KV (counted on first use).
     kv_pending_chunks: Option<u64>,
+    /// Collections whose indexes must be synced with the catalog again before more is added:
+    /// an index write failed (a full disk), here or during recovery.
+    pub(crate) resync: HashSet<u64>,
+    /// Bytes of each collection's index files after its last commit.
+    footprint: HashMap<u64, u64>,
     recovery: Recovery,
 }
 
@@ -189,6 +203,23 @@ impl KnowledgeBase {
     /// corrupt, finishes documents an interrupted run left, and removes orphan blobs.
     pub fn open(dir: &Path, models: Models) -> Result<KnowledgeBase> {
         fs::create_dir_all(dir).map_err(|e| KbError::io("creating", dir, e))?;
+        // What failed or crashed index commits left goes first: on a full disk it is the room
+        // the catalog needs to open.
+        if let Ok(colls) = fs::read_dir(dir.join("collections")) {
+            for c in colls.flatten() {
+                VectorIndex::remove_stale(&c.path().join("vectors"));
+            }
+        }
+        let available = rustix::fs::statvfs(dir)
+            .map(|s| s.f_bavail.saturating_mul(s.f_frsize))
+            .map_err(|e| KbError::io("statvfs", dir, e.into()))?;
+        if available < MIN_OPEN_FREE {
+            return Err(KbError::DiskFull {
+                path: dir.to_owned(),
+                available,
+                needed: MIN_OPEN_FREE,
+            });
+        }
         let catalog = Catalog::open(&dir.join("catalog"))?;
         let blobs = BlobStore::open(&dir.join("blobs"))?;
         let mut kb = KnowledgeBase {
@@ -202,6 +233,8 @@ impl KnowledgeBase {
             finished: Vec::new(),
             turn: 0,
             kv_pending_chunks: None,
+            resync: HashSet::new(),
+            footprint: HashMap::new(),
             recovery: Recovery::default(),
         };
         kb.recover()?;
@@ -211,6 +244,23 @@ impl KnowledgeBase {
     /// What [`open`](Self::open) found and did.
     pub fn recovery(&self) -> &Recovery {
         &self.recovery
+    }
+
+    /// Free disk space the next index commit may need beyond what it frees: a commit writes a
+    /// new generation of the vector index (and tantivy merges segments) before dropping the
+    /// old, so up to the largest collection's index files again.
+    pub fn commit_headroom(&mut self) -> u64 {
+        let ids: Vec<u64> = self
+            .indexes
+            .keys()
+            .copied()
+            .filter(|id| !self.footprint.contains_key(id))
+            .collect();
+        for id in ids {
+            let n = dir_size(&self.collection_dir(id));
+            self.footprint.insert(id, n);
+        }
+        self.footprint.values().copied().max().unwrap_or(0)
     }
 
     /// The data directory.
@@ -483,9 +533,19 @@ impl KnowledgeBase {
             .background
             .get(&coll.id)
             .map_or(coll.last_seq, |b| b.safe_seq(coll.last_seq));
-        let idx = self.indexes_mut(coll)?;
-        idx.bm25.commit(seq)?;
-        idx.vectors.commit(seq)?;
+        let committed = self.indexes_mut(coll).and_then(|idx| {
+            idx.bm25.commit(seq)?;
+            idx.vectors.commit(seq)?;
+            Ok(())
+        });
+        if let Err(e) = committed {
+            // The indexes may hold more than they committed, and a failed writer refuses
+            // more: reopen and sync them before anything else is added.
+            self.resync.insert(coll.id);
+            return Err(e);
+        }
+        self.footprint
+            .insert(coll.id, dir_size(&self.collection_dir(coll.id)));
         let mut txn = Txn::default();
         let mut marked = Vec::new();
         for &id in done {
@@ -646,7 +706,9 @@ impl KnowledgeBase {
                 job.finished_ms = Some(now_ms());
                 let mut txn = Txn::default();
                 txn.put_job(&job);
-                self.catalog.write(txn)?;
+                // A full disk must not keep the knowledge base from opening: the job stays
+                // `running` in the record until a later start can write.
+                self.deferrable(self.catalog.write(txn), "", "a job record")?;
             }
         }
         for mut coll in self.catalog.collections()? {
@@ -656,16 +718,56 @@ impl KnowledgeBase {
                 self.reembed(&mut coll)?;
                 self.recovery.reembedded.push(coll.name.clone());
             }
-            self.sync_collection(&mut coll)?;
-            self.resume_documents(&mut coll)?;
+            let synced = self.sync_collection(&mut coll);
+            if self.deferrable(synced, &coll.name, "index sync")?.is_none() {
+                self.resync.insert(coll.id);
+                if !self.indexes.contains_key(&coll.id) {
+                    // Serve what the indexes hold until they can be synced.
+                    let opened = self.open_indexes(&coll).map(|_| ());
+                    self.deferrable(opened, &coll.name, "opening the indexes")?;
+                }
+            }
+            let resumed = self.resume_documents(&mut coll);
+            self.deferrable(resumed, &coll.name, "finishing indexed documents")?;
         }
-        self.catalog.flush()?;
+        self.deferrable(self.catalog.flush(), "", "flushing the catalog")?;
         for hash in self.blobs.list()? {
             if self.catalog.hash_refs(hash)? == 0 {
                 self.blobs.remove(hash)?;
                 self.recovery.blobs_removed += 1;
             }
         }
+        Ok(())
+    }
+
+    /// Lets a recovery step fail on a full disk (or an index write) without failing the open:
+    /// records it in [`Recovery::deferred`] and returns `None`. Other errors are returned.
+    fn deferrable<T>(&mut self, r: Result<T>, collection: &str, what: &str) -> Result<Option<T>> {
+        match r {
+            Ok(v) => Ok(Some(v)),
+            Err(e) if e.is_storage_full() || matches!(e, KbError::Index(_)) => {
+                self.recovery
+                    .deferred
+                    .push((collection.to_owned(), format!("{what}: {e}")));
+                Ok(None)
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Syncs a collection whose indexes failed a write (see [`Recovery::deferred`]): reopens
+    /// them and catches them up from the change log (or rebuilds them), which covers every
+    /// document already logged; those are then `done`.
+    pub(crate) fn resync_collection(&mut self, coll: &mut Collection) -> Result<()> {
+        self.indexes.remove(&coll.id);
+        self.sync_collection(coll)?;
+        let mut ids = Vec::new();
+        if let Some(bg) = self.background.get_mut(&coll.id) {
+            ids.extend(bg.take_indexed());
+        }
+        self.commit_indexes(coll, &ids)?;
+        self.resume_documents(coll)?;
+        self.resync.remove(&coll.id);
         Ok(())
     }
 
@@ -971,6 +1073,9 @@ impl KnowledgeBase {
         let (indexing, rest): (Vec<Document>, Vec<Document>) = unfinished
             .into_iter()
             .partition(|d| d.stage == Stage::Indexing);
+        if !rest.is_empty() {
+            self.resume(coll, rest);
+        }
         let mut txn = Txn::default();
         for mut d in indexing {
             d.enter(Stage::Done);
@@ -978,12 +1083,23 @@ impl KnowledgeBase {
             txn.put_document(&d)?;
             txn.set_kv_pending(d.id);
         }
-        self.catalog.write(txn)?;
-        if !rest.is_empty() {
-            self.resume(coll, rest);
-        }
-        Ok(())
+        self.catalog.write(txn)
     }
+}
+
+/// Bytes of the files under `dir` (recursively; 0 when absent).
+fn dir_size(dir: &Path) -> u64 {
+    let Ok(entries) = fs::read_dir(dir) else {
+        return 0;
+    };
+    entries
+        .flatten()
+        .map(|e| match e.metadata() {
+            Ok(m) if m.is_dir() => dir_size(&e.path()),
+            Ok(m) => m.len(),
+            Err(_) => 0,
+        })
+        .sum()
 }
 
 /// Removes a folder and everything in it (a no-op when absent).

@@ -59,6 +59,7 @@ pub use ingest::{
 };
 pub use kb::{
     blind_pieces, KnowledgeBase, Models, Recovery, COMMIT_EVERY, EMBED_BATCH, MIN_CJK_VOCAB,
+    MIN_OPEN_FREE,
 };
 pub use prepare::{prepare, PrepareDoc, PrepareJob, Prepared, CHUNK_CHECK_EVERY};
 pub use records::{
@@ -67,5 +68,5 @@ pub use records::{
 };
 pub use search::{
     DenseSignal, Retrieved, SearchHit, SearchMode, SearchRequest, SearchResults, BLIND_SHARE_FULL,
-    BLIND_SHARE_NONE, DEFAULT_CANDIDATES, DEFAULT_RRF_K,
+    BLIND_SHARE_NONE, DEFAULT_CANDIDATES, DEFAULT_RRF_K, MAX_QUERY_BYTES,
 };

@@ -37,6 +37,11 @@ pub const BLIND_SHARE_NONE: f32 = 0.25;
 /// final `k` from each list, since a chunk ranked 30th by both can beat one ranked 1st by one.
 pub const DEFAULT_CANDIDATES: usize = 100;
 
+/// Longest query the knowledge base searches, in bytes: far beyond any question (the embedder
+/// reads 256 word pieces), small enough that BM25's per-term cost stays bounded. Callers may
+/// set a lower limit.
+pub const MAX_QUERY_BYTES: usize = 64 << 10;
+
 /// Reciprocal-rank fusion's usual constant (Cormack et al. 2009).
 pub const DEFAULT_RRF_K: f32 = 60.0;
 
@@ -199,6 +204,15 @@ impl KnowledgeBase {
     /// Ranked chunk ids and scores, without reading their text: the cheap half of
     /// [`search`](Self::search), for evaluation.
     pub fn retrieve(&self, req: &SearchRequest) -> Result<Retrieved> {
+        if req.query.len() > MAX_QUERY_BYTES {
+            return Err(crate::KbError::invalid(
+                "query",
+                format!(
+                    "{} bytes, more than the {MAX_QUERY_BYTES} a query may have",
+                    req.query.len()
+                ),
+            ));
+        }
         let coll = self.collection(&req.collection)?;
         let idx = self.indexes(&coll)?;
         let filter = self.metadata_filter(&coll, &req.metadata)?;

@@ -58,6 +58,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 budget_bytes: budget,
                 io: IoMode::Plain,
                 direct: false,
+                reserve_free_bytes: 0,
             },
         )?;
         let start = Instant::now();
@@ -99,6 +100,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                     budget_bytes: budget,
                     io,
                     direct,
+                    reserve_free_bytes: 0,
                 };
                 let tier = match NvmeTier::open(&dir, opts) {
                     Ok(t) => t,

@@ -75,7 +75,9 @@ pub enum KvStoreError {
         needed: u64,
         budget: u64,
     },
-    /// The file system ran out of space (ENOSPC or EDQUOT) while writing; nothing was stored.
+    /// The file system ran out of space (ENOSPC or EDQUOT) while writing, or lacks the free
+    /// space the tier must leave ([`crate::NvmeOptions::reserve_free_bytes`]) beyond this
+    /// write with nothing left to evict; nothing was stored.
     #[error("no space left on the device holding {path}")]
     NoSpace { path: PathBuf },
     /// Another `NvmeTier` holds the directory's lock file.

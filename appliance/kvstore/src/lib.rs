@@ -76,6 +76,6 @@ pub use layout::{
     ChunkKv, KvDtype, KvLayout, ModelFingerprint, MAX_HEADS_KV, MAX_HEAD_DIM, MAX_LAYERS,
     MAX_TOKENS,
 };
-pub use nvme::{io_uring_available, IoMode, NvmeOptions, NvmeTier};
+pub use nvme::{disk_space, io_uring_available, DiskSpace, IoMode, NvmeOptions, NvmeTier};
 pub use store::{KvStore, PutOutcome, StoreMetrics};
 pub use tier::{KvTier, TierKind, TierMetrics, LATENCY_BUCKETS};

@@ -58,17 +58,41 @@ pub struct NvmeOptions {
     /// a second copy of every blob the DRAM tier already caches); falls back to buffered reads if
     /// the file system refuses O_DIRECT (EINVAL).
     pub direct: bool,
+    /// Free bytes the tier leaves on its file system: before every write, and at open, it
+    /// evicts its least recently used blobs until the file system has this much free beyond
+    /// the write (the budget alone is a figure from start-up; other writers, the catalog
+    /// first, share the disk). 0: no check.
+    pub reserve_free_bytes: u64,
 }
 
 impl NvmeOptions {
-    /// `budget_bytes` with io_uring where allowed and O_DIRECT reads.
+    /// `budget_bytes` with io_uring where allowed, O_DIRECT reads and no free-space reserve.
     pub fn new(budget_bytes: u64) -> NvmeOptions {
         NvmeOptions {
             budget_bytes,
             io: IoMode::Auto,
             direct: true,
+            reserve_free_bytes: 0,
         }
     }
+}
+
+/// Space on the file system holding a path.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DiskSpace {
+    /// Bytes an unprivileged writer can still write.
+    pub available: u64,
+    /// Size of the file system.
+    pub total: u64,
+}
+
+/// The space of the file system holding `path` (`statvfs`).
+pub fn disk_space(path: &Path) -> io::Result<DiskSpace> {
+    let s = rustix::fs::statvfs(path).map_err(io::Error::from)?;
+    Ok(DiskSpace {
+        available: s.f_bavail.saturating_mul(s.f_frsize),
+        total: s.f_blocks.saturating_mul(s.f_frsize),
+    })
 }
 
 /// Whether io_uring works in this process (the probe [`IoMode::Auto`] runs at open).
@@ -98,6 +122,7 @@ impl Index {
 pub struct NvmeTier {
     dir: PathBuf,
     budget: u64,
+    reserve_free: AtomicU64,
     index: Mutex<Index>,
     /// Serializes the steps that change files and index together (reserve and evict; rename and
     /// insert; remove), so an index entry and its file never disagree for long. The data write
@@ -115,6 +140,10 @@ pub struct NvmeTier {
     /// Failure injection: pretend the file system refuses O_DIRECT at open or at read.
     #[cfg(test)]
     refuse_direct: Mutex<Option<RefuseDirect>>,
+    /// Failure injection: pretend the file system has this many bytes free when the tier is
+    /// empty (its free space is this minus the bytes stored and reserved).
+    #[cfg(test)]
+    pub(crate) fake_disk: Mutex<Option<u64>>,
 }
 
 /// Where injected O_DIRECT refusals happen (every file system here accepts O_DIRECT).
@@ -166,6 +195,7 @@ impl NvmeTier {
         };
         let tier = NvmeTier {
             budget: opts.budget_bytes,
+            reserve_free: AtomicU64::new(opts.reserve_free_bytes),
             index: Mutex::new(Index::default()),
             writer: Mutex::new(()),
             rings,
@@ -176,10 +206,82 @@ impl NvmeTier {
             fail_next_write: Mutex::new(None),
             #[cfg(test)]
             refuse_direct: Mutex::new(None),
+            #[cfg(test)]
+            fake_disk: Mutex::new(None),
             dir,
         };
         tier.scan()?;
+        tier.make_room(0)?;
         Ok(tier)
+    }
+
+    /// Free bytes the tier leaves on its file system ([`NvmeOptions::reserve_free_bytes`]).
+    pub fn reserve_free_bytes(&self) -> u64 {
+        self.reserve_free.load(Ordering::Relaxed)
+    }
+
+    /// Changes the free-space reserve (the daemon raises it with what its catalog needs); the
+    /// next write or [`make_room`](Self::make_room) evicts to keep it.
+    pub fn set_reserve_free_bytes(&self, bytes: u64) {
+        self.reserve_free.store(bytes, Ordering::Relaxed);
+    }
+
+    /// Evicts least recently used blobs until the file system has `extra` bytes free beyond
+    /// the tier's reserve (or the tier is empty); returns the bytes evicted. The daemon calls
+    /// it when the disk it shares with the catalog runs low: chunk KV is a cache, and goes
+    /// first.
+    pub fn make_room(&self, extra: u64) -> Result<u64> {
+        if self.reserve_free_bytes() == 0 && extra == 0 {
+            return Ok(0);
+        }
+        let _w = self.lock_writer();
+        let evicted = {
+            let mut ix = self.lock_index();
+            self.evict_for_space(&mut ix, None, extra)?
+        };
+        let bytes = evicted.iter().map(|(_, s)| s).sum();
+        let keys: Vec<BlobKey> = evicted.into_iter().map(|(k, _)| k).collect();
+        self.delete_files(&keys);
+        Ok(bytes)
+    }
+
+    /// Free bytes of the file system once files of `freed` bytes, already out of the index,
+    /// are deleted.
+    fn free_bytes(&self, ix: &Index, freed: u64) -> Result<u64> {
+        #[cfg(test)]
+        if let Some(disk) = *self
+            .fake_disk
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+        {
+            return Ok(disk.saturating_sub(ix.lru.used() + ix.reserved));
+        }
+        let _ = ix;
+        Ok(disk_space(&self.dir)
+            .map_err(|e| KvStoreError::io("statvfs", &self.dir, e))?
+            .available
+            + freed)
+    }
+
+    /// Pops LRU entries (other than `keep`) until the file system would have `extra` bytes
+    /// beyond the reserve once their files are deleted; returns them with their sizes.
+    fn evict_for_space(
+        &self,
+        ix: &mut Index,
+        keep: Option<&BlobKey>,
+        extra: u64,
+    ) -> Result<Vec<(BlobKey, u64)>> {
+        let free = self.free_bytes(ix, 0)?;
+        let mut short = (self.reserve_free_bytes() + extra).saturating_sub(free);
+        let mut evicted = Vec::new();
+        while short > 0 {
+            let Some((k, e)) = ix.lru.pop_lru_except(keep) else {
+                break;
+            };
+            short = short.saturating_sub(e.size);
+            evicted.push((k, e.size));
+        }
+        Ok(evicted)
     }
 
     /// `"io_uring"` or `"plain"`.
@@ -290,11 +392,13 @@ impl NvmeTier {
 
     /// Makes room for `size` more bytes (evicting LRU entries other than `key`, whose old size
     /// counts as free since the write replaces it) and reserves them. `Full`, evicting nothing,
-    /// if even an empty tier could not take it next to the writes in flight.
+    /// if even an empty tier could not take it next to the writes in flight. With a free-space
+    /// reserve, also evicts until the file system keeps it beyond this write and the writes in
+    /// flight; `NoSpace` when even an empty tier would not.
     fn reserve(&self, key: &BlobKey, size: u64) -> Result<()> {
         let _w = self.lock_writer();
         let mut evicted = Vec::new();
-        {
+        let result = {
             let mut ix = self.lock_index();
             if ix.reserved + size > self.budget {
                 return Err(KvStoreError::Full {
@@ -303,21 +407,44 @@ impl NvmeTier {
                     budget: self.budget,
                 });
             }
+            let mut freed = 0;
             loop {
                 let old = ix.lru.peek(key).map_or(0, |s| s.size);
                 if ix.lru.used() - old + ix.reserved + size <= self.budget {
                     break;
                 }
-                let (k, _) = ix
+                let (k, slot) = ix
                     .lru
                     .pop_lru_except(Some(key))
                     .expect("with every other entry gone, reserved + size fits");
+                freed += slot.size;
                 evicted.push(k);
             }
-            ix.reserved += size;
-        }
+            let mut short = 0;
+            let reserve_free = self.reserve_free_bytes();
+            if reserve_free > 0 {
+                // Files evicted above are deleted below: count them as free already.
+                let free = self.free_bytes(&ix, freed)?;
+                short = (reserve_free + ix.reserved + size).saturating_sub(free);
+                while short > 0 {
+                    let Some((k, slot)) = ix.lru.pop_lru_except(Some(key)) else {
+                        break;
+                    };
+                    short = short.saturating_sub(slot.size);
+                    evicted.push(k);
+                }
+            }
+            if short > 0 {
+                Err(KvStoreError::NoSpace {
+                    path: self.dir.clone(),
+                })
+            } else {
+                ix.reserved += size;
+                Ok(())
+            }
+        };
         self.delete_files(&evicted);
-        Ok(())
+        result
     }
 
     /// Creates the fan-out directory if needed, making its entry durable.
@@ -620,12 +747,47 @@ mod tests {
     use super::*;
 
     #[test]
+    fn the_free_space_reserve_evicts_first_then_refuses() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut opts = NvmeOptions::new(1 << 20);
+        opts.io = IoMode::Plain;
+        opts.reserve_free_bytes = 300;
+        let t = NvmeTier::open(dir.path(), opts).unwrap();
+        // A 1000-byte disk: blobs of 200 leave 300 free up to 700 bytes stored.
+        *t.fake_disk.lock().unwrap() = Some(1000);
+        let keys: Vec<BlobKey> = (1..=4).map(|i| BlobKey([i; 16])).collect();
+        for k in &keys[..3] {
+            t.put(k, &[7; 200]).unwrap();
+        }
+        assert_eq!(t.used_bytes(), 600);
+        // The fourth would leave 200 free: the oldest goes first.
+        t.put(&keys[3], &[7; 200]).unwrap();
+        assert!(!t.contains(&keys[0]) && t.contains(&keys[3]));
+        assert_eq!(t.used_bytes(), 600);
+        // Something else took the disk: even an empty tier cannot keep the reserve.
+        t.remove(&keys[1]).unwrap();
+        t.remove(&keys[2]).unwrap();
+        *t.fake_disk.lock().unwrap() = Some(400);
+        let e = t.put(&BlobKey([9; 16]), &[7; 200]).unwrap_err();
+        assert!(matches!(e, KvStoreError::NoSpace { .. }), "{e}");
+        assert_eq!(t.len(), 0, "everything evictable went first");
+        // make_room frees the tier down to the reserve without a write.
+        *t.fake_disk.lock().unwrap() = Some(1000);
+        t.put(&keys[0], &[7; 200]).unwrap();
+        t.put(&keys[1], &[7; 200]).unwrap();
+        *t.fake_disk.lock().unwrap() = Some(600);
+        assert_eq!(t.make_room(0).unwrap(), 200);
+        assert_eq!(t.len(), 1);
+    }
+
+    #[test]
     fn full_from_writes_in_flight_evicts_nothing() {
         let dir = tempfile::tempdir().unwrap();
         let opts = NvmeOptions {
             budget_bytes: 1000,
             io: IoMode::Plain,
             direct: false,
+            reserve_free_bytes: 0,
         };
         let t = NvmeTier::open(dir.path(), opts).unwrap();
         let a = BlobKey([1; 16]);
@@ -657,6 +819,7 @@ mod tests {
                     budget_bytes: 1 << 20,
                     io,
                     direct: true,
+                    reserve_free_bytes: 0,
                 },
             )
             .unwrap();

@@ -38,13 +38,19 @@ pub struct StoreMetrics {
 #[derive(Debug, Default)]
 pub struct KvStore {
     dram: Option<DramTier>,
-    nvme: Option<NvmeTier>,
+    nvme: Option<Arc<NvmeTier>>,
     io_errors: AtomicU64,
     corrupt: AtomicU64,
 }
 
 impl KvStore {
     pub fn new(dram: Option<DramTier>, nvme: Option<NvmeTier>) -> KvStore {
+        KvStore::with_shared_nvme(dram, nvme.map(Arc::new))
+    }
+
+    /// A store over an NVMe tier that others hold too (the daemon's disk guard asks it to make
+    /// room when the disk runs low).
+    pub fn with_shared_nvme(dram: Option<DramTier>, nvme: Option<Arc<NvmeTier>>) -> KvStore {
         KvStore {
             dram,
             nvme,
@@ -111,7 +117,7 @@ impl KvStore {
     }
 
     pub fn nvme(&self) -> Option<&NvmeTier> {
-        self.nvme.as_ref()
+        self.nvme.as_deref()
     }
 
     pub fn metrics(&self) -> StoreMetrics {

@@ -43,6 +43,7 @@ fn nvme_with(budget: u64, io: IoMode, direct: bool) -> Option<Fixture> {
             budget_bytes: budget,
             io,
             direct,
+            reserve_free_bytes: 0,
         },
     );
     if io == IoMode::Uring {
@@ -379,6 +380,7 @@ mod nvme {
             budget_bytes: budget,
             io,
             direct: true,
+            reserve_free_bytes: 0,
         }
     }
 
@@ -686,6 +688,7 @@ mod nvme {
                 budget_bytes: 1 << 20,
                 io: IoMode::Plain,
                 direct: false,
+                reserve_free_bytes: 0,
             },
         )
         .unwrap();

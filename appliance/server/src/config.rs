@@ -27,6 +27,10 @@ pub const DEFAULT_MAX_TOP_K: usize = 50;
 /// Ingestion requests running or waiting at once; more get 429 (the knowledge base has one
 /// writer, so more parallelism would only queue).
 pub const DEFAULT_INGEST_CONCURRENCY: usize = 4;
+/// Longest search query or question: a question is a few sentences, the embedder reads 256
+/// word pieces, and BM25's cost grows with every term, so a megabyte "query" only ties up the
+/// knowledge base.
+pub const DEFAULT_MAX_QUERY_BYTES: usize = 4096;
 /// Failed authentication attempts allowed per client address per minute.
 pub const DEFAULT_AUTH_FAILURES_PER_MINUTE: u32 = 10;
 /// How long a successful key verification is remembered: argon2 costs tens of milliseconds
@@ -53,6 +57,16 @@ pub struct RawConfig {
     pub limits: RawLimits,
     #[serde(default)]
     pub auth: RawAuth,
+    #[serde(default)]
+    pub storage: RawStorage,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawStorage {
+    /// Free space kept for the catalog and indexes (default: 5 % of the file system, 1 MiB to
+    /// 1 GiB).
+    pub reserve_mib: Option<u64>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -90,6 +104,7 @@ pub struct RawLimits {
     pub max_tokens: Option<usize>,
     pub max_top_k: Option<usize>,
     pub ingest_concurrency: Option<usize>,
+    pub max_query_bytes: Option<usize>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -133,6 +148,10 @@ pub struct Config {
     pub ingest_concurrency: usize,
     pub auth_failures_per_minute: u32,
     pub auth_cache_secs: u64,
+    /// Longest search query or question, in bytes.
+    pub max_query_bytes: usize,
+    /// Free space kept for the catalog and indexes; `None`: `storage::default_reserve`.
+    pub storage_reserve_bytes: Option<u64>,
 }
 
 /// Prefix cache budget when the file says nothing: the system prompt and chat template of
@@ -257,6 +276,23 @@ impl RawConfig {
         )?;
         let max_tokens = positive("limits.max_tokens", l.max_tokens, DEFAULT_MAX_TOKENS)?;
         let max_top_k = positive("limits.max_top_k", l.max_top_k, DEFAULT_MAX_TOP_K)?;
+        let max_query_bytes = positive(
+            "limits.max_query_bytes",
+            l.max_query_bytes,
+            DEFAULT_MAX_QUERY_BYTES,
+        )?;
+        if max_query_bytes > engram_kb::MAX_QUERY_BYTES {
+            return Err(ServerError::config(
+                "limits.max_query_bytes",
+                format!("must be at most {}", engram_kb::MAX_QUERY_BYTES),
+            ));
+        }
+        if self.storage.reserve_mib == Some(0) {
+            return Err(ServerError::config(
+                "storage.reserve_mib",
+                "must be at least 1",
+            ));
+        }
         let ingest_concurrency = positive(
             "limits.ingest_concurrency",
             l.ingest_concurrency,
@@ -303,6 +339,8 @@ impl RawConfig {
             ingest_concurrency,
             auth_failures_per_minute,
             auth_cache_secs: self.auth.cache_secs.unwrap_or(DEFAULT_AUTH_CACHE_SECS),
+            max_query_bytes,
+            storage_reserve_bytes: self.storage.reserve_mib.map(|m| m << 20),
         })
     }
 }

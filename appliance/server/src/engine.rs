@@ -24,7 +24,7 @@ use engram_fusion::{
     chunk_tokens, fused_prefill_interleaved, rag_frame, rag_prompt, ChunkStore, FusedPrompt,
     GateLimits, Interleave, Policy, PrefixCache, DEFAULT_SYSTEM,
 };
-use engram_kvstore::{DramTier, IoMode, KvDtype, KvStore, NvmeOptions, NvmeTier};
+use engram_kvstore::{DramTier, KvDtype, KvStore, NvmeTier};
 use engram_model::{KvCache, Logits, Model, Sampler, SamplingParams, Sequence};
 use engram_tokenizer::{ChatTemplate, Detokenizer, Message, Tokenizer};
 use tokio::sync::mpsc;
@@ -49,9 +49,11 @@ pub const INTERLEAVE_PIECE: usize = 128;
 pub struct EngineOptions {
     pub llm: PathBuf,
     pub threads: usize,
+    /// Where the fidelity gate's record lives (next to the NVMe tier).
     pub kv_dir: PathBuf,
     pub kv_dram_mib: u64,
-    pub kv_nvme_gib: u64,
+    /// The NVMe tier, opened by the daemon (which also asks it to make room on a low disk).
+    pub nvme: Option<Arc<NvmeTier>>,
     pub kv_dtype: KvDtype,
     pub prefix_cache_mib: u64,
     pub policy: Policy,
@@ -301,21 +303,9 @@ impl Engine {
         let tokenizer = Tokenizer::from_gguf(meta)?;
         let template = ChatTemplate::from_gguf(meta)?;
         let dram = (opts.kv_dram_mib > 0).then(|| DramTier::new(opts.kv_dram_mib << 20));
-        let nvme = if opts.kv_nvme_gib > 0 {
-            Some(NvmeTier::open(
-                &opts.kv_dir,
-                NvmeOptions {
-                    budget_bytes: opts.kv_nvme_gib << 30,
-                    io: IoMode::Auto,
-                    direct: true,
-                },
-            )?)
-        } else {
-            None
-        };
         let frame = rag_frame(&tokenizer, template.as_ref())?;
         let store = ChunkStore::new(
-            Arc::new(KvStore::new(dram, nvme)),
+            Arc::new(KvStore::with_shared_nvme(dram, opts.nvme.clone())),
             &model,
             frame,
             opts.kv_dtype,

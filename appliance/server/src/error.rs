@@ -113,6 +113,10 @@ pub enum ApiError {
     #[error("{0}")]
     Fusion(#[from] FusionError),
 
+    /// The disk cannot take the write durably (the free-space reserve, or the disk itself).
+    #[error("{reason}")]
+    InsufficientStorage { reason: String },
+
     #[error("{reason}")]
     Unavailable { reason: String },
 
@@ -146,6 +150,8 @@ impl ApiError {
             ApiError::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::NotFound { .. } => StatusCode::NOT_FOUND,
             ApiError::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
+            ApiError::InsufficientStorage { .. } => StatusCode::INSUFFICIENT_STORAGE,
+            ApiError::Kb(e) if e.is_storage_full() => StatusCode::INSUFFICIENT_STORAGE,
             ApiError::Kb(e) => match e {
                 KbError::CollectionNotFound { .. } | KbError::DocumentNotFound { .. } => {
                     StatusCode::NOT_FOUND
@@ -179,6 +185,8 @@ impl ApiError {
             ApiError::PayloadTooLarge { .. } => "payload_too_large",
             ApiError::NotFound { .. } => "not_found",
             ApiError::MethodNotAllowed => "method_not_allowed",
+            ApiError::InsufficientStorage { .. } => "insufficient_storage",
+            ApiError::Kb(e) if e.is_storage_full() => "insufficient_storage",
             ApiError::Kb(e) => match e {
                 KbError::CollectionNotFound { .. } | KbError::DocumentNotFound { .. } => {
                     "not_found"

@@ -19,6 +19,7 @@ use tokio::sync::{mpsc, oneshot};
 
 use crate::error::{ApiError, Result, ServerError};
 use crate::metrics::Metrics;
+use crate::storage::Storage;
 
 /// Commands waiting for the knowledge base before senders wait: searches are milliseconds,
 /// ingestion is bounded separately, so this only absorbs bursts.
@@ -40,6 +41,10 @@ pub const KV_WORK_QUEUE: usize = 2;
 /// Pause after a background step failed, so that a persistent failure (a full disk) does not
 /// spin the thread; the queue goes on afterwards.
 const STEP_ERROR_PAUSE: Duration = Duration::from_millis(500);
+
+/// How often the owner recounts the bytes still to ingest for the disk admission (a catalog
+/// read per queued document).
+const PENDING_EVERY: Duration = Duration::from_secs(1);
 
 /// Longest the owner sleeps without a message: commits that are due on time (see
 /// `engram_kb::COMMIT_INTERVAL`) happen even when nothing else arrives.
@@ -68,9 +73,15 @@ pub struct KbOptions {
     pub llm: PathBuf,
     pub threads: usize,
     pub max_upload_bytes: usize,
+    /// The data directory's disk: ingestion pauses while it is short of its reserve.
+    pub storage: Arc<Storage>,
     /// The engine's chunk KV stage (none: no precompute).
     pub kv: Option<KvLink>,
 }
+
+/// How long the owner waits between two tries to open a knowledge base that the disk was too
+/// full for.
+const REOPEN_EVERY: Duration = Duration::from_secs(5);
 
 /// A cheap, cloneable handle to the knowledge-base thread.
 #[derive(Clone)]
@@ -79,6 +90,9 @@ pub struct KbHandle {
     /// Facts fixed at open, readable without a round trip.
     pub embed_model: Arc<str>,
     pub embed_dim: usize,
+    /// Why the knowledge base is not open (a disk too full to open the catalog safely); the
+    /// owner tries again every few seconds.
+    unavailable: Arc<std::sync::Mutex<Option<String>>>,
 }
 
 impl KbHandle {
@@ -91,24 +105,59 @@ impl KbHandle {
     ) -> Result<(KbHandle, std::thread::JoinHandle<()>)> {
         let (tx, mut rx) = mpsc::channel::<Command>(COMMAND_QUEUE);
         let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+        let unavailable = Arc::new(std::sync::Mutex::new(None::<String>));
+        let state = unavailable.clone();
         let join = std::thread::Builder::new()
             .name("engram-kb".into())
             .spawn(move || {
-                let mut kb = match open(&opts) {
-                    Ok(kb) => {
-                        let e = &kb.models().embedder;
-                        let _ = ready_tx.send(Ok((Arc::<str>::from(e.model_id()), e.dim())));
-                        kb
-                    }
+                let models = match load_models(&opts) {
+                    Ok(m) => m,
                     Err(e) => {
                         let _ = ready_tx.send(Err(e));
                         return;
                     }
                 };
+                let e = &models.embedder;
+                let info = (Arc::<str>::from(e.model_id()), e.dim());
+                let mut ready_tx = Some(ready_tx);
+                // A disk too full to open the catalog safely does not stop the daemon: it
+                // serves what needs no knowledge base, says why in /readyz, and tries again.
+                let mut kb = loop {
+                    match open(&opts, models.clone()) {
+                        Ok(kb) => break kb,
+                        Err(ServerError::Kb(e)) if e.is_storage_full() => {
+                            let reason = format!("knowledge base not open: {e}");
+                            tracing::error!("{reason}");
+                            *state.lock().unwrap_or_else(|p| p.into_inner()) = Some(reason);
+                            if let Some(r) = ready_tx.take() {
+                                let _ = r.send(Ok(info.clone()));
+                            }
+                            if !wait_closed(&mut rx, REOPEN_EVERY) {
+                                return;
+                            }
+                        }
+                        Err(e) => {
+                            match ready_tx.take() {
+                                Some(r) => {
+                                    let _ = r.send(Err(e));
+                                }
+                                None => tracing::error!("the knowledge base cannot open: {e}"),
+                            }
+                            return;
+                        }
+                    }
+                };
+                *state.lock().unwrap_or_else(|p| p.into_inner()) = None;
+                if let Some(r) = ready_tx.take() {
+                    let _ = r.send(Ok(info));
+                } else {
+                    tracing::info!("the knowledge base is open again");
+                }
                 let mut kv = opts.kv;
                 match Preparer::spawn(&kb, metrics.clone()) {
                     Ok(preparer) => {
-                        owner_loop(&mut kb, &mut rx, preparer, kv.as_mut(), &metrics);
+                        let storage = opts.storage.clone();
+                        owner_loop(&mut kb, &mut rx, preparer, kv.as_mut(), &storage, &metrics);
                     }
                     Err(e) => tracing::error!("cannot start the preparer thread: {e}"),
                 }
@@ -123,9 +172,18 @@ impl KbHandle {
                 tx,
                 embed_model,
                 embed_dim,
+                unavailable,
             },
             join,
         ))
+    }
+
+    /// Why the knowledge base is not open, while it is not.
+    pub fn unavailable(&self) -> Option<String> {
+        self.unavailable
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
     }
 
     /// Runs `f` on the knowledge base and returns its result.
@@ -133,6 +191,9 @@ impl KbHandle {
         &self,
         f: impl FnOnce(&mut KnowledgeBase) -> T + Send + 'static,
     ) -> std::result::Result<T, ApiError> {
+        if let Some(reason) = self.unavailable() {
+            return Err(ApiError::Unavailable { reason });
+        }
         let (tx, rx) = oneshot::channel();
         let cmd: Command = Box::new(move |kb| {
             let _ = tx.send(f(kb));
@@ -144,9 +205,9 @@ impl KbHandle {
             .map_err(|_| ApiError::internal("the knowledge-base command failed"))
     }
 
-    /// Whether the owner thread is still running.
+    /// Whether the owner thread is running with the knowledge base open.
     pub fn is_open(&self) -> bool {
-        !self.tx.is_closed()
+        !self.tx.is_closed() && self.unavailable().is_none()
     }
 }
 
@@ -229,6 +290,7 @@ fn owner_loop(
     rx: &mut mpsc::Receiver<Command>,
     mut preparer: Preparer,
     mut kv: Option<&mut KvLink>,
+    storage: &Storage,
     metrics: &Metrics,
 ) {
     // Only to wait on several channels at once; nothing runs on it.
@@ -243,8 +305,13 @@ fn owner_loop(
         }
     };
     let mut kv_feed = KvFeed::default();
+    let mut pending_at: Option<std::time::Instant> = None;
     loop {
         report(kb, metrics);
+        if pending_at.is_none_or(|t| t.elapsed() >= PENDING_EVERY) {
+            storage.set_pending(kb.queued_bytes());
+            pending_at = Some(std::time::Instant::now());
+        }
         match rx.try_recv() {
             Ok(cmd) => {
                 run(kb, cmd);
@@ -252,6 +319,33 @@ fn owner_loop(
             }
             Err(mpsc::error::TryRecvError::Disconnected) => break,
             Err(mpsc::error::TryRecvError::Empty) => {}
+        }
+        // Short of the reserve, nothing is written but what users ask for: the preparer's
+        // reports wait (it blocks when its queue is full), documents stay queued.
+        storage.set_headroom(kb.commit_headroom());
+        let writable = storage.writable();
+        metrics.storage_read_only.set(i64::from(!writable));
+        metrics
+            .storage_available
+            .set(storage.available().min(i64::MAX as u64) as i64);
+        if !writable {
+            enum Woke {
+                Cmd(Option<Command>),
+                Tick,
+            }
+            let woke = waiter.block_on(async {
+                tokio::select! {
+                    biased;
+                    c = rx.recv() => Woke::Cmd(c),
+                    () = tokio::time::sleep(IDLE_TICK) => Woke::Tick,
+                }
+            });
+            match woke {
+                Woke::Cmd(Some(cmd)) => run(kb, cmd),
+                Woke::Cmd(None) => break,
+                Woke::Tick => {}
+            }
+            continue;
         }
         match preparer.out.try_recv() {
             Ok(FromPreparer::Step(m)) => {
@@ -449,7 +543,23 @@ impl KvFeed {
     }
 }
 
-fn open(opts: &KbOptions) -> Result<KnowledgeBase> {
+/// Waits up to `d` for the daemon to shut down, dropping any command that arrives (its caller
+/// is told the knowledge base is unavailable); whether the daemon is still running.
+fn wait_closed(rx: &mut mpsc::Receiver<Command>, d: Duration) -> bool {
+    let deadline = std::time::Instant::now() + d;
+    while std::time::Instant::now() < deadline {
+        match rx.try_recv() {
+            Ok(_) => {}
+            Err(mpsc::error::TryRecvError::Disconnected) => return false,
+            Err(mpsc::error::TryRecvError::Empty) => {
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        }
+    }
+    true
+}
+
+fn load_models(opts: &KbOptions) -> Result<Models> {
     if !opts.embedder.join("model.safetensors").is_file() {
         return Err(ServerError::config(
             "models.embedder",
@@ -458,7 +568,14 @@ fn open(opts: &KbOptions) -> Result<KnowledgeBase> {
     }
     let gguf = engram_gguf::GgufFile::open(&opts.llm)?;
     let tokens = engram_tokenizer::Tokenizer::from_gguf(gguf.metadata())?;
-    let models = Models::load(&opts.embedder, opts.threads, Arc::new(tokens))?;
+    Ok(Models::load(
+        &opts.embedder,
+        opts.threads,
+        Arc::new(tokens),
+    )?)
+}
+
+fn open(opts: &KbOptions, models: Models) -> Result<KnowledgeBase> {
     let mut kb = KnowledgeBase::open(&opts.data_dir, models)?;
     kb.set_parse_limits(engram_parse::Limits {
         max_input_bytes: opts.max_upload_bytes as u64,
@@ -476,6 +593,9 @@ fn open(opts: &KbOptions) -> Result<KnowledgeBase> {
             documents = r.resumed,
             "recovery: interrupted documents queued again (finished in the background)"
         );
+    }
+    for (coll, why) in &r.deferred {
+        tracing::warn!(collection = %coll, "recovery: left for when the disk has room ({why})");
     }
     Ok(kb)
 }

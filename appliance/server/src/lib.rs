@@ -20,6 +20,7 @@ mod lifecycle;
 mod metrics;
 mod profile;
 mod server;
+pub mod storage;
 
 pub use api::{openapi_json, router, AppState, Limits};
 pub use auth::{Authenticator, KeyRecord, KeyStore, Principal, Scope, KEY_FILE};

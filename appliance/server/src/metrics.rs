@@ -49,6 +49,10 @@ pub struct Metrics {
     /// Chunks through each ingestion stage: `chunked` and `embedded` (by the preparer),
     /// `indexed` (added to the indexes).
     pub ingest_chunks: IntCounterVec,
+    /// Free bytes on the data directory's disk, and whether the daemon is read-only for lack
+    /// of them.
+    pub storage_available: IntGauge,
+    pub storage_read_only: IntGauge,
 }
 
 impl Metrics {
@@ -148,8 +152,20 @@ impl Metrics {
             &["stage"],
         )
         .expect("valid metric");
+        let storage_available = IntGauge::new(
+            "engram_storage_available_bytes",
+            "Free bytes on the disk of the data directory",
+        )
+        .expect("valid metric");
+        let storage_read_only = IntGauge::new(
+            "engram_storage_read_only",
+            "1 while the data directory's disk is short of its reserve (uploads and ingestion paused)",
+        )
+        .expect("valid metric");
         for c in [
             Box::new(requests.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(storage_available.clone()),
+            Box::new(storage_read_only.clone()),
             Box::new(ingest_chunks.clone()),
             Box::new(ingest_pending.clone()),
             Box::new(ingested.clone()),
@@ -182,6 +198,8 @@ impl Metrics {
             ingest_pending,
             ingested,
             ingest_chunks,
+            storage_available,
+            storage_read_only,
         }
     }
 

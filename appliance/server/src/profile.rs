@@ -163,7 +163,7 @@ impl Machine {
     /// Detects cores and memory (sysinfo), GPUs (`/dev/nvidia0`, `/dev/nvidia1`, ... device
     /// files; no CUDA call) and the free space under `data_dir`.
     pub fn detect(data_dir: &Path) -> Machine {
-        use sysinfo::{Disks, MemoryRefreshKind, RefreshKind, System};
+        use sysinfo::{MemoryRefreshKind, RefreshKind, System};
         let sys = System::new_with_specifics(
             RefreshKind::nothing().with_memory(MemoryRefreshKind::nothing().with_ram()),
         );
@@ -181,16 +181,11 @@ impl Machine {
                     .count()
             })
             .unwrap_or(0);
-        let abs = std::fs::canonicalize(data_dir)
-            .or_else(|_| std::env::current_dir().map(|c| c.join(data_dir)))
-            .unwrap_or_else(|_| data_dir.to_owned());
-        let disks = Disks::new_with_refreshed_list();
-        let disk_free_bytes = disks
-            .list()
-            .iter()
-            .filter(|d| abs.starts_with(d.mount_point()))
-            .max_by_key(|d| d.mount_point().as_os_str().len())
-            .map(|d| d.available_space());
+        // statvfs on the directory itself: exact for any mount (tmpfs, bind mounts), which a
+        // mount-point match against the disk list is not.
+        let disk_free_bytes = engram_kvstore::disk_space(data_dir)
+            .map(|s| s.available)
+            .ok();
         Machine {
             cores,
             memory_bytes: sys.total_memory(),

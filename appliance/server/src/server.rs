@@ -13,6 +13,8 @@ use crate::error::{Result, ServerError};
 use crate::kbtask::{KbHandle, KbOptions};
 use crate::metrics::Metrics;
 use crate::profile::{self, Machine, Profile};
+use crate::storage::Storage;
+use engram_kvstore::{IoMode, NvmeOptions, NvmeTier};
 
 /// A daemon with everything loaded and its listener bound, not yet serving.
 pub struct Daemon {
@@ -48,6 +50,52 @@ impl Daemon {
         let queue_depth = config.queue_depth.unwrap_or(p.queue_depth);
         let max_batch = config.batch_size.unwrap_or(p.batch_size);
         let metrics = Arc::new(Metrics::new());
+        // The disk first: on a full disk the ballast is given back so the catalog can open.
+        let storage = Arc::new(Storage::open(
+            &config.data_dir,
+            config.storage_reserve_bytes,
+        )?);
+        tracing::info!(
+            free_mib = storage.available() >> 20,
+            reserve_mib = storage.reserve() >> 20,
+            read_only = storage.read_only(),
+            "data directory disk"
+        );
+        // The NVMe KV tier before the catalog: it keeps its own reserve (twice the catalog's
+        // when it shares the disk) and evicts at open to restore it.
+        let kv_nvme_gib = config.kv_nvme_gib.unwrap_or(p.kv_nvme_gib);
+        let nvme = if kv_nvme_gib > 0 {
+            std::fs::create_dir_all(&config.kv_dir)
+                .map_err(|e| ServerError::io("creating", &config.kv_dir, e))?;
+            let reserve = if crate::storage::same_file_system(&config.data_dir, &config.kv_dir) {
+                2 * storage.reserve()
+            } else {
+                let space = engram_kvstore::disk_space(&config.kv_dir)
+                    .map_err(|e| ServerError::io("statvfs", &config.kv_dir, e))?;
+                crate::storage::default_reserve(space.total)
+            };
+            let tier = Arc::new(NvmeTier::open(
+                &config.kv_dir,
+                NvmeOptions {
+                    budget_bytes: kv_nvme_gib << 30,
+                    io: IoMode::Auto,
+                    direct: true,
+                    reserve_free_bytes: reserve,
+                },
+            )?);
+            storage.set_kv_tier(tier.clone());
+            Some(tier)
+        } else {
+            None
+        };
+        if !storage.writable() {
+            tracing::error!(
+                "starting read-only: {}",
+                storage.reason().unwrap_or_default()
+            );
+        } else {
+            storage.ensure_ballast();
+        }
         let auth = Arc::new(Authenticator::new(
             &config.data_dir,
             Duration::from_secs(config.auth_cache_secs),
@@ -79,6 +127,7 @@ impl Daemon {
                 llm: config.llm.clone(),
                 threads,
                 max_upload_bytes: config.max_upload_bytes,
+                storage: storage.clone(),
                 kv: Some(crate::kbtask::KvLink {
                     work: kv_tx,
                     done: kv_done_rx,
@@ -93,7 +142,7 @@ impl Daemon {
                 threads,
                 kv_dir: config.kv_dir.clone(),
                 kv_dram_mib: config.kv_dram_mib.unwrap_or(p.kv_dram_mib),
-                kv_nvme_gib: config.kv_nvme_gib.unwrap_or(p.kv_nvme_gib),
+                nvme,
                 kv_dtype: config.kv_dtype,
                 prefix_cache_mib: config.prefix_cache_mib,
                 policy: config.policy,
@@ -133,7 +182,9 @@ impl Daemon {
                 max_upload_bytes: config.max_upload_bytes,
                 max_tokens: config.max_tokens,
                 max_top_k: config.max_top_k,
+                max_query_bytes: config.max_query_bytes,
             },
+            storage,
             profile: Arc::from(p.name.as_str()),
             console,
         };

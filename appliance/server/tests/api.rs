@@ -991,3 +991,93 @@ fn a_large_document_shows_progress_and_stops_when_deleted() {
         204
     );
 }
+
+/// Issue 16.7 and the upload status contract: an oversized query or question is a 400 naming
+/// the field; an upload where some documents failed is a 207, one where all failed is the
+/// failure's own status (never a 202 that reads as success).
+#[test]
+fn oversized_queries_and_failed_uploads_are_errors() {
+    let s = server();
+    let long = "pump ".repeat(1000);
+    let r = s.call(
+        "POST",
+        "/api/v1/search",
+        Some(&s.admin),
+        Some(json!({"query": long, "collections": ["a"]})),
+    );
+    assert_eq!(r.status, 400, "{}", r.text());
+    assert!(
+        r.text().contains("`query`") && r.text().contains("max_query_bytes"),
+        "{}",
+        r.text()
+    );
+    let r = s.call(
+        "POST",
+        "/api/v1/qa",
+        Some(&s.admin),
+        Some(json!({"question": long, "collections": ["a"], "max_tokens": 4})),
+    );
+    assert_eq!(r.status, 400, "{}", r.text());
+    assert!(r.text().contains("`question`"), "{}", r.text());
+    let r = s.call(
+        "POST",
+        "/retrieval",
+        Some(&s.admin),
+        Some(json!({"knowledge_id": "a", "query": long, "retrieval_setting": {"top_k": 2}})),
+    );
+    assert_eq!(r.status, 400, "{}", r.text());
+
+    let r = s.call(
+        "POST",
+        "/api/v1/collections",
+        Some(&s.admin),
+        Some(json!({"name": "partial"})),
+    );
+    assert_eq!(r.status, 201, "{}", r.text());
+    let bad_name = "n".repeat(1100);
+    let boundary = "PaRtIaL";
+    let ct = format!("multipart/form-data; boundary={boundary}");
+    let part = |name: &str, text: &str| {
+        format!("--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"{name}\"\r\n\r\n{text}\r\n")
+    };
+    let body = format!(
+        "{}{}--{boundary}--\r\n",
+        part(&bad_name, "refused"),
+        part("partial-ok.txt", "The partial upload keeps this one.")
+    );
+    let r = s.raw(
+        "POST",
+        "/api/v1/collections/partial/documents",
+        Some(&s.admin),
+        Some((&ct, body.into_bytes())),
+    );
+    assert_eq!(r.status, 207, "{}", r.text());
+    let docs = r.json()["documents"].as_array().unwrap().clone();
+    assert_eq!(docs[0]["outcome"], "failed");
+    assert!(docs[0]["reason"]
+        .as_str()
+        .unwrap()
+        .contains("document name"));
+    assert_eq!(docs[1]["outcome"], "queued");
+    let body = format!("{}--{boundary}--\r\n", part(&bad_name, "refused"));
+    let r = s.raw(
+        "POST",
+        "/api/v1/collections/partial/documents",
+        Some(&s.admin),
+        Some((&ct, body.into_bytes())),
+    );
+    assert_eq!(r.status, 400, "{}", r.text());
+    assert_eq!(r.error_type(), "invalid_request");
+    let id = docs[1]["id"].as_u64().unwrap();
+    s.wait_for_stage("partial", id, "done");
+    assert_eq!(
+        s.call(
+            "DELETE",
+            "/api/v1/collections/partial",
+            Some(&s.admin),
+            None
+        )
+        .status,
+        204
+    );
+}

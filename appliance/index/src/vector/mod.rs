@@ -394,26 +394,26 @@ impl VectorIndex {
     /// Deletes data, graph and temp files that the current manifest does not name (earlier
     /// generations, crashed commits). Best effort: a file that stays is only wasted space.
     fn remove_stale_files(&self) {
-        let mut keep: HashSet<String> = [MANIFEST.to_string(), "LOCK".to_string()].into();
-        if let Some((data_file, _, graph)) = &self.committed {
-            keep.insert(data_file.clone());
-            if let Some(g) = graph {
-                keep.insert(format!("{}.hnsw.graph", g.basename));
-                keep.insert(format!("{}.hnsw.data", g.basename));
-            }
-        }
-        let Ok(entries) = fs::read_dir(&self.dir) else {
-            return;
+        let committed = self
+            .committed
+            .as_ref()
+            .map(|(data_file, _, graph)| (data_file.as_str(), graph.as_ref()));
+        remove_unnamed(&self.dir, committed);
+    }
+
+    /// [`remove_stale_files`](Self::remove_stale_files) without opening the index: what a
+    /// commit that failed (a full disk) or crashed left, found from the manifest alone, so a
+    /// caller can free that space before anything else opens. A directory whose manifest is
+    /// missing or unreadable is left alone. Returns the bytes freed.
+    pub fn remove_stale(dir: &Path) -> u64 {
+        let manifest_path = dir.join(MANIFEST);
+        let Ok(bytes) = fs::read(&manifest_path) else {
+            return 0;
         };
-        for entry in entries.flatten() {
-            let name = entry.file_name().to_string_lossy().into_owned();
-            let ours = name.starts_with("vectors-")
-                || name.starts_with("graph-")
-                || name.ends_with(".tmp");
-            if ours && !keep.contains(&name) {
-                let _ = fs::remove_file(entry.path());
-            }
-        }
+        let Ok(m) = Manifest::decode(&manifest_path, &bytes) else {
+            return 0;
+        };
+        remove_unnamed(dir, Some((m.data_file.as_str(), m.graph.as_ref())))
     }
 
     /// The `k` nearest live chunks to `query` among the documents `filter` allows, best first,
@@ -564,6 +564,35 @@ impl VectorIndex {
     pub(crate) fn set_exact_scan_max_rows(&mut self, rows: usize) {
         self.exact_scan_max_rows = rows;
     }
+}
+
+/// Deletes the index files in `dir` that `committed` (data file, graph) does not name; returns
+/// the bytes freed.
+fn remove_unnamed(dir: &Path, committed: Option<(&str, Option<&GraphFiles>)>) -> u64 {
+    let mut keep: HashSet<String> = [MANIFEST.to_string(), "LOCK".to_string()].into();
+    if let Some((data_file, graph)) = committed {
+        keep.insert(data_file.to_owned());
+        if let Some(g) = graph {
+            keep.insert(format!("{}.hnsw.graph", g.basename));
+            keep.insert(format!("{}.hnsw.data", g.basename));
+        }
+    }
+    let Ok(entries) = fs::read_dir(dir) else {
+        return 0;
+    };
+    let mut freed = 0;
+    for entry in entries.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let ours =
+            name.starts_with("vectors-") || name.starts_with("graph-") || name.ends_with(".tmp");
+        if ours && !keep.contains(&name) {
+            let len = entry.metadata().map_or(0, |m| m.len());
+            if fs::remove_file(entry.path()).is_ok() {
+                freed += len;
+            }
+        }
+    }
+    freed
 }
 
 fn check_vector(v: &[f32]) -> std::result::Result<(), &'static str> {

@@ -145,6 +145,10 @@ pub struct ChunkList {
 }
 
 /// Accepts each document on the knowledge-base thread (one command for the whole upload).
+/// `202` when every document is durable; `207` (with each document's outcome) when some
+/// failed; when all failed, the first failure's error: `400` for a refused name or metadata,
+/// `507` when the disk cannot take them (checked before anything is written: the reserve kept
+/// for the catalog must remain), else `500`.
 async fn ingest(
     s: &AppState,
     caller: &Caller,
@@ -163,10 +167,14 @@ async fn ingest(
             retry_after_s: crate::engine::RETRY_AFTER_S,
         }
     })?;
+    let bytes: usize = docs.iter().map(|d| d.bytes.len()).sum();
+    s.storage.admit(bytes as u64).inspect_err(|_| {
+        s.metrics.rejected.with_label_values(&["disk_full"]).inc();
+    })?;
     let n = docs.len();
     let c = collection.clone();
     let results =
-        s.kb.call(move |kb| -> Result<Vec<UploadResult>, KbError> {
+        s.kb.call(move |kb| -> Result<Vec<(String, UploadOutcome)>, KbError> {
             kb.collection(&c)?;
             Ok(docs
                 .into_iter()
@@ -176,23 +184,36 @@ async fn ingest(
                         let stage = kb.document(&c, &a.doc.to_string())?.stage.name();
                         Ok((a, stage))
                     });
-                    upload_result(name, accepted)
+                    (name, accepted)
                 })
                 .collect())
         })
         .await??;
+    let failed = results.iter().filter(|(_, r)| r.is_err()).count();
+    if failed == n {
+        let (name, first) = results.into_iter().next().expect("at least one document");
+        let e = first.expect_err("all failed");
+        tracing::warn!(collection = %collection, documents = n, key = %caller.key_id, "upload refused: {name}: {e}");
+        return Err(ApiError::Kb(e));
+    }
+    let results: Vec<UploadResult> = results
+        .into_iter()
+        .map(|(name, r)| upload_result(name, r))
+        .collect();
     let queued = results.iter().filter(|r| r.stage == Some("queued")).count();
-    tracing::info!(collection = %collection, documents = n, queued, key = %caller.key_id, "upload accepted");
-    Ok((
-        StatusCode::ACCEPTED,
-        axum::Json(UploadResponse { documents: results }),
-    ))
+    tracing::info!(collection = %collection, documents = n, queued, failed, key = %caller.key_id, "upload accepted");
+    let status = if failed > 0 {
+        StatusCode::MULTI_STATUS
+    } else {
+        StatusCode::ACCEPTED
+    };
+    Ok((status, axum::Json(UploadResponse { documents: results })))
 }
 
-fn upload_result(
-    name: String,
-    accepted: Result<(engram_kb::Accepted, &'static str), KbError>,
-) -> UploadResult {
+/// What `accept` answered for one document, with its stage.
+type UploadOutcome = Result<(engram_kb::Accepted, &'static str), KbError>;
+
+fn upload_result(name: String, accepted: UploadOutcome) -> UploadResult {
     let mut u = UploadResult {
         name,
         outcome: "failed",
@@ -226,7 +247,9 @@ fn upload_result(
 #[utoipa::path(post, path = "/api/v1/collections/{name}/documents", tag = "documents",
     params(("name" = String, Path)),
     request_body(content_type = "multipart/form-data", content = String),
-    responses((status = 202, body = UploadResponse), (status = 413, body = crate::api::openapi::ErrorBody)),
+    responses((status = 202, body = UploadResponse), (status = 207, body = UploadResponse, description = "some documents failed (see each outcome)"),
+        (status = 400, body = crate::api::openapi::ErrorBody), (status = 413, body = crate::api::openapi::ErrorBody),
+        (status = 507, body = crate::api::openapi::ErrorBody, description = "not enough disk space to store the upload durably")),
     security(("bearer" = [])))]
 pub async fn upload(
     State(s): State<AppState>,
@@ -283,7 +306,8 @@ pub async fn upload(
 /// Adds one text document. Scope `ingest`.
 #[utoipa::path(post, path = "/api/v1/collections/{name}/documents/text", tag = "documents",
     params(("name" = String, Path)), request_body = TextDocument,
-    responses((status = 202, body = UploadResponse), (status = 400, body = crate::api::openapi::ErrorBody)),
+    responses((status = 202, body = UploadResponse), (status = 400, body = crate::api::openapi::ErrorBody),
+        (status = 507, body = crate::api::openapi::ErrorBody, description = "not enough disk space to store the upload durably")),
     security(("bearer" = [])))]
 pub async fn upload_text(
     State(s): State<AppState>,

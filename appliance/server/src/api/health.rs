@@ -15,7 +15,9 @@ pub async fn healthz() -> axum::Json<serde_json::Value> {
     axum::Json(serde_json::json!({"status": "ok"}))
 }
 
-/// Whether every dependency is ready: models loaded, knowledge base open, KV tiers open.
+/// Whether every dependency is ready: models loaded, knowledge base open, KV tiers open. A
+/// daemon whose disk is short of its reserve is ready but `read_only` (queries are served,
+/// uploads get 507), and `checks.storage.reason` says why.
 #[utoipa::path(get, path = "/readyz", tag = "health",
     responses((status = 200, description = "ready"), (status = 503, description = "not ready")),
     security(("bearer" = [])))]
@@ -36,10 +38,12 @@ pub async fn readyz(State(s): State<AppState>) -> impl IntoResponse {
             "checks": {
                 "models": {"ok": engine, "llm": s.engine.info.model_id, "embedder": &*s.kb.embed_model,
                            "context_length": s.engine.info.context_length},
-                "knowledge_base": {"ok": kb},
+                "knowledge_base": {"ok": kb, "reason": s.kb.unavailable()},
                 "kv_tiers": {"ok": engine, "tiers": s.engine.info.kv_tiers},
                 "auth": {"ok": true, "keys": s.auth.key_count()},
+                "storage": s.storage.status_json(),
             },
+            "read_only": s.storage.read_only(),
         })),
     )
 }

@@ -44,6 +44,24 @@ pub struct Limits {
     pub max_upload_bytes: usize,
     pub max_tokens: usize,
     pub max_top_k: usize,
+    pub max_query_bytes: usize,
+}
+
+impl Limits {
+    /// Refuses a search query or question longer than `max_query_bytes` (400, naming `field`).
+    pub fn check_query(&self, field: &str, text: &str) -> Result<(), ApiError> {
+        if text.len() > self.max_query_bytes {
+            return Err(ApiError::invalid(
+                field,
+                format!(
+                    "{} bytes, more than the {} a query may have (limits.max_query_bytes)",
+                    text.len(),
+                    self.max_query_bytes
+                ),
+            ));
+        }
+        Ok(())
+    }
 }
 
 /// What every handler can reach; cheap to clone.
@@ -56,6 +74,8 @@ pub struct AppState {
     /// Ingestion requests running or waiting; a full semaphore answers 429.
     pub ingest: Arc<tokio::sync::Semaphore>,
     pub limits: Limits,
+    /// The data directory's disk: upload admission and read-only mode.
+    pub storage: Arc<crate::storage::Storage>,
     pub profile: Arc<str>,
     /// The admin console: accounts, sessions, audit log, dashboard history.
     pub console: Arc<crate::console::Console>,

@@ -138,6 +138,7 @@ pub async fn chat(
                 .find(|(r, _)| r == "user")
                 .map(|(_, c)| c.clone())
                 .ok_or_else(|| ApiError::invalid("messages", "retrieval needs a user message"))?;
+            s.limits.check_query("messages[].content", &question)?;
             let policy = e.policy.as_deref().map(str::parse).transpose().map_err(
                 |e: engram_fusion::FusionError| ApiError::invalid("engram.policy", e.to_string()),
             )?;

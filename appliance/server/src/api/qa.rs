@@ -134,6 +134,7 @@ pub async fn qa(
     if b.question.trim().is_empty() {
         return Err(ApiError::invalid("question", "must not be empty"));
     }
+    s.limits.check_query("question", &b.question)?;
     let t = Instant::now();
     let hits = retrieve(
         &s,

@@ -135,6 +135,7 @@ pub async fn retrieve(
     if query.trim().is_empty() {
         return Err(ApiError::invalid("query", "must not be empty"));
     }
+    s.limits.check_query("query", query)?;
     if top_k == 0 || top_k > s.limits.max_top_k {
         return Err(ApiError::invalid(
             "top_k",

@@ -122,6 +122,14 @@ pub async fn upload(
         s.metrics.rejected.with_label_values(&["ingest_busy"]).inc();
         Failure::new(StatusCode::TOO_MANY_REQUESTS, "error.busy")
     })?;
+    let bytes: usize = docs.iter().map(|d| d.bytes.len()).sum();
+    if s.storage.admit(bytes as u64).is_err() {
+        s.metrics.rejected.with_label_values(&["disk_full"]).inc();
+        return Err(Failure::new(
+            StatusCode::INSUFFICIENT_STORAGE,
+            "error.disk_full",
+        ));
+    }
     let n = docs.len();
     let c = name.clone();
     let results =
