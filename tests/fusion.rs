@@ -288,6 +288,18 @@ fn corrupted_or_foreign_blobs_are_rejected_and_recomputed() {
             .load(std::sync::atomic::Ordering::Relaxed),
         2
     );
+    // Counted by reason (a checksum for the flipped byte, a fingerprint for the other model)
+    // and by the tier that served them.
+    let counts = store.counters.snapshot();
+    let by = |r: engram_fusion::Reject| {
+        counts.rejected[engram_fusion::Reject::ALL
+            .iter()
+            .position(|&x| x == r)
+            .unwrap()]
+    };
+    assert_eq!(by(engram_fusion::Reject::Checksum), 1);
+    assert_eq!(by(engram_fusion::Reject::Fingerprint), 1);
+    assert_eq!(counts.rejected_dram, 2);
     // The recomputed chunks were stored again and give the same answer as before.
     let again = run(l, &store, &p, Policy::Reuse);
     assert_eq!(again.stats.chunks_computed, 0);

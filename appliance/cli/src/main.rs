@@ -211,6 +211,12 @@ struct ChatArgs {
 
 fn main() -> Result<()> {
     let cli = Cli::parse();
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_max_level(tracing_subscriber::filter::LevelFilter::WARN)
+        .with_target(false)
+        .without_time()
+        .init();
     match cli.command {
         Command::Tokenize(a) => tokenize(a),
         Command::Generate(a) => generate_cmd(a),

@@ -39,10 +39,99 @@ pub struct ChunkCounters {
     pub precomputed: AtomicU64,
     /// Blobs found but rejected (checksum, fingerprint, token or layout mismatch).
     pub rejected: AtomicU64,
+    /// The same, by reason ([`Reject`]) and by the tier that served the blob.
+    rejected_by: [AtomicU64; Reject::ALL.len()],
+    rejected_dram: AtomicU64,
+    rejected_nvme: AtomicU64,
     /// Chunks with no stored KV at question time.
     pub missing: AtomicU64,
     /// Puts that no tier accepted (full or failing disk): the KV is used but not kept.
     pub put_failed: AtomicU64,
+}
+
+/// Why a stored blob was not used.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reject {
+    /// The bytes do not check out: checksum, magic, truncation, a field out of range.
+    Checksum,
+    /// Written by another version of the blob format.
+    Version,
+    /// Computed by another model or in another frame.
+    Fingerprint,
+    /// The KV of other tokens, or of another shape (a hash collision, or a bug).
+    Layout,
+}
+
+impl Reject {
+    pub const ALL: [Reject; 4] = [
+        Reject::Checksum,
+        Reject::Version,
+        Reject::Fingerprint,
+        Reject::Layout,
+    ];
+
+    /// The reason of a decode error.
+    pub fn of(e: &engram_kvstore::KvStoreError) -> Reject {
+        use engram_kvstore::KvStoreError as E;
+        match e {
+            E::UnsupportedVersion { .. } => Reject::Version,
+            E::ModelMismatch { .. } => Reject::Fingerprint,
+            E::TokenMismatch { .. } | E::LayoutMismatch { .. } => Reject::Layout,
+            _ => Reject::Checksum,
+        }
+    }
+
+    /// Lower-case name, as in the `reason` label of `engram_kv_rejected_total`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Reject::Checksum => "checksum",
+            Reject::Version => "version",
+            Reject::Fingerprint => "fingerprint",
+            Reject::Layout => "layout",
+        }
+    }
+}
+
+/// A copy of the counters at one moment.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ChunkCounts {
+    pub precomputed: u64,
+    /// Rejections by reason, in [`Reject::ALL`] order.
+    pub rejected: [u64; Reject::ALL.len()],
+    /// Rejections of blobs the DRAM tier and the NVMe tier served (a tier counts them as hits).
+    pub rejected_dram: u64,
+    pub rejected_nvme: u64,
+    pub missing: u64,
+    pub put_failed: u64,
+}
+
+impl ChunkCounters {
+    /// The counters now.
+    pub fn snapshot(&self) -> ChunkCounts {
+        let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        ChunkCounts {
+            precomputed: l(&self.precomputed),
+            rejected: std::array::from_fn(|i| l(&self.rejected_by[i])),
+            rejected_dram: l(&self.rejected_dram),
+            rejected_nvme: l(&self.rejected_nvme),
+            missing: l(&self.missing),
+            put_failed: l(&self.put_failed),
+        }
+    }
+
+    fn reject(&self, reason: Reject, tier: TierKind) {
+        self.rejected.fetch_add(1, Ordering::Relaxed);
+        let i = Reject::ALL
+            .iter()
+            .position(|&r| r == reason)
+            .expect("every reason is in ALL");
+        self.rejected_by[i].fetch_add(1, Ordering::Relaxed);
+        match tier {
+            TierKind::Dram => &self.rejected_dram,
+            TierKind::Nvme => &self.rejected_nvme,
+        }
+        .fetch_add(1, Ordering::Relaxed);
+    }
 }
 
 /// Where one chunk's KV came from at question time.
@@ -241,9 +330,15 @@ impl ChunkStore {
                     }
                     Err(e) => {
                         times.decode += t.elapsed();
-                        self.counters.rejected.fetch_add(1, Ordering::Relaxed);
+                        let reason = Reject::of(&e);
+                        self.counters.reject(reason, tier);
                         self.store.report_corrupt(key);
-                        eprintln!("chunk KV {key} rejected, recomputing: {e}");
+                        tracing::warn!(
+                            key = %key,
+                            tier = %tier,
+                            reason = reason.name(),
+                            "chunk KV rejected, recomputing: {e}"
+                        );
                     }
                 }
             } else {

@@ -18,8 +18,8 @@ mod prefix;
 mod prompt;
 
 pub use chunks::{
-    bos_frame, precompute, ChunkCounters, ChunkStore, FetchTimes, Fetched, Source,
-    FINGERPRINT_RECORD,
+    bos_frame, precompute, ChunkCounters, ChunkCounts, ChunkStore, FetchTimes, Fetched, Reject,
+    Source, FINGERPRINT_RECORD,
 };
 pub use error::{FusionError, Result};
 pub use fuse::{

@@ -258,7 +258,7 @@ struct Engine {
     metrics: Arc<Metrics>,
     /// Policy asked -> policy used, and why fusion is off when the gate failed.
     gates: RefCell<HashMap<String, (Policy, Option<String>)>>,
-    last_kv: RefCell<engram_kvstore::StoreMetrics>,
+    last_kv: RefCell<(engram_kvstore::StoreMetrics, engram_fusion::ChunkCounts)>,
 }
 
 /// A job in the decode batch: its own cache, sampler and output state.
@@ -433,7 +433,7 @@ impl Engine {
         }
         let events = job.events.clone();
         let admitted = self.start(job, batch);
-        let now = self.store.store().metrics();
+        let now = (self.store.store().metrics(), self.store.counters.snapshot());
         self.metrics.record_kv(&now, &self.last_kv.borrow());
         *self.last_kv.borrow_mut() = now;
         match admitted {

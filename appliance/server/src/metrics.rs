@@ -39,6 +39,9 @@ pub struct Metrics {
     pub rejected: IntCounterVec,
     pub kv_hits: IntCounterVec,
     pub kv_misses: IntCounterVec,
+    /// Stored chunk KV found but not used, by reason (`checksum`, `version`, `fingerprint`,
+    /// `layout`): disk rot and model changes show here, not as hits.
+    pub kv_rejected: IntCounterVec,
     pub kv_bytes_read: IntCounterVec,
     pub generated_tokens: IntCounterVec,
     /// Documents accepted and not yet done (`documents`), chunks waiting for their KV
@@ -117,7 +120,18 @@ impl Metrics {
         let kv = |name: &str, help: &str| {
             IntCounterVec::new(Opts::new(name, help), &["tier"]).expect("valid metric")
         };
-        let kv_hits = kv("engram_kv_hits_total", "Chunk KV blobs found, by tier");
+        let kv_hits = kv(
+            "engram_kv_hits_total",
+            "Chunk KV blobs found and used, by tier",
+        );
+        let kv_rejected = IntCounterVec::new(
+            Opts::new(
+                "engram_kv_rejected_total",
+                "Chunk KV blobs found but rejected and recomputed, by reason",
+            ),
+            &["reason"],
+        )
+        .expect("valid metric");
         let kv_misses = kv(
             "engram_kv_misses_total",
             "Chunk KV blobs not found, by tier",
@@ -177,6 +191,7 @@ impl Metrics {
             Box::new(rejected.clone()),
             Box::new(kv_hits.clone()),
             Box::new(kv_misses.clone()),
+            Box::new(kv_rejected.clone()),
             Box::new(kv_bytes_read.clone()),
             Box::new(generated_tokens.clone()),
         ] {
@@ -193,6 +208,7 @@ impl Metrics {
             rejected,
             kv_hits,
             kv_misses,
+            kv_rejected,
             kv_bytes_read,
             generated_tokens,
             ingest_pending,
@@ -203,16 +219,28 @@ impl Metrics {
         }
     }
 
-    /// Folds a KV store snapshot into the counters (the store counts cumulatively; `last` is
-    /// the previous snapshot).
+    /// Folds a KV store and chunk store snapshot into the counters (both count cumulatively;
+    /// `last` is the previous snapshot). A blob a tier served but the chunk store rejected is
+    /// counted as rejected, not as a hit.
     pub fn record_kv(
         &self,
-        now: &engram_kvstore::StoreMetrics,
-        last: &engram_kvstore::StoreMetrics,
+        now: &(engram_kvstore::StoreMetrics, engram_fusion::ChunkCounts),
+        last: &(engram_kvstore::StoreMetrics, engram_fusion::ChunkCounts),
     ) {
-        for (tier, n, l) in [
-            ("dram", &now.dram, &last.dram),
-            ("nvme", &now.nvme, &last.nvme),
+        let (chunks, chunks_last) = (&now.1, &last.1);
+        for (tier, n, l, rejected) in [
+            (
+                "dram",
+                &now.0.dram,
+                &last.0.dram,
+                chunks.rejected_dram - chunks_last.rejected_dram,
+            ),
+            (
+                "nvme",
+                &now.0.nvme,
+                &last.0.nvme,
+                chunks.rejected_nvme - chunks_last.rejected_nvme,
+            ),
         ] {
             let (Some(n), l) = (n, l) else { continue };
             let d = |f: fn(&engram_kvstore::TierMetrics) -> u64| {
@@ -220,13 +248,21 @@ impl Metrics {
             };
             self.kv_hits
                 .with_label_values(&[tier])
-                .inc_by(d(|m| m.hits));
+                .inc_by(d(|m| m.hits).saturating_sub(rejected));
             self.kv_misses
                 .with_label_values(&[tier])
                 .inc_by(d(|m| m.misses));
             self.kv_bytes_read
                 .with_label_values(&[tier])
                 .inc_by(d(|m| m.bytes_read));
+        }
+        for (i, reason) in engram_fusion::Reject::ALL.iter().enumerate() {
+            let d = chunks.rejected[i] - chunks_last.rejected[i];
+            if d > 0 {
+                self.kv_rejected
+                    .with_label_values(&[reason.name()])
+                    .inc_by(d);
+            }
         }
     }
 
