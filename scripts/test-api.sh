@@ -48,6 +48,8 @@ max_tokens = 16
 max_upload_bytes = 1048576
 [auth]
 failures_per_minute = 100000
+[storage]
+reserve_mib = 16
 TOML
 KEY=$("$ENGRAMD" keys create --data-dir "$WORK/data" --scopes admin 2>/dev/null)
 PORT=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')

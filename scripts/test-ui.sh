@@ -45,6 +45,8 @@ nvme_gib = 1
 [limits]
 max_tokens = 32
 max_upload_bytes = 1048576
+[storage]
+reserve_mib = 16
 TOML
 PASSWORD=$(head -c 18 /dev/urandom | base64 | tr -dc 'A-Za-z0-9')
 echo "$PASSWORD" | "$ENGRAMD" users create --data-dir "$WORK/data" --name admin --role admin \

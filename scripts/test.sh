@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs everything CI runs, on a fresh machine too: fetches the default models (checked by
-# sha256), then format check, clippy with warnings as errors, and the whole test suite against
-# the real models and ../shared/golden.
+# sha256), then format check, clippy with warnings as errors, the whole test suite against the
+# real models and ../shared/golden, the API and console end-to-end checks, and a bounded run of
+# the fault-injection suite (tests/faults).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -16,3 +17,4 @@ cargo clippy --workspace --all-targets --locked -- -D warnings
 cargo test --workspace --locked
 scripts/test-api.sh
 scripts/test-ui.sh
+tests/faults/run.sh --ci

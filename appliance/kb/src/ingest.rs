@@ -894,24 +894,38 @@ impl KnowledgeBase {
             collection: coll.name.clone(),
             ..IndexStep::default()
         };
-        if let Some(front) = bg.ready.front() {
-            let (doc, revision, from, total) =
-                (front.doc, front.revision, front.next, front.chunks);
+        let had_ready = !bg.ready.is_empty();
+        // Chunks of the documents at the front of the line, up to `budget` in all: many small
+        // documents go in one step (one call of each index), a large one over several.
+        let mut left = budget.max(1);
+        let mut docs: Vec<(Document, u32, u32)> = Vec::new(); // record, first ordinal, total
+        let mut chunks = Vec::new();
+        let mut stale = 0;
+        for r in &bg.ready {
+            if left == 0 {
+                break;
+            }
             let current = self
                 .catalog
-                .document(doc)?
-                .filter(|d| d.revision == revision && d.stage == Stage::Indexing);
-            let Some(mut d) = current else {
-                self.background
-                    .get_mut(&coll.id)
-                    .expect("found above")
-                    .ready
-                    .pop_front();
-                return Ok(Some(step));
+                .document(r.doc)?
+                .filter(|d| d.revision == r.revision && d.stage == Stage::Indexing);
+            let Some(d) = current else {
+                if docs.is_empty() {
+                    stale += 1;
+                    continue;
+                }
+                break;
             };
-            let chunks = self
-                .catalog
-                .chunks_from(doc, from, budget.clamp(1, 1 << 20))?;
+            let got = self.catalog.chunks_from(r.doc, r.next, left)?;
+            left -= got.len().min(left);
+            docs.push((d, r.next, r.chunks));
+            chunks.extend(got);
+        }
+        let bg = self.background.get_mut(&coll.id).expect("found above");
+        for _ in 0..stale {
+            bg.ready.pop_front();
+        }
+        if !chunks.is_empty() {
             let added = self
                 .index_add(&coll, crate::kb::Which::Bm25, &chunks)
                 .and_then(|()| self.index_add(&coll, crate::kb::Which::Vectors, &chunks));
@@ -921,24 +935,28 @@ impl KnowledgeBase {
                 self.resync.insert(coll.id);
                 return Err(e);
             }
-            step.chunks = chunks.len();
-            let next = from + chunks.len() as u32;
+        }
+        step.chunks = chunks.len();
+        let mut txn = Txn::default();
+        let bg = self.background.get_mut(&coll.id).expect("found above");
+        for (mut d, from, total) in docs {
+            let added = chunks.iter().filter(|c| c.doc == d.id).count() as u32;
+            let next = from + added;
             d.progress_mut().chunks_indexed = next;
-            let mut txn = Txn::default();
             txn.put_document(&d)?;
-            self.catalog.write(txn)?;
-            let bg = self.background.get_mut(&coll.id).expect("found above");
-            let front = bg.ready.front_mut().expect("found above");
+            let front = bg.ready.front_mut().expect("taken from the front");
             front.next = next;
-            if next >= total || chunks.is_empty() {
+            if next >= total || added == 0 {
                 bg.ready.pop_front();
-                bg.uncommitted.push((doc, total));
+                bg.uncommitted.push((d.id, total));
                 bg.uncommitted_chunks += total as usize;
                 bg.since.get_or_insert_with(Instant::now);
             }
-            if !(bg.commit_due() || commit_now && bg.ready.is_empty()) {
-                return Ok(Some(step));
-            }
+        }
+        self.catalog.write(txn)?;
+        let bg = self.background.get_mut(&coll.id).expect("found above");
+        if had_ready && !(bg.commit_due() || commit_now && bg.ready.is_empty()) {
+            return Ok(Some(step));
         }
         let bg = self.background.get_mut(&coll.id).expect("found above");
         if bg.uncommitted.is_empty() || !(commit_now || bg.commit_due()) {

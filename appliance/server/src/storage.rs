@@ -339,18 +339,23 @@ impl Storage {
     }
 }
 
-/// Allocates `size` bytes of zeros at `path` (written, not sparse: a sparse file would
-/// reserve nothing), fsynced, through a temp file and a rename.
+/// Allocates `size` bytes at `path` (allocated, not sparse: a sparse file would reserve
+/// nothing), fsynced, through a temp file and a rename: `fallocate` where the file system has
+/// it (instant), else written zeros.
 fn write_ballast(path: &Path, size: u64) -> std::io::Result<()> {
     let tmp = path.with_extension("tmp");
     let result = (|| {
         let mut f = File::create(&tmp)?;
-        let zeros = vec![0u8; 1 << 20];
-        let mut left = size;
-        while left > 0 {
-            let n = left.min(zeros.len() as u64) as usize;
-            f.write_all(&zeros[..n])?;
-            left -= n as u64;
+        let allocated =
+            rustix::fs::fallocate(&f, rustix::fs::FallocateFlags::empty(), 0, size).is_ok();
+        if !allocated {
+            let zeros = vec![0u8; 1 << 20];
+            let mut left = size;
+            while left > 0 {
+                let n = left.min(zeros.len() as u64) as usize;
+                f.write_all(&zeros[..n])?;
+                left -= n as u64;
+            }
         }
         f.sync_all()?;
         fs::rename(&tmp, path)

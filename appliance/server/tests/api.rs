@@ -43,7 +43,8 @@ fn server() -> &'static Server {
         let (_, search_only) = keys.create(vec![Scope::Search], None).unwrap();
         let mut raw = RawConfig::parse(&format!(
             "[limits]\nmax_upload_bytes = {TEST_UPLOAD_LIMIT}\nmax_tokens = 64\n\
-             [auth]\nfailures_per_minute = 100000\n[kv]\ndram_mib = 64\nnvme_gib = 1\n"
+             [auth]\nfailures_per_minute = 100000\n[kv]\ndram_mib = 64\nnvme_gib = 1\n\
+             [storage]\nreserve_mib = 16\n"
         ))
         .unwrap();
         raw.models.dir = Some(models_dir());

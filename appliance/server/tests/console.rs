@@ -50,9 +50,11 @@ fn server() -> &'static Server {
             .create("watcher", Role::Operator, OPERATOR_PW)
             .unwrap();
         users.create("locky", Role::Admin, LOCKY_PW).unwrap();
-        let mut raw =
-            RawConfig::parse("[limits]\nmax_tokens = 16\n[kv]\ndram_mib = 64\nnvme_gib = 1\n")
-                .unwrap();
+        let mut raw = RawConfig::parse(
+            "[limits]\nmax_tokens = 16\n[kv]\ndram_mib = 64\nnvme_gib = 1\n\
+                 [storage]\nreserve_mib = 16\n",
+        )
+        .unwrap();
         raw.models.dir = Some(models_dir());
         raw.models.threads = Some(2);
         raw.apply_overrides(&Overrides {

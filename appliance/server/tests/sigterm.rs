@@ -151,7 +151,8 @@ fn sigterm_during_uploads_loses_no_acknowledged_document() {
     let config = dir.path().join("engramd.toml");
     std::fs::write(
         &config,
-        "[models]\nthreads = 2\n[kv]\ndram_mib = 64\nnvme_gib = 1\n[limits]\ningest_concurrency = 64\n",
+        "[models]\nthreads = 2\n[kv]\ndram_mib = 64\nnvme_gib = 1\n[limits]\ningest_concurrency = 64\n\
+         [storage]\nreserve_mib = 16\n",
     )
     .unwrap();
     let out = Command::new(env!("CARGO_BIN_EXE_engramd"))
