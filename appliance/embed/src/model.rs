@@ -205,13 +205,17 @@ impl Bert {
 
 /// `y = act(y + b)` row by row.
 fn add_bias(pool: &ThreadPool, y: &mut [f32], b: &[f32], act: Option<Activation>) {
-    par_rows(pool, y, b.len(), |_, row| {
-        for (v, &b) in row.iter_mut().zip(b) {
-            *v += b;
-        }
-        if let Some(act) = act {
-            row.iter_mut().for_each(|v| *v = activate(act, *v));
-        }
+    // One loop per activation (the match outside it), so each vectorises.
+    par_rows(pool, y, b.len(), |_, row| match act {
+        None => row.iter_mut().zip(b).for_each(|(v, &b)| *v += b),
+        Some(Activation::Gelu) => row
+            .iter_mut()
+            .zip(b)
+            .for_each(|(v, &b)| *v = crate::ops::gelu_erf(*v + b)),
+        Some(act) => row
+            .iter_mut()
+            .zip(b)
+            .for_each(|(v, &b)| *v = activate(act, *v + b)),
     });
 }
 
