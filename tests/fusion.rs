@@ -325,6 +325,43 @@ fn nvme_store(l: &Llm, dir: &Path, budget: u64) -> ChunkStore {
     )
 }
 
+/// Issue 16.6: the fingerprint record next to the NVMe tier says "changed" only when stored KV
+/// belongs to something else, so the daemon's first start after `engram ingest --kv` (which
+/// records it too) schedules no re-precompute.
+#[test]
+fn the_chunk_kv_fingerprint_record_reports_real_changes_only() {
+    let l = llm();
+    let dir = temp_dir("kv-fingerprint");
+    {
+        let store = nvme_store(l, &dir, 1 << 30);
+        assert!(
+            !store.record_fingerprint().unwrap(),
+            "an empty tier has nothing to redo"
+        );
+        assert!(!store.record_fingerprint().unwrap(), "recorded");
+        let p = prompt(l, "Who designed the tower?");
+        store
+            .ensure(&l.model, &p.chunks[0])
+            .expect("precompute stores a blob");
+    }
+    let record = dir.join(engram_fusion::FINGERPRINT_RECORD);
+    {
+        // The same model again (a daemon after the command line): no change.
+        let store = nvme_store(l, &dir, 1 << 30);
+        assert!(!store.record_fingerprint().unwrap());
+        // Another model's record, or blobs with no record at all: a change, reported once.
+        std::fs::write(&record, "00112233445566778899aabbccddeeff").unwrap();
+        assert!(store.record_fingerprint().unwrap());
+        assert!(!store.record_fingerprint().unwrap());
+        std::fs::remove_file(&record).unwrap();
+        assert!(
+            store.record_fingerprint().unwrap(),
+            "blobs of an unknown model"
+        );
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 #[test]
 fn a_full_nvme_tier_degrades_to_recompute() {
     let l = llm();
