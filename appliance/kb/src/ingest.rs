@@ -242,6 +242,9 @@ pub(crate) struct Background {
     uncommitted_chunks: usize,
     /// When the oldest uncommitted document was added.
     since: Option<Instant>,
+    /// How long the last commit took: a commit rewrites a collection's vector file, so a large
+    /// collection under a steady stream commits less often (see `commit_due`).
+    last_commit: Duration,
     /// The job record of this burst of work.
     job: Option<Job>,
 }
@@ -295,8 +298,10 @@ impl Background {
             return false;
         }
         let idle = self.queue.is_empty() && self.in_flight.is_empty() && self.ready.is_empty();
+        // At most about a tenth of the time goes to commits under a steady stream.
+        let interval = COMMIT_INTERVAL.max(self.last_commit * 10);
         idle || self.uncommitted_chunks >= COMMIT_EVERY
-            || self.since.is_some_and(|t| t.elapsed() >= COMMIT_INTERVAL)
+            || self.since.is_some_and(|t| t.elapsed() >= interval)
     }
 }
 
@@ -966,7 +971,12 @@ impl KnowledgeBase {
         bg.uncommitted_chunks = 0;
         bg.since = None;
         let ids: Vec<u64> = done.iter().map(|&(d, _)| d).collect();
-        let marked = match self.commit_indexes(&mut coll, &ids) {
+        let started = Instant::now();
+        let committed = self.commit_indexes(&mut coll, &ids);
+        if let Some(bg) = self.background.get_mut(&coll.id) {
+            bg.last_commit = started.elapsed();
+        }
+        let marked = match committed {
             Ok(m) => m,
             Err(e) => {
                 // Put them back; the sync that follows a failed commit finishes them.
