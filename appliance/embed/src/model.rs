@@ -1,60 +1,56 @@
 //! The BERT encoder: immutable weights and a forward pass over a packed batch of sequences.
 
-use engram_kernels::{matmul, GgmlType, QMatrix, ThreadPool};
+use engram_kernels::{matmul_packed, PackedF32, ThreadPool};
 
 use crate::config::{Activation, BertConfig};
 use crate::error::{EmbedError, Result};
 use crate::ops::{activate, attention, layer_norm, par_rows, Span};
 use crate::weights::TensorFile;
 
-/// A dense layer `y = W x + b`, W stored as little-endian f32 bytes for the kernels.
+/// A dense layer `y = W x + b`, W packed once at load for the kernels' f32 GEMM.
 struct Linear {
-    /// `rows x cols` f32 weights, row-major (PyTorch's `[out, in]`).
-    w: Vec<u8>,
+    /// `rows x cols` f32 weights (PyTorch's `[out, in]`), in the kernels' panel layout.
+    w: PackedF32,
     b: Vec<f32>,
-    rows: usize,
-    cols: usize,
 }
 
 impl Linear {
     fn load(t: &TensorFile<'_>, name: &str, rows: usize, cols: usize) -> Result<Linear> {
-        Ok(Linear {
-            w: to_bytes(&t.get(&format!("{name}.weight"), &[rows, cols])?),
-            b: t.get(&format!("{name}.bias"), &[rows])?,
+        Linear::new(
+            &t.get(&format!("{name}.weight"), &[rows, cols])?,
+            t.get(&format!("{name}.bias"), &[rows])?,
             rows,
             cols,
+        )
+    }
+
+    fn new(w: &[f32], b: Vec<f32>, rows: usize, cols: usize) -> Result<Linear> {
+        Ok(Linear {
+            w: PackedF32::pack(w, rows, cols)?,
+            b,
         })
     }
 
-    /// Stacks layers that read the same input into one (Q, K and V become one matmul).
-    fn concat(parts: Vec<Linear>) -> Linear {
-        let cols = parts[0].cols;
-        let mut out = Linear {
-            w: Vec::new(),
-            b: Vec::new(),
-            rows: 0,
-            cols,
-        };
-        for p in parts {
-            debug_assert_eq!(p.cols, cols);
-            out.w.extend_from_slice(&p.w);
-            out.b.extend_from_slice(&p.b);
-            out.rows += p.rows;
+    /// Stacks layers that read the same input into one (Q, K and V become one matmul), from
+    /// their row-major weights.
+    fn concat(parts: Vec<(Vec<f32>, Vec<f32>)>, cols: usize) -> Result<Linear> {
+        let mut w = Vec::new();
+        let mut b = Vec::new();
+        for (pw, pb) in parts {
+            debug_assert_eq!(pw.len(), pb.len() * cols);
+            w.extend_from_slice(&pw);
+            b.extend_from_slice(&pb);
         }
-        out
+        let rows = b.len();
+        Linear::new(&w, b, rows, cols)
     }
 
     /// `W x + b` for `n` tokens of `cols` activations each; `n x rows` outputs.
     fn forward(&self, x: &[f32], n: usize, pool: &ThreadPool) -> Result<Vec<f32>> {
-        let w = QMatrix::new(GgmlType::F32, self.rows, self.cols, &self.w)?;
-        let mut out = vec![0.0f32; n * self.rows];
-        matmul(&w, x, n, &mut out, pool)?;
+        let mut out = vec![0.0f32; n * self.w.rows()];
+        matmul_packed(&self.w, x, n, &mut out, pool)?;
         Ok(out)
     }
-}
-
-fn to_bytes(v: &[f32]) -> Vec<u8> {
-    v.iter().flat_map(|x| x.to_le_bytes()).collect()
 }
 
 /// LayerNorm's scale and shift (older checkpoints call them `gamma` and `beta`).
@@ -112,10 +108,16 @@ impl Bert {
                 let p = format!("encoder.layer.{l}");
                 let qkv = ["query", "key", "value"]
                     .iter()
-                    .map(|n| Linear::load(t, &format!("{p}.attention.self.{n}"), h, h))
+                    .map(|n| {
+                        let name = format!("{p}.attention.self.{n}");
+                        Ok((
+                            t.get(&format!("{name}.weight"), &[h, h])?,
+                            t.get(&format!("{name}.bias"), &[h])?,
+                        ))
+                    })
                     .collect::<Result<Vec<_>>>()?;
                 Ok(Layer {
-                    qkv: Linear::concat(qkv),
+                    qkv: Linear::concat(qkv, h)?,
                     attn_out: Linear::load(t, &format!("{p}.attention.output.dense"), h, h)?,
                     attn_norm: Norm::load(t, &format!("{p}.attention.output.LayerNorm"), h)?,
                     ffn_up: Linear::load(t, &format!("{p}.intermediate.dense"), i, h)?,

@@ -4,7 +4,7 @@
 use std::f64::consts::{FRAC_1_SQRT_2, FRAC_2_SQRT_PI};
 use std::sync::Mutex;
 
-use engram_kernels::{matmul, GgmlType, QMatrix, ThreadPool};
+use engram_kernels::{matmul_packed, PackedF32, ThreadPool};
 
 use crate::config::Activation;
 
@@ -149,9 +149,9 @@ pub(crate) struct Span {
 /// batch.
 ///
 /// One task per (sequence, head) on the pool. Within a task both products run on the kernels'
-/// register-tiled f32 matmul (SIMD, dispatched per CPU): the scores `Q K^T` (the head's keys
-/// gathered into a contiguous matrix) and the context `P V` (the values transposed), with the
-/// softmax between them; a 256-token head's scores (256 KiB) stay in L2.
+/// packed f32 GEMM (SIMD, dispatched per CPU): the scores `Q K^T` (the head's keys packed as
+/// the weight matrix) and the context `P V` (`V^T` packed from `V` as it is), with the softmax
+/// between them; a 256-token head's scores (256 KiB) stay in L2.
 pub(crate) fn attention(
     pool: &ThreadPool,
     qkv: &[f32],
@@ -167,29 +167,25 @@ pub(crate) fn attention(
         let (s, h) = (spans[task / heads], task % heads);
         let len = s.len;
         let at = |i: usize, part: usize| &qkv[(s.start + i) * row + part * hidden + h * d..][..d];
-        // Queries pre-scaled (as PyTorch's SDPA scales q), keys as the matmul's weight rows,
-        // values transposed so that the context is one more matmul.
+        // Queries pre-scaled (as PyTorch's SDPA scales q); keys are the scores' weight rows;
+        // the values, row-major `[len][d]`, are `V^T` stored transposed: packed as they are.
         let mut q = Vec::with_capacity(len * d);
-        let mut k = Vec::with_capacity(len * d * 4);
-        let mut vt = vec![0u8; d * len * 4];
+        let mut k = Vec::with_capacity(len * d);
+        let mut v = Vec::with_capacity(len * d);
         for i in 0..len {
             q.extend(at(i, 0).iter().map(|&x| x * scale));
-            for &x in at(i, 1) {
-                k.extend_from_slice(&x.to_le_bytes());
-            }
-            for (dd, &x) in at(i, 2).iter().enumerate() {
-                vt[(dd * len + i) * 4..][..4].copy_from_slice(&x.to_le_bytes());
-            }
+            k.extend_from_slice(at(i, 1));
+            v.extend_from_slice(at(i, 2));
         }
         let mut p = vec![0.0f32; len * len];
-        let keys = QMatrix::new(GgmlType::F32, len, d, &k).expect("len x d f32 keys");
-        matmul(&keys, &q, len, &mut p, pool).expect("shapes checked above");
+        let keys = PackedF32::pack(&k, len, d).expect("len x d keys");
+        matmul_packed(&keys, &q, len, &mut p, pool).expect("shapes checked above");
         for r in p.chunks_exact_mut(len) {
             softmax(r);
         }
         let mut ctx = vec![0.0f32; len * d];
-        let values = QMatrix::new(GgmlType::F32, d, len, &vt).expect("d x len f32 values");
-        matmul(&values, &p, len, &mut ctx, pool).expect("shapes checked above");
+        let values = PackedF32::pack_transposed(&v, d, len).expect("d x len values");
+        matmul_packed(&values, &p, len, &mut ctx, pool).expect("shapes checked above");
         ctx
     });
     let mut out = vec![0.0f32; tokens * hidden];

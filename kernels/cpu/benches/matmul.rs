@@ -13,9 +13,23 @@
 //! ```
 //!
 //! `ENGRAM_BENCH_THREADS` overrides the thread count.
+//!
+//! The `f32 embedder` groups compare, on 1 and 2 threads, `matmul` on `GgmlType::F32` weights
+//! with `matmul_packed` on the same weights packed once, at the all-MiniLM-L6-v2 shapes with
+//! 4096 tokens (a batch of 32 to 64 chunks):
+//!
+//! ```text
+//! cargo bench -p engram-kernels --bench matmul -- 'f32 embedder'
+//! ```
+//!
+//! `examples/f32_gemm.rs` prints the same comparison as a GFLOP/s table.
+
+use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use engram_kernels::{f16, matmul, quantize_row, GgmlType, QMatrix, ThreadPool};
+use engram_kernels::{
+    f16, matmul, matmul_packed, quantize_row, GgmlType, PackedF32, QMatrix, ThreadPool,
+};
 
 /// Threads of the pool unless `ENGRAM_BENCH_THREADS` says otherwise: the 2-core profile that
 /// the llama.cpp comparison uses.
@@ -93,5 +107,46 @@ fn bench_matmul(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, bench_matmul);
+/// The embedder's f32 dense layers (fused Q/K/V, attention output, FFN up and down) through
+/// both f32 paths, 4096 tokens, on 1 and 2 threads.
+fn bench_f32_embedder(c: &mut Criterion) {
+    const TOKENS: usize = 4096;
+    let shapes = [
+        (1152, 384, "attn_qkv"),
+        (384, 384, "attn_output"),
+        (1536, 384, "ffn_up"),
+        (384, 1536, "ffn_down"),
+    ];
+    for threads in [1, 2] {
+        let pool = ThreadPool::new(threads).expect("pool");
+        let mut g = c.benchmark_group(format!("f32 embedder/threads={threads}"));
+        g.sample_size(10)
+            .warm_up_time(Duration::from_secs(1))
+            .measurement_time(Duration::from_secs(3));
+        for (rows, cols, what) in shapes {
+            let data = weights(GgmlType::F32, rows, cols);
+            let w = QMatrix::new(GgmlType::F32, rows, cols, &data).expect("matrix");
+            let wf: Vec<f32> = data
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect();
+            let packed = PackedF32::pack(&wf, rows, cols).expect("pack");
+            let x: Vec<f32> = (0..TOKENS * cols)
+                .map(|i| (i * 31 % 97) as f32 / 48.0 - 1.0)
+                .collect();
+            let mut out = vec![0f32; TOKENS * rows];
+            g.throughput(Throughput::Elements((rows * cols * TOKENS) as u64));
+            let shape = format!("{rows}x{cols} {what} tokens={TOKENS}");
+            g.bench_function(BenchmarkId::new("matmul F32", &shape), |b| {
+                b.iter(|| matmul(&w, &x, TOKENS, &mut out, &pool).expect("matmul"))
+            });
+            g.bench_function(BenchmarkId::new("matmul_packed", &shape), |b| {
+                b.iter(|| matmul_packed(&packed, &x, TOKENS, &mut out, &pool).expect("packed"))
+            });
+        }
+        g.finish();
+    }
+}
+
+criterion_group!(benches, bench_matmul, bench_f32_embedder);
 criterion_main!(benches);

@@ -13,6 +13,10 @@
 //! Q8_0 weights go through register-tiled integer kernels (AVX-512 VNNI or AVX2) that reuse each
 //! unpacked weight block across several tokens and each activation block across several rows.
 //!
+//! The f32 embedding model takes another route: its weights are packed once into row panels
+//! ([`PackedF32`]) and [`matmul_packed`] runs BLAS-style outer-product micro-kernels (AVX-512
+//! or AVX2 + FMA) near the FMA peak, with bit-identical results on every ISA.
+//!
 //! Every kernel has a scalar reference that is always compiled. Faster per-ISA kernels sit
 //! behind a dispatcher that detects CPU features once and caches the choice; property tests
 //! check them against the reference. Kernels never panic on bad lengths: they return
@@ -58,6 +62,7 @@ pub use dequant::dequantize_row;
 pub use dot::{vec_dot, vec_dot_f32};
 pub use dtype::{GgmlType, QK_K};
 pub use error::{KernelError, Result};
+pub use gemm::{matmul_packed, PackedF32};
 pub use half::{bf16, f16};
 pub use matmul::{embedding_row, matmul, matmul_many, QMatrix};
 pub use pool::ThreadPool;

@@ -7,6 +7,8 @@
 //!   tokens;
 //! - `avx2` (x86_64): AVX2 + FMA (`vpmaddubsw`) micro-kernels, tiles of up to 2 rows x 4 tokens;
 //! - `float`: f32 weights times f32 activations (no quantisation), AVX2 + FMA tiles.
+//! - `packed`: f32 weights packed once into 32-row panels ([`PackedF32`]) times f32
+//!   activations, outer-product micro-kernels (AVX-512 F, AVX2 + FMA): [`matmul_packed`].
 //!
 //! The scalar reference is `dot::scalar`; the property tests below check every ISA's tiled
 //! kernel against it over ragged shapes.
@@ -36,6 +38,7 @@ mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
 pub(crate) mod float;
+mod packed;
 #[cfg(target_arch = "x86_64")]
 mod raw;
 
@@ -47,6 +50,8 @@ use crate::dtype::GgmlType;
 use crate::error::Result;
 use crate::pool::ThreadPool;
 use crate::quantize::quantize_into;
+
+pub use packed::{matmul_packed, PackedF32};
 
 /// Format id of Q4_0 weights (const generic parameter of the kernels).
 pub(crate) const Q4_0: u8 = 0;
