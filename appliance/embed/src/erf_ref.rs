@@ -1,5 +1,5 @@
 //! An f64 error function to about 1e-12 relative, the tests' reference for GELU (the encoder
-//! itself uses `libm`'s f32 erff/erfcf).
+//! itself uses the kernels' f32 GELU, `engram_kernels::gelu_bias_rows`).
 
 use std::f64::consts::FRAC_2_SQRT_PI;
 

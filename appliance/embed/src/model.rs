@@ -4,7 +4,7 @@ use engram_kernels::{matmul_packed, PackedF32, ThreadPool};
 
 use crate::config::{Activation, BertConfig};
 use crate::error::{EmbedError, Result};
-use crate::ops::{activate, attention, layer_norm, par_rows, Span};
+use crate::ops::{attention, bias_act, layer_norm, par_rows, Span};
 use crate::weights::TensorFile;
 
 /// A dense layer `y = W x + b`, W packed once at load for the kernels' f32 GEMM.
@@ -207,18 +207,7 @@ impl Bert {
 
 /// `y = act(y + b)` row by row.
 fn add_bias(pool: &ThreadPool, y: &mut [f32], b: &[f32], act: Option<Activation>) {
-    // One loop per activation (the match outside it), so each vectorises.
-    par_rows(pool, y, b.len(), |_, row| match act {
-        None => row.iter_mut().zip(b).for_each(|(v, &b)| *v += b),
-        Some(Activation::Gelu) => row
-            .iter_mut()
-            .zip(b)
-            .for_each(|(v, &b)| *v = crate::ops::gelu_erf(*v + b)),
-        Some(act) => row
-            .iter_mut()
-            .zip(b)
-            .for_each(|(v, &b)| *v = activate(act, *v + b)),
-    });
+    par_rows(pool, y, b.len(), |_, row| bias_act(row, b, act));
 }
 
 /// `y = LayerNorm((y + b) + residual)` row by row, as BertSelfOutput / BertOutput do.

@@ -1,10 +1,13 @@
-//! The encoder's non-matmul arithmetic: LayerNorm, activations, softmax
-//! attention over packed sequences, and the parallel-for helpers that spread them over the pool.
+//! The encoder's non-matmul steps (LayerNorm, bias + activation, softmax attention over packed
+//! sequences) on the kernels' element-wise SIMD kernels, and the parallel-for helpers that
+//! spread them over the pool.
 
 use std::f64::consts::{FRAC_1_SQRT_2, FRAC_2_SQRT_PI};
 use std::sync::Mutex;
 
-use engram_kernels::{matmul_packed, PackedF32, ThreadPool};
+use engram_kernels::{
+    gelu_bias_rows, layer_norm_rows, matmul_packed, softmax_rows, PackedF32, ThreadPool,
+};
 
 use crate::config::Activation;
 
@@ -53,83 +56,31 @@ where
         .collect()
 }
 
-/// In-place LayerNorm of one row: `(x - mean) / sqrt(var + eps) * w + b`, statistics in f64.
+/// In-place LayerNorm of one row: `(x - mean) / sqrt(var + eps) * w + b`, statistics in f64,
+/// on the kernels' SIMD kernel.
 pub(crate) fn layer_norm(row: &mut [f32], w: &[f32], b: &[f32], eps: f32) {
-    let n = row.len() as f64;
-    let mean = row.iter().map(|&v| v as f64).sum::<f64>() / n;
-    let var = row
-        .iter()
-        .map(|&v| {
-            let d = v as f64 - mean;
-            d * d
-        })
-        .sum::<f64>()
-        / n;
-    let rstd = 1.0 / (var + eps as f64).sqrt();
-    for ((x, &w), &b) in row.iter_mut().zip(w).zip(b) {
-        *x = ((*x as f64 - mean) * rstd) as f32 * w + b;
-    }
+    layer_norm_rows(row, w, b, eps)
+        .expect("LayerNorm weights as long as the row (checked at load)");
 }
 
-/// The activation applied element-wise.
-pub(crate) fn activate(act: Activation, x: f32) -> f32 {
+/// `row = act(row + b)` for one row of `b.len()` values (`None`: the bias only). PyTorch's
+/// exact-erf GELU runs on the kernels' SIMD kernel; the other activations are one loop each
+/// (the match outside it), so each vectorises.
+pub(crate) fn bias_act(row: &mut [f32], b: &[f32], act: Option<Activation>) {
+    let pairs = row.iter_mut().zip(b);
     match act {
-        Activation::Gelu => gelu_erf(x),
-        Activation::GeluTanh => {
-            let x = x as f64;
-            let c = FRAC_2_SQRT_PI * FRAC_1_SQRT_2; // sqrt(2 / pi)
-            (0.5 * x * (1.0 + (c * (x + 0.044715 * x * x * x)).tanh())) as f32
-        }
-        Activation::Relu => x.max(0.0),
+        None => pairs.for_each(|(v, &b)| *v += b),
+        Some(Activation::Gelu) => gelu_bias_rows(row, b),
+        Some(Activation::GeluTanh) => pairs.for_each(|(v, &b)| *v = gelu_tanh(*v + b)),
+        Some(Activation::Relu) => pairs.for_each(|(v, &b)| *v = (*v + b).max(0.0)),
     }
 }
 
-/// PyTorch's default GELU, `x * Phi(x) = 0.5 x erfc(-x / sqrt 2)`, in f32.
-///
-/// `erfc` of `a = |x| / sqrt 2` comes from Chebyshev-fitted `t exp(-a^2 + P(t))`,
-/// `t = 1 / (1 + a/2)` (Numerical Recipes' `erfcc`: relative error under 1.2e-7 everywhere),
-/// so the negative tail keeps its relative accuracy; `erfc(-a) = 2 - erfc(a)` for the positive
-/// side. No branch and no libm call: the loop over a row vectorises. Checked against musl's
-/// `erfcf` in the tests (it was 14 % of an ingestion profile as a scalar call per element).
-#[inline]
-#[allow(clippy::excessive_precision)] // the published coefficients, as printed
-pub(crate) fn gelu_erf(x: f32) -> f32 {
-    let a = x.abs() * std::f32::consts::FRAC_1_SQRT_2;
-    let t = 1.0 / (1.0 + 0.5 * a);
-    let p = -1.265_512_2
-        + t * (1.000_023_7
-            + t * (0.374_091_96
-                + t * (0.096_784_18
-                    + t * (-0.186_288_06
-                        + t * (0.278_868_07
-                            + t * (-1.135_203_98
-                                + t * (1.488_515_87 + t * (-0.822_152_23 + t * 0.170_872_77))))))));
-    let erfc_a = t * exp_fast(p - a * a);
-    let erfc_minus = if x >= 0.0 { 2.0 - erfc_a } else { erfc_a };
-    0.5 * x * erfc_minus
-}
-
-/// `e^x` in f32 to about 2 ulp, without a libm call (so loops over it vectorise): `2^n e^r`
-/// with `n = round(x / ln 2)`, `r` in `[-ln2/2, ln2/2]` from a two-part `ln 2`, a degree-6
-/// Taylor polynomial for `e^r`, and `2^n` built in the exponent bits. Inputs below -87 give 0
-/// (as `expf` underflows there), above 88 are clamped.
-#[inline]
-pub(crate) fn exp_fast(x: f32) -> f32 {
-    const LN2_HI: f32 = 0.693_145_75;
-    const LN2_LO: f32 = 1.428_606_8e-6;
-    let x = x.clamp(-87.3, 88.0);
-    // Round to nearest by adding and subtracting 1.5 * 2^23 (exact for |y| < 2^22; no libm
-    // call, since the baseline x86-64 has no rounding instruction).
-    const ROUND: f32 = 12_582_912.0;
-    let n = (x * std::f32::consts::LOG2_E + ROUND) - ROUND;
-    let r = (x - n * LN2_HI) - n * LN2_LO;
-    let p = 1.0
-        + r * (1.0
-            + r * (0.5
-                + r * (1.0 / 6.0 + r * (1.0 / 24.0 + r * (1.0 / 120.0 + r * (1.0 / 720.0))))));
-    // n in [-126, 127]: a normal power of two.
-    let scale = f32::from_bits(((n as i32 + 127) as u32) << 23);
-    p * scale
+/// The tanh approximation of GELU (`gelu_new`), in f64 as the reference computes it.
+fn gelu_tanh(x: f32) -> f32 {
+    let x = x as f64;
+    let c = FRAC_2_SQRT_PI * FRAC_1_SQRT_2; // sqrt(2 / pi)
+    (0.5 * x * (1.0 + (c * (x + 0.044715 * x * x * x)).tanh())) as f32
 }
 
 /// Where one sequence's tokens sit in a packed batch.
@@ -150,8 +101,8 @@ pub(crate) struct Span {
 ///
 /// One task per (sequence, head) on the pool. Within a task both products run on the kernels'
 /// packed f32 GEMM (SIMD, dispatched per CPU): the scores `Q K^T` (the head's keys packed as
-/// the weight matrix) and the context `P V` (`V^T` packed from `V` as it is), with the softmax
-/// between them; a 256-token head's scores (256 KiB) stay in L2.
+/// the weight matrix) and the context `P V` (`V^T` packed from `V` as it is), with the
+/// kernels' row softmax between them; a 256-token head's scores (256 KiB) stay in L2.
 pub(crate) fn attention(
     pool: &ThreadPool,
     qkv: &[f32],
@@ -180,9 +131,7 @@ pub(crate) fn attention(
         let mut p = vec![0.0f32; len * len];
         let keys = PackedF32::pack(&k, len, d).expect("len x d keys");
         matmul_packed(&keys, &q, len, &mut p, pool).expect("shapes checked above");
-        for r in p.chunks_exact_mut(len) {
-            softmax(r);
-        }
+        softmax_rows(&mut p, len);
         let mut ctx = vec![0.0f32; len * d];
         let values = PackedF32::pack_transposed(&v, d, len).expect("d x len values");
         matmul_packed(&values, &p, len, &mut ctx, pool).expect("shapes checked above");
@@ -198,38 +147,15 @@ pub(crate) fn attention(
     out
 }
 
-/// In-place softmax of one row of scores. The maximum and the sum are taken in 8 lanes and
-/// the exponentials in a loop of their own, so all three vectorise.
-fn softmax(r: &mut [f32]) {
-    let mut m = [f32::NEG_INFINITY; 8];
-    let (chunks, tail) = r.as_chunks::<8>();
-    for c in chunks {
-        for k in 0..8 {
-            m[k] = if c[k] > m[k] { c[k] } else { m[k] };
-        }
-    }
-    let max = tail
-        .iter()
-        .chain(&m)
-        .fold(f32::NEG_INFINITY, |a, &b| a.max(b));
-    for x in r.iter_mut() {
-        *x = exp_fast(*x - max);
-    }
-    let mut s = [0.0f32; 8];
-    let (chunks, tail) = r.as_chunks::<8>();
-    for c in chunks {
-        for k in 0..8 {
-            s[k] += c[k];
-        }
-    }
-    let sum: f32 = s.iter().sum::<f32>() + tail.iter().sum::<f32>();
-    let inv = 1.0 / sum;
-    r.iter_mut().for_each(|x| *x *= inv);
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn gelu(x: f32) -> f32 {
+        let mut v = [x];
+        bias_act(&mut v, &[0.0], Some(Activation::Gelu));
+        v[0]
+    }
 
     #[test]
     fn gelu_known_values() {
@@ -243,7 +169,7 @@ mod tests {
             (-8.0, -4.9767684594174555e-15),
         ];
         for (x, want) in cases {
-            let got = gelu_erf(x) as f64;
+            let got = gelu(x) as f64;
             assert!(
                 (got - want).abs() <= want.abs() * 1e-6 + 1e-12,
                 "gelu({x}) = {got}, want {want}"
@@ -251,12 +177,14 @@ mod tests {
         }
     }
 
+    /// The kernels' GELU against musl's erff/erfcf (the kernels test it against an f64 erfc).
     #[test]
-    fn gelu_and_exp_match_libm() {
+    fn gelu_matches_libm() {
+        let xs: Vec<f32> = (-20_000..=20_000).map(|i| i as f32 * 1e-3).collect();
+        let mut got = xs.clone();
+        bias_act(&mut got, &[0.0], Some(Activation::Gelu));
         let mut worst_gelu = 0.0f64;
-        let mut worst_exp = 0.0f64;
-        for i in -20_000..=20_000 {
-            let x = i as f32 * 1e-3;
+        for (&x, &g) in xs.iter().zip(&got) {
             // musl's erff/erfcf, to under 1 ulp.
             let z = x * std::f32::consts::FRAC_1_SQRT_2;
             let want = if z >= 0.0 {
@@ -264,17 +192,30 @@ mod tests {
             } else {
                 0.5 * x as f64 * libm::erfcf(-z) as f64
             };
-            let got = gelu_erf(x) as f64;
+            assert_eq!(g, gelu(x), "one value and a row differ at {x}");
             // Relative to the value, with an absolute floor for values near 0.
-            worst_gelu = worst_gelu.max((got - want).abs() / want.abs().max(1e-3));
-            let e = (x * 4.0) as f64;
-            let rel = (exp_fast(e as f32) as f64 - e.exp()).abs() / e.exp();
-            worst_exp = worst_exp.max(rel);
+            worst_gelu = worst_gelu.max((g as f64 - want).abs() / want.abs().max(1e-3));
         }
         assert!(worst_gelu < 2e-6, "gelu relative error {worst_gelu:e}");
-        assert!(worst_exp < 3e-7, "exp relative error {worst_exp:e}");
-        assert_eq!(exp_fast(-100.0), 0.0_f32.max(exp_fast(-100.0)));
-        assert!(exp_fast(-100.0) < 1e-37);
+    }
+
+    #[test]
+    fn bias_act_adds_then_activates() {
+        let b = [1.0f32, -2.0, 0.5];
+        let mut row = [0.5f32, 0.5, -1.0];
+        bias_act(&mut row, &b, None);
+        assert_eq!(row, [1.5, -1.5, -0.5]);
+        let mut relu = row;
+        bias_act(&mut relu, &[0.0; 3], Some(Activation::Relu));
+        assert_eq!(relu, [1.5, 0.0, 0.0]);
+        let mut tanh = row;
+        bias_act(&mut tanh, &[0.0; 3], Some(Activation::GeluTanh));
+        let mut erf = row;
+        bias_act(&mut erf, &[0.0; 3], Some(Activation::Gelu));
+        for (t, e) in tanh.iter().zip(&erf) {
+            assert!((t - e).abs() < 1e-3, "{t} vs {e}");
+        }
+        assert_eq!(erf, row.map(gelu));
     }
 
     #[test]

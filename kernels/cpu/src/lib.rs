@@ -15,7 +15,9 @@
 //!
 //! The f32 embedding model takes another route: its weights are packed once into row panels
 //! ([`PackedF32`]) and [`matmul_packed`] runs BLAS-style outer-product micro-kernels (AVX-512
-//! or AVX2 + FMA) near the FMA peak, with bit-identical results on every ISA.
+//! or AVX2 + FMA) near the FMA peak, with bit-identical results on every ISA. Its element-wise
+//! steps have kernels of their own, also bit-identical on every ISA: bias + exact-erf GELU
+//! ([`gelu_bias_rows`]), row softmax ([`softmax_rows`]) and LayerNorm ([`layer_norm_rows`]).
 //!
 //! Every kernel has a scalar reference that is always compiled. Faster per-ISA kernels sit
 //! behind a dispatcher that detects CPU features once and caches the choice; property tests
@@ -50,6 +52,7 @@ mod blocks;
 mod dequant;
 mod dot;
 mod dtype;
+mod elementwise;
 mod error;
 mod gemm;
 mod matmul;
@@ -61,6 +64,7 @@ pub use attention::{attention, attention_many, key_tile_index, Attention, KV_TIL
 pub use dequant::dequantize_row;
 pub use dot::{vec_dot, vec_dot_f32};
 pub use dtype::{GgmlType, QK_K};
+pub use elementwise::{gelu_bias_rows, layer_norm_rows, softmax_rows};
 pub use error::{KernelError, Result};
 pub use gemm::{matmul_packed, PackedF32};
 pub use half::{bf16, f16};
