@@ -45,11 +45,15 @@ impl Linear {
         Linear::new(&w, b, rows, cols)
     }
 
-    /// `W x + b` for `n` tokens of `cols` activations each; `n x rows` outputs.
-    fn forward(&self, x: &[f32], n: usize, pool: &ThreadPool) -> Result<Vec<f32>> {
-        let mut out = vec![0.0f32; n * self.w.rows()];
-        matmul_packed(&self.w, x, n, &mut out, pool)?;
-        Ok(out)
+    /// `W x` for `n` tokens of `cols` activations each into `out` (`n x rows`, overwritten;
+    /// the bias is added by the caller, fused with what follows).
+    fn forward_into(&self, x: &[f32], n: usize, out: &mut [f32], pool: &ThreadPool) -> Result<()> {
+        matmul_packed(&self.w, x, n, &mut out[..n * self.w.rows()], pool)?;
+        Ok(())
+    }
+
+    fn rows(&self) -> usize {
+        self.w.rows()
     }
 }
 
@@ -183,23 +187,29 @@ impl Bert {
         };
         norm(&mut x, &self.emb_norm);
 
+        // Buffers for every layer, allocated (and zeroed) once per batch: each matmul
+        // overwrites its output.
+        let widest = |f: fn(&Layer) -> usize| self.layers.iter().map(f).max().unwrap_or(0);
+        let mut qkv = vec![0.0f32; n * widest(|l| l.qkv.rows())];
+        let mut a = vec![0.0f32; n * h];
+        let mut up = vec![0.0f32; n * widest(|l| l.ffn_up.rows())];
         for layer in &self.layers {
             // Self-attention block.
-            let mut qkv = layer.qkv.forward(&x, n, pool)?;
-            add_bias(pool, &mut qkv, &layer.qkv.b, None);
-            let ctx = attention(pool, &qkv, &spans, h, cfg.num_attention_heads);
-            drop(qkv);
-            let mut a = layer.attn_out.forward(&ctx, n, pool)?;
+            let qkv = &mut qkv[..n * layer.qkv.rows()];
+            layer.qkv.forward_into(&x, n, qkv, pool)?;
+            add_bias(pool, qkv, &layer.qkv.b, None);
+            let ctx = attention(pool, qkv, &spans, h, cfg.num_attention_heads);
+            layer.attn_out.forward_into(&ctx, n, &mut a, pool)?;
             residual_norm(pool, &mut a, &layer.attn_out.b, &x, &layer.attn_norm, eps);
-            x = a;
+            std::mem::swap(&mut x, &mut a);
 
             // Feed-forward block.
-            let mut up = layer.ffn_up.forward(&x, n, pool)?;
-            add_bias(pool, &mut up, &layer.ffn_up.b, Some(cfg.hidden_act));
-            let mut down = layer.ffn_down.forward(&up, n, pool)?;
-            drop(up);
-            residual_norm(pool, &mut down, &layer.ffn_down.b, &x, &layer.ffn_norm, eps);
-            x = down;
+            let up = &mut up[..n * layer.ffn_up.rows()];
+            layer.ffn_up.forward_into(&x, n, up, pool)?;
+            add_bias(pool, up, &layer.ffn_up.b, Some(cfg.hidden_act));
+            layer.ffn_down.forward_into(up, n, &mut a, pool)?;
+            residual_norm(pool, &mut a, &layer.ffn_down.b, &x, &layer.ffn_norm, eps);
+            std::mem::swap(&mut x, &mut a);
         }
         Ok(x)
     }
