@@ -257,11 +257,13 @@ def wait_done(http, coll, corpus, timeout):
     the pipeline at the deadline."""
     deadline = time.time() + timeout
     left = set(corpus.acked)
-    while left and time.time() < deadline:
+    while left:
         st, body = http.call("GET", f"/api/v1/collections/{coll}/documents")
         if st == 200:
             stage = {d["id"]: d["stage"] for d in body["documents"]}
             left = {i for i in left if stage.get(i) not in ("done", "failed")}
+        if not left or time.time() >= deadline:
+            break
         time.sleep(1)
     return left
 
@@ -489,16 +491,20 @@ def umount(path):
     subprocess.run(["umount", "-l", path], capture_output=True)
 
 
-def fill(path, name="filler"):
-    """Writes zeros until the file system is full."""
-    with open(os.path.join(path, name), "wb") as f:
-        chunk = b"\0" * (1 << 16)
-        try:
-            while True:
-                f.write(chunk)
-                f.flush()
-        except OSError:
-            pass
+def fill(path, name="filler", leave=0):
+    """Writes zeros until the file system has `leave` bytes free (0: until it is full)."""
+    fd = os.open(os.path.join(path, name), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    chunk = b"\0" * (1 << 16)
+    try:
+        while True:
+            room = shutil.disk_usage(path).free - leave
+            if room <= 0:
+                break
+            os.write(fd, chunk[:min(len(chunk), room)])
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def scenario_disk_full_data(args, work):
@@ -520,10 +526,13 @@ def scenario_disk_full_data(args, work):
         http = Http(port, key)
         d.start()
         http.call("POST", "/api/v1/collections", {"name": "s"})
+        # Another program takes most of the disk, so uploads reach its end in a bounded time
+        # however fast ingestion keeps up.
+        fill(mnt, leave=4 << 20)
         rng = random.Random(11)
         corpus = Corpus()
         statuses = {}
-        for i in range(400):
+        for i in range(2000):
             tok = corpus.token()
             st, body = http.text("s", f"s{i}.txt", para(rng, args.doc_words, tok))
             statuses[st] = statuses.get(st, 0) + 1
