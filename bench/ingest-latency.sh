@@ -8,18 +8,22 @@
 #   INGEST upload_ack_s=A search_p50_ms=B search_p99_ms=C search_max_ms=D chunked_mb_per_s=E
 #          embedded_chunks_per_s=F delete_stop_s=G
 #
-#   bench/ingest-latency.sh [--mb 30] [--seconds 120] [--threads 2]
+#   bench/ingest-latency.sh [--mb 30] [--seconds 120] [--threads 2] [--file PATH]
+#
+# --file uploads that file (a Markdown manual, a PDF...) instead of the generated text.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 MB=30
 SECONDS_RUN=120
 THREADS=2
+FILE=
 while [[ $# -gt 0 ]]; do
     case $1 in
         --mb) MB=$2; shift 2 ;;
         --seconds) SECONDS_RUN=$2; shift 2 ;;
         --threads) THREADS=$2; shift 2 ;;
+        --file) FILE=$(realpath "$2"); shift 2 ;;
         *) echo "unknown argument $1" >&2; exit 2 ;;
     esac
 done
@@ -58,10 +62,11 @@ for _ in $(seq 600); do
     sleep 0.2
 done
 
-python3 - "$PORT" "$KEY" "$MB" "$SECONDS_RUN" "$WORK" <<'PY'
-import json, random, statistics, sys, time, urllib.request, uuid
+python3 - "$PORT" "$KEY" "$MB" "$SECONDS_RUN" "$WORK" "$FILE" <<'PY'
+import json, os, random, statistics, sys, time, urllib.request, uuid
 
 port, key, mb, seconds, work = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4]), sys.argv[5]
+file = sys.argv[6]
 base = f"http://127.0.0.1:{port}"
 
 def call(method, path, body=None, ctype="application/json", timeout=600):
@@ -92,13 +97,16 @@ for i in range(8):
 time.sleep(5)
 paras = []
 size = 0
-while size < mb * 1_000_000:
+while not file and size < mb * 1_000_000:
     p = " ".join(rng.choice(words) for _ in range(rng.randint(40, 120))).capitalize() + "."
     paras.append(p)
     size += len(p) + 2
 big = "\n\n".join(paras).encode()
+fname = "big.txt"
+if file:
+    big, fname = open(file, "rb").read(), os.path.basename(file)
 boundary = uuid.uuid4().hex
-body = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"big.txt\"\r\n\r\n".encode()
+body = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"{fname}\"\r\n\r\n".encode()
         + big + f"\r\n--{boundary}--\r\n".encode())
 t0 = time.perf_counter()
 r = call("POST", "/api/v1/collections/large/documents", body,
