@@ -160,13 +160,10 @@ pub struct Machine {
 }
 
 impl Machine {
-    /// Detects cores and memory (sysinfo), GPUs (`/dev/nvidia0`, `/dev/nvidia1`, ... device
-    /// files; no CUDA call) and the free space under `data_dir`.
+    /// Detects cores and memory (sysinfo, from `/proc/meminfo`, else the `sysinfo(2)` call),
+    /// GPUs (`/dev/nvidia0`, `/dev/nvidia1`, ... device files; no CUDA call) and the free space
+    /// under `data_dir`.
     pub fn detect(data_dir: &Path) -> Machine {
-        use sysinfo::{MemoryRefreshKind, RefreshKind, System};
-        let sys = System::new_with_specifics(
-            RefreshKind::nothing().with_memory(MemoryRefreshKind::nothing().with_ram()),
-        );
         let cores = std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get);
         let gpus = std::fs::read_dir("/dev")
             .map(|d| {
@@ -188,11 +185,35 @@ impl Machine {
             .ok();
         Machine {
             cores,
-            memory_bytes: sys.total_memory(),
+            memory_bytes: total_memory(),
             gpus,
             disk_free_bytes,
         }
     }
+}
+
+/// Total memory in bytes. `/proc/meminfo` first (what sysinfo reads); where a sandbox hides it
+/// (systemd's `ProcSubset=pid`, some containers) it reads as 0, and the kernel's `sysinfo(2)`
+/// answers instead.
+fn total_memory() -> u64 {
+    use sysinfo::{MemoryRefreshKind, RefreshKind, System};
+    let sys = System::new_with_specifics(
+        RefreshKind::nothing().with_memory(MemoryRefreshKind::nothing().with_ram()),
+    );
+    match sys.total_memory() {
+        0 => {
+            let info = rustix::system::sysinfo();
+            info.totalram as u64 * u64::from(info.mem_unit.max(1))
+        }
+        n => n,
+    }
+}
+
+/// Whether `memory_bytes` meets a profile's `min_memory_gib`. The kernel reports less than
+/// the memory installed (its own code, reservations, a crash kernel: a 3 GiB VM shows about
+/// 2.8 GiB, a 2 GiB one 1.9), so 7/8 of the figure counts as having it.
+fn has_memory(memory_bytes: u64, min_gib: u64) -> bool {
+    u128::from(memory_bytes) * 8 >= u128::from(min_gib) * u128::from(GIB) * 7
 }
 
 /// The profile chosen, fitted to the machine, with why.
@@ -209,10 +230,12 @@ const GIB: u64 = 1 << 30;
 /// more cores, then more memory), then fits it: threads capped by cores, the DRAM budget by
 /// [`MAX_DRAM_SHARE`] of memory, the NVMe budget by the free disk space.
 pub fn choose(profiles: &[Profile], machine: &Machine, named: Option<&str>) -> Result<Chosen> {
-    let mem_gib = machine.memory_bytes / GIB;
+    let mem_gib = format!("{:.1}", machine.memory_bytes as f64 / GIB as f64);
     let mut reasons = Vec::new();
     let fits = |p: &Profile| {
-        machine.gpus >= p.gpus && machine.cores >= p.min_cores && mem_gib >= p.min_memory_gib
+        machine.gpus >= p.gpus
+            && machine.cores >= p.min_cores
+            && has_memory(machine.memory_bytes, p.min_memory_gib)
     };
     let mut profile = match named {
         Some(name) => {
@@ -343,6 +366,51 @@ mod tests {
         assert_eq!(c.profile.kv_dram_mib, 32 << 10);
         assert!(c.reasons.iter().any(|r| r.contains("threads capped")));
         assert!(c.reasons.iter().any(|r| r.starts_with("warning")));
+    }
+
+    #[test]
+    fn small_boxes_count_the_memory_the_kernel_keeps() {
+        let all = Profile::load_all(None).unwrap();
+        let mib = |n: u64| n << 20;
+        for reported in [mib(1950), mib(2880), mib(3900)] {
+            let m = Machine {
+                memory_bytes: reported,
+                ..machine(2, 0, 0)
+            };
+            let c = choose(&all, &m, None).unwrap();
+            assert_eq!(c.profile.name, "cpu-2core");
+        }
+        // 2.8 GiB is said as such, not as 2.
+        let m = Machine {
+            memory_bytes: mib(2880),
+            ..machine(2, 0, 0)
+        };
+        let c = choose(&all, &m, None).unwrap();
+        assert!(c.reasons[0].contains("2.8 GiB"), "{:?}", c.reasons);
+        // Well below the smallest profile is still refused.
+        let m = Machine {
+            memory_bytes: mib(1500),
+            ..machine(2, 0, 0)
+        };
+        assert!(choose(&all, &m, None).is_err());
+    }
+
+    #[test]
+    fn memory_is_detected_without_proc_meminfo() {
+        // What the fallback reads must agree with /proc/meminfo where both are visible.
+        let info = rustix::system::sysinfo();
+        let syscall = info.totalram as u64 * u64::from(info.mem_unit.max(1));
+        let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap();
+        let kib: u64 = meminfo
+            .lines()
+            .find_map(|l| l.strip_prefix("MemTotal:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+            .unwrap();
+        assert!(
+            syscall.abs_diff(kib * 1024) < 1 << 20,
+            "{syscall} vs {kib} KiB"
+        );
+        assert!(total_memory() > 0);
     }
 
     #[test]

@@ -32,7 +32,7 @@ impl Daemon {
         let machine = Machine::detect(&config.data_dir);
         tracing::info!(
             cores = machine.cores,
-            memory_gib = machine.memory_bytes >> 30,
+            memory_mib = machine.memory_bytes >> 20,
             gpus = machine.gpus,
             disk_free_gib = machine.disk_free_bytes.map(|b| b >> 30),
             "machine detected"
