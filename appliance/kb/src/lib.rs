@@ -43,6 +43,7 @@ mod kb;
 mod prepare;
 mod records;
 mod search;
+mod snapshot;
 
 pub use blobs::ContentHash;
 pub use catalog::SCHEMA_VERSION;
@@ -70,3 +71,4 @@ pub use search::{
     DenseSignal, Retrieved, SearchHit, SearchMode, SearchRequest, SearchResults, BLIND_SHARE_FULL,
     BLIND_SHARE_NONE, DEFAULT_CANDIDATES, DEFAULT_RRF_K, MAX_QUERY_BYTES,
 };
+pub use snapshot::{copy_tree, skipped_in_snapshot, SnapshotStats};

@@ -35,6 +35,15 @@ pub enum ServerError {
     #[error("{0}")]
     Keys(String),
 
+    /// A backup could not be written.
+    #[error("backup: {reason}")]
+    Backup { reason: String },
+
+    /// An archive was not restored: damaged, of another format or version, or the target is
+    /// not empty. Nothing was written to the target.
+    #[error("restore refused: {reason}")]
+    Restore { reason: String },
+
     #[error("knowledge base: {0}")]
     Kb(#[from] KbError),
 

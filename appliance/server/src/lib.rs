@@ -11,6 +11,7 @@
 mod api;
 mod atomic;
 mod auth;
+pub mod backup;
 mod config;
 pub mod console;
 mod engine;

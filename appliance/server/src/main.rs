@@ -1,11 +1,11 @@
 //! The `engramd` binary: `serve` (the default), `keys create|list|revoke`,
-//! `users create|list|delete` (console accounts), `openapi`.
+//! `users create|list|delete` (console accounts), `backup`, `restore`, `openapi`.
 
 use std::path::PathBuf;
 
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
-use engram_server::{Daemon, KeyStore, Overrides, Scope};
+use engram_server::{backup, Daemon, KeyStore, Overrides, Scope, ServerError};
 
 #[derive(Parser)]
 #[command(name = "engramd", version, about = "Engram's daemon")]
@@ -24,8 +24,9 @@ struct ServeArgs {
     /// Data directory (overrides the file and ENGRAM_DATA_DIR).
     #[arg(long, global = true)]
     data_dir: Option<PathBuf>,
-    /// Address to listen on, e.g. 127.0.0.1:8080 (overrides the file and ENGRAM_LISTEN).
-    #[arg(long)]
+    /// Address to listen on, e.g. 127.0.0.1:8080 (overrides the file and ENGRAM_LISTEN); for
+    /// `backup`, where the running daemon listens.
+    #[arg(long, global = true)]
     listen: Option<String>,
 }
 
@@ -45,6 +46,22 @@ enum Command {
     },
     /// Print the OpenAPI document.
     Openapi,
+    /// Back up the data directory to FILE (docs/formats/backup.md): with the daemon stopped
+    /// directly, or through the running daemon with an admin key in ENGRAM_API_KEY.
+    Backup {
+        /// The archive to write (a .tar.zst; replaced only once complete and read back).
+        #[arg(long)]
+        to: PathBuf,
+        /// Also carry the chunk KV tier's blobs (large; they can be recomputed).
+        #[arg(long)]
+        kv: bool,
+    },
+    /// Restore an archive into an empty (or new) data directory, after checking every file
+    /// against its manifest.
+    Restore {
+        /// The archive `engramd backup` or `POST /api/v1/admin/backup` wrote.
+        file: PathBuf,
+    },
 }
 
 #[derive(Subcommand)]
@@ -62,6 +79,11 @@ enum KeysCommand {
     List,
     /// Revoke a key by id.
     Revoke { id: String },
+}
+
+/// A backup error carrying its explanation.
+fn backup_error(reason: String) -> ServerError {
+    ServerError::Backup { reason }
 }
 
 fn init_logging() {
@@ -86,6 +108,50 @@ fn main() -> Result<()> {
     match cli.command.unwrap_or(Command::Serve) {
         Command::Openapi => {
             print!("{}", engram_server::openapi_json());
+            Ok(())
+        }
+        Command::Backup { to, kv } => {
+            let config = engram_server::load_config(cli.serve.config.as_deref(), &overrides)?;
+            let manifest = match std::env::var("ENGRAM_API_KEY") {
+                Ok(key) if !key.is_empty() => backup::write_file(&to, |f| {
+                    backup::fetch_from_daemon(config.listen, &key, kv, f)
+                })?,
+                _ => {
+                    let kv_dir = kv.then_some(config.kv_dir.as_path());
+                    backup::write_file(&to, |f| {
+                        let staged = backup::Staged::new(&config.data_dir)?;
+                        backup::stage_closed(&config.data_dir, kv_dir, &staged).map_err(|e| {
+                            backup_error(format!(
+                                "{e} (if engramd is running on {}, set ENGRAM_API_KEY to an \
+                                 admin key to back up through it)",
+                                config.data_dir.display()
+                            ))
+                        })?;
+                        backup::write_archive(&staged, kv, f).map(|_| ())
+                    })?
+                }
+            };
+            eprintln!(
+                "backup written to {}: {} files, {} bytes before compression",
+                to.display(),
+                manifest.files.len(),
+                manifest.total_bytes()
+            );
+            Ok(())
+        }
+        Command::Restore { file } => {
+            let config = engram_server::load_config(cli.serve.config.as_deref(), &overrides)?;
+            let f = std::fs::File::open(&file)
+                .with_context(|| format!("opening {}", file.display()))?;
+            let m = backup::restore(std::io::BufReader::new(f), &config.data_dir)?;
+            eprintln!(
+                "restored {} files ({} bytes) into {}: a backup by Engram {}{}",
+                m.files.len(),
+                m.total_bytes(),
+                config.data_dir.display(),
+                m.engram_version,
+                if m.kv { ", chunk KV included" } else { "" }
+            );
             Ok(())
         }
         Command::Users { command } => {

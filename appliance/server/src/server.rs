@@ -28,6 +28,8 @@ impl Daemon {
     pub async fn build(config: Config) -> Result<Daemon> {
         std::fs::create_dir_all(&config.data_dir)
             .map_err(|e| ServerError::io("creating", &config.data_dir, e))?;
+        // Staging folders of backups a crash interrupted (their links pin deleted files).
+        crate::backup::remove_stale(&config.data_dir);
         let profiles = Profile::load_all(config.profiles_dir.as_deref())?;
         let machine = Machine::detect(&config.data_dir);
         tracing::info!(
@@ -187,6 +189,8 @@ impl Daemon {
             storage,
             profile: Arc::from(p.name.as_str()),
             console,
+            data_dir: config.data_dir.clone(),
+            kv_dir: (kv_nvme_gib > 0).then(|| config.kv_dir.clone()),
         };
         Ok(Daemon {
             listener,

@@ -280,6 +280,24 @@ impl Storage {
         Ok(())
     }
 
+    /// Admits a copy of `bytes` (a backup's snapshot of the catalog): `Ok` when the disk keeps
+    /// the reserve beyond it, else `507`.
+    pub fn admit_copy(&self, bytes: u64) -> std::result::Result<(), ApiError> {
+        let needed = self.floor().saturating_add(bytes);
+        let available = self.read();
+        if self.read_only() || available < needed {
+            return Err(ApiError::InsufficientStorage {
+                reason: format!(
+                    "not enough free disk space for the backup's copy of the catalog: {} free \
+                     under the data directory, {} needed",
+                    mib(available),
+                    mib(needed)
+                ),
+            });
+        }
+        Ok(())
+    }
+
     /// Writes the ballast file (half the reserve) unless it is there; best effort.
     pub fn ensure_ballast(&self) {
         let path = self.dir.join(BALLAST_FILE);

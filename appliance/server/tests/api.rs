@@ -7,7 +7,7 @@
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 use std::time::Duration;
 
@@ -31,6 +31,39 @@ fn models_dir() -> PathBuf {
 /// Upload limit of the test server, small so the 413 test is cheap.
 const TEST_UPLOAD_LIMIT: usize = 1 << 20;
 
+/// Starts a daemon on `data_dir` (with the test configuration) on a thread of its own;
+/// returns its address once it serves.
+fn start_daemon(data_dir: &Path) -> SocketAddr {
+    let mut raw = RawConfig::parse(&format!(
+        "[limits]\nmax_upload_bytes = {TEST_UPLOAD_LIMIT}\nmax_tokens = 64\n\
+             [auth]\nfailures_per_minute = 100000\n[kv]\ndram_mib = 64\nnvme_gib = 1\n\
+             [storage]\nreserve_mib = 16\n"
+    ))
+    .unwrap();
+    raw.models.dir = Some(models_dir());
+    raw.models.threads = Some(2);
+    raw.apply_overrides(&Overrides {
+        listen: Some("127.0.0.1:0".into()),
+        data_dir: Some(data_dir.to_owned()),
+    });
+    let config = raw.validate().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async move {
+            let d = Daemon::build(config).await.expect("the daemon starts");
+            tx.send(d.local_addr()).unwrap();
+            d.serve(std::future::pending()).await.unwrap();
+        });
+    });
+    rx.recv_timeout(Duration::from_secs(300))
+        .expect("server up")
+}
+
 fn server() -> &'static Server {
     static SERVER: OnceLock<Server> = OnceLock::new();
     SERVER.get_or_init(|| {
@@ -41,33 +74,7 @@ fn server() -> &'static Server {
             .create(vec![Scope::Search, Scope::Qa], Some(vec!["a".into()]))
             .unwrap();
         let (_, search_only) = keys.create(vec![Scope::Search], None).unwrap();
-        let mut raw = RawConfig::parse(&format!(
-            "[limits]\nmax_upload_bytes = {TEST_UPLOAD_LIMIT}\nmax_tokens = 64\n\
-             [auth]\nfailures_per_minute = 100000\n[kv]\ndram_mib = 64\nnvme_gib = 1\n\
-             [storage]\nreserve_mib = 16\n"
-        ))
-        .unwrap();
-        raw.models.dir = Some(models_dir());
-        raw.models.threads = Some(2);
-        raw.apply_overrides(&Overrides {
-            listen: Some("127.0.0.1:0".into()),
-            data_dir: Some(dir.path().to_owned()),
-        });
-        let config = raw.validate().unwrap();
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_multi_thread()
-                .worker_threads(2)
-                .enable_all()
-                .build()
-                .unwrap();
-            rt.block_on(async move {
-                let d = Daemon::build(config).await.expect("the daemon starts");
-                tx.send(d.local_addr()).unwrap();
-                d.serve(std::future::pending()).await.unwrap();
-            });
-        });
-        let addr = rx.recv_timeout(Duration::from_secs(300)).expect("server up");
+        let addr = start_daemon(dir.path());
         let s = Server {
             addr,
             admin,
@@ -260,6 +267,7 @@ fn routes() -> Vec<(&'static str, &'static str)> {
         ("POST", "/retrieval"),
         ("GET", "/readyz"),
         ("GET", "/metrics"),
+        ("POST", "/api/v1/admin/backup"),
     ]
 }
 
@@ -1081,4 +1089,65 @@ fn oversized_queries_and_failed_uploads_are_errors() {
         .status,
         204
     );
+}
+
+#[test]
+fn a_backup_taken_while_serving_restores_into_a_working_daemon() {
+    use engram_server::backup;
+    let s = server();
+    let r = s.call("POST", "/api/v1/admin/backup", Some(&s.search_only), None);
+    assert_eq!(r.status, 403, "{}", r.text());
+    let r = s.call("POST", "/api/v1/admin/backup", Some(&s.admin), None);
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.header("content-type"), Some("application/zstd"));
+    assert!(r
+        .header("content-disposition")
+        .is_some_and(|d| d.contains(".tar.zst")));
+    let m = backup::verify(&r.body[..]).unwrap();
+    assert_eq!(
+        (m.format.as_str(), m.version, m.kv),
+        ("engram-backup", 1, false)
+    );
+    for want in ["keys.json", "catalog/db", "collections/"] {
+        assert!(
+            m.files.iter().any(|f| f.path.starts_with(want)),
+            "{want} missing from {:?}",
+            m.files.iter().map(|f| &f.path).collect::<Vec<_>>()
+        );
+    }
+    assert!(m
+        .files
+        .iter()
+        .all(|f| !f.path.ends_with("LOCK") && !f.path.ends_with(".lock")));
+
+    let dir = tempfile::tempdir().unwrap();
+    let target = dir.path().join("data");
+    backup::restore(&r.body[..], &target).unwrap();
+    let again = backup::restore(&r.body[..], &target).unwrap_err();
+    assert!(again.to_string().contains("not empty"), "{again}");
+
+    // A daemon on the restored directory: the same keys, collections and documents, searchable.
+    let restored = Server {
+        addr: start_daemon(&target),
+        admin: s.admin.clone(),
+        only_a: s.only_a.clone(),
+        search_only: s.search_only.clone(),
+        _dir: dir,
+    };
+    let r = restored.call(
+        "GET",
+        "/api/v1/collections/a/documents/leave.md",
+        Some(&restored.admin),
+        None,
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.json()["stage"], "done");
+    let r = restored.call(
+        "POST",
+        "/api/v1/search",
+        Some(&restored.only_a),
+        Some(json!({"query": "paid leave per year", "collections": ["a"], "mode": "bm25"})),
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.json()["hits"][0]["document"]["name"], "leave.md");
 }

@@ -6,7 +6,10 @@
 //! - `qa`: `/api/v1/qa`, JSON or server-sent events;
 //! - `openai`: `/v1/models`, `/v1/chat/completions`, `/v1/embeddings`;
 //! - `health`: `/healthz`, `/readyz`, `/metrics`;
+//! - `admin`: `/api/v1/admin/backup`;
 //! - `openapi`: the OpenAPI document.
+
+mod admin;
 
 mod collections;
 mod documents;
@@ -79,6 +82,10 @@ pub struct AppState {
     pub profile: Arc<str>,
     /// The admin console: accounts, sessions, audit log, dashboard history.
     pub console: Arc<crate::console::Console>,
+    /// The data directory (backups).
+    pub data_dir: std::path::PathBuf,
+    /// The NVMe chunk KV tier's folder, when the tier is on (backups with `kv=true`).
+    pub kv_dir: Option<std::path::PathBuf>,
 }
 
 /// The whole router.
@@ -116,6 +123,7 @@ pub fn router(state: AppState) -> Router {
             "/api/v1/collections/{name}/documents/{id}/reindex",
             post(documents::reindex),
         )
+        .route("/api/v1/admin/backup", post(admin::backup))
         .route("/api/v1/search", post(search::search))
         .route("/api/v1/qa", post(qa::qa))
         .route("/api/v1/openapi.json", get(openapi::serve))

@@ -6,7 +6,7 @@ use serde::Serialize;
 use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
 use utoipa::{Modify, OpenApi, ToSchema};
 
-use crate::api::{collections, documents, health, openai, qa, search};
+use crate::api::{admin, collections, documents, health, openai, qa, search};
 
 /// The error body every failure carries.
 #[derive(Serialize, ToSchema)]
@@ -49,6 +49,7 @@ impl Modify for Bearer {
         search::search, search::dify_retrieval, qa::qa,
         openai::models, openai::chat, openai::embeddings,
         health::healthz, health::readyz, health::metrics,
+        admin::backup,
     ),
     components(schemas(ErrorBody, ErrorDetail)),
     modifiers(&Bearer),

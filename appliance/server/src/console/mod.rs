@@ -10,7 +10,7 @@
 //! - `pages`: the handlers, one file per page;
 //! - `cli`: `engramd users create|list|delete`.
 
-mod audit;
+pub(crate) mod audit;
 mod chart;
 mod cli;
 mod guard;
@@ -19,8 +19,8 @@ mod pages;
 mod querylog;
 mod sampler;
 mod session;
-mod settings;
-mod users;
+pub(crate) mod settings;
+pub(crate) mod users;
 mod view;
 
 use std::path::PathBuf;
