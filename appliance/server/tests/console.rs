@@ -500,6 +500,7 @@ fn operators_cannot_change_keys_or_settings() {
         ("/console/kb/handbook/doc/1/reindex", ""),
         ("/console/kb/handbook/doc/1/cancel", ""),
         ("/console/kb/handbook/doc/1/delete", ""),
+        ("/console/backup", "kv=1"),
     ] {
         let r = request(
             "POST",
@@ -788,4 +789,36 @@ fn documents_retrieval_and_chat_work_without_script() {
     let r = request("GET", "/console/kb/nojs", &s.cookie, &[], None);
     assert_eq!(r.status, 404);
     assert!(r.body.contains("<html"), "an HTML error page");
+}
+
+#[test]
+fn an_admin_downloads_a_backup_from_the_settings_page() {
+    let admin = sign_in("root", ADMIN_PW);
+    let page = request("GET", "/console/settings", &admin.cookie, &[], None);
+    assert!(
+        page.body.contains("action=\"/console/backup\""),
+        "{}",
+        page.body
+    );
+    let r = request(
+        "POST",
+        "/console/backup",
+        &admin.cookie,
+        &[],
+        Some(&form_encode(&[("csrf", &admin.csrf)])),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.header("content-type"), Some("application/zstd"));
+    assert!(r
+        .header("content-disposition")
+        .is_some_and(|d| d.starts_with("attachment") && d.contains(".tar.zst")));
+    // Without the token it is refused like every other change.
+    let r = request("POST", "/console/backup", &admin.cookie, &[], Some(""));
+    assert_eq!(r.status, 403);
+    let audit = request("GET", "/console/audit", &admin.cookie, &[], None);
+    assert!(audit.body.contains("Backup downloaded"), "{}", audit.body);
+    // An operator's settings page offers no backup.
+    let op = sign_in("watcher", OPERATOR_PW);
+    let page = request("GET", "/console/settings", &op.cookie, &[], None);
+    assert!(!page.body.contains("/console/backup"));
 }

@@ -46,6 +46,12 @@ pub async fn backup(
                 .into(),
         });
     }
+    stream_backup(&s, p.kv).await
+}
+
+/// Takes a backup and answers with the archive streamed as it is written (the API route and
+/// the console's download).
+pub async fn stream_backup(s: &AppState, kv: bool) -> Result<Response, ApiError> {
     let data_dir = s.data_dir.clone();
     let catalog_bytes = tokio::task::spawn_blocking({
         let d = data_dir.join("catalog");
@@ -63,7 +69,7 @@ pub async fn backup(
         copied = stats.copied_bytes,
         "backup: knowledge base snapshot taken"
     );
-    let kv_dir = if p.kv { s.kv_dir.clone() } else { None };
+    let kv_dir = if kv { s.kv_dir.clone() } else { None };
     let staged = tokio::task::spawn_blocking(move || -> crate::error::Result<Staged> {
         backup::stage_server_files(&data_dir, &staged)?;
         if let Some(kv) = &kv_dir {
@@ -75,7 +81,7 @@ pub async fn backup(
     .map_err(ApiError::internal)?
     .map_err(ApiError::internal)?;
     let (tx, mut rx) = tokio::sync::mpsc::channel(4);
-    let with_kv = p.kv;
+    let with_kv = kv;
     tokio::task::spawn_blocking(move || {
         let mut w = ChannelWriter::new(tx);
         match backup::write_archive(&staged, with_kv, &mut w) {

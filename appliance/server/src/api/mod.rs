@@ -9,7 +9,7 @@
 //! - `admin`: `/api/v1/admin/backup`;
 //! - `openapi`: the OpenAPI document.
 
-mod admin;
+pub(crate) mod admin;
 
 mod collections;
 mod documents;

@@ -87,3 +87,27 @@ pub async fn save(
     );
     Ok(see_other("/console/settings?ok=flash.settings_saved"))
 }
+
+#[derive(Deserialize)]
+pub struct BackupForm {
+    #[serde(default)]
+    kv: Option<String>,
+}
+
+/// `POST /console/backup` (admin): downloads a backup of the whole appliance, as
+/// `POST /api/v1/admin/backup` does.
+pub async fn backup(
+    State(s): State<AppState>,
+    Extension(v): Extension<Viewer>,
+    Form(f): Form<BackupForm>,
+) -> Result<Response, Failure> {
+    let kv = f.kv.is_some();
+    let res = crate::api::admin::stream_backup(&s, kv).await?;
+    s.console.audit.record(
+        &v.user,
+        "backup_downloaded",
+        if kv { "with chunk KV" } else { "" },
+        &v.ip,
+    );
+    Ok(res)
+}
