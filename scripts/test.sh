@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Runs everything CI runs, on a fresh machine too: fetches the default models (checked by
 # sha256), then format check, clippy with warnings as errors, the whole test suite against the
-# real models and ../shared/golden, the API and console end-to-end checks, and a bounded run of
-# the fault-injection suite (tests/faults).
+# real models and ../shared/golden, the API and console end-to-end checks, a bounded run of
+# the fault-injection suite (tests/faults) and the .deb's checks (tests/appliance/deb.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -18,3 +18,4 @@ cargo test --workspace --locked
 scripts/test-api.sh
 scripts/test-ui.sh
 tests/faults/run.sh --ci
+tests/appliance/deb.sh --no-build
