@@ -236,8 +236,16 @@ pub fn error_body(error_type: &str, message: &str) -> serde_json::Value {
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let status = self.status();
-        if status.is_server_error() {
-            tracing::error!(error_type = self.error_type(), "{self}");
+        match self {
+            // Conditions of the machine the operator acts on (a full disk, a knowledge base
+            // waiting for space, a shutdown), not faults of the daemon.
+            ApiError::InsufficientStorage { .. } | ApiError::Unavailable { .. } => {
+                tracing::warn!(error_type = self.error_type(), "{self}");
+            }
+            _ if status.is_server_error() => {
+                tracing::error!(error_type = self.error_type(), "{self}");
+            }
+            _ => {}
         }
         let mut res = (status, axum::Json(self.body())).into_response();
         if let Some(s) = self.retry_after() {
