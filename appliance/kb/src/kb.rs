@@ -1088,7 +1088,7 @@ impl KnowledgeBase {
 }
 
 /// Bytes of the files under `dir` (recursively; 0 when absent).
-fn dir_size(dir: &Path) -> u64 {
+pub fn dir_size(dir: &Path) -> u64 {
     let Ok(entries) = fs::read_dir(dir) else {
         return 0;
     };

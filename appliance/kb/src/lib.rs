@@ -59,8 +59,8 @@ pub use ingest::{
     JOB_MAX_DOCS,
 };
 pub use kb::{
-    blind_pieces, KnowledgeBase, Models, Recovery, COMMIT_EVERY, EMBED_BATCH, MIN_CJK_VOCAB,
-    MIN_OPEN_FREE,
+    blind_pieces, dir_size, KnowledgeBase, Models, Recovery, COMMIT_EVERY, EMBED_BATCH,
+    MIN_CJK_VOCAB, MIN_OPEN_FREE,
 };
 pub use prepare::{prepare, PrepareDoc, PrepareJob, Prepared, CHUNK_CHECK_EVERY};
 pub use records::{

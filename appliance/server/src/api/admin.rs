@@ -55,7 +55,7 @@ pub async fn stream_backup(s: &AppState, kv: bool) -> Result<Response, ApiError>
     let data_dir = s.data_dir.clone();
     let catalog_bytes = tokio::task::spawn_blocking({
         let d = data_dir.join("catalog");
-        move || dir_size(&d)
+        move || engram_kb::dir_size(&d)
     })
     .await
     .map_err(ApiError::internal)?;
@@ -115,18 +115,4 @@ pub async fn stream_backup(s: &AppState, kv: bool) -> Result<Response, ApiError>
         Body::from_stream(stream),
     )
         .into_response())
-}
-
-fn dir_size(dir: &std::path::Path) -> u64 {
-    let Ok(entries) = std::fs::read_dir(dir) else {
-        return 0;
-    };
-    entries
-        .flatten()
-        .map(|e| match e.metadata() {
-            Ok(m) if m.is_dir() => dir_size(&e.path()),
-            Ok(m) => m.len(),
-            Err(_) => 0,
-        })
-        .sum()
 }
