@@ -340,6 +340,8 @@ fn unpack_and_check(archive: impl Read, partial: Option<&Path>) -> Result<Manife
     let mut seen: Vec<FileEntry> = Vec::new();
     let mut manifest_json: Option<Vec<u8>> = None;
     let mut manifest_sum: Option<String> = None;
+    // Folders written into, fsynced once every file is in (so the moved tree is durable).
+    let mut dirs = std::collections::BTreeSet::new();
     let entries = tar
         .entries()
         .map_err(|e| refuse(format!("not a backup archive: {e}")))?;
@@ -376,6 +378,13 @@ fn unpack_and_check(archive: impl Read, partial: Option<&Path>) -> Result<Manife
             let to = partial.join(rel);
             if let Some(parent) = to.parent() {
                 fs::create_dir_all(parent).map_err(|e| ServerError::io("creating", parent, e))?;
+                let mut d = parent;
+                while d.starts_with(partial) && dirs.insert(d.to_owned()) {
+                    match d.parent() {
+                        Some(up) => d = up,
+                        None => break,
+                    }
+                }
             }
             let mut file =
                 fs::File::create(&to).map_err(|e| ServerError::io("creating", &to, e))?;
@@ -396,6 +405,11 @@ fn unpack_and_check(archive: impl Read, partial: Option<&Path>) -> Result<Manife
             bytes: reader.count,
             sha256: reader.hex(),
         });
+    }
+    for d in &dirs {
+        fs::File::open(d)
+            .and_then(|f| f.sync_all())
+            .map_err(|e| ServerError::io("syncing", d, e))?;
     }
     let json = manifest_json.ok_or_else(|| refuse("the archive has no MANIFEST.json"))?;
     let sum = manifest_sum.ok_or_else(|| refuse("the archive has no MANIFEST.sha256"))?;
