@@ -11,7 +11,10 @@ cd "$(dirname "$0")/../.."
 
 if ! command -v lintian >/dev/null; then
     echo "deb: installing lintian" >&2
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq lintian >/dev/null
+    SUDO=
+    [[ $(id -u) -ne 0 ]] && SUDO=sudo
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq lintian >/dev/null
 fi
 DEB=$(packaging/deb/build.sh "$@")
 echo "deb: built $DEB ($(du -h "$DEB" | cut -f1))"
