@@ -9,7 +9,6 @@ mount is refused.
 """
 
 import argparse
-import hashlib
 import json
 import os
 import random
@@ -151,14 +150,28 @@ def new_key(bins, data):
     return out.stdout.strip().splitlines()[-1]
 
 
-def write_config(path, small_reserve=True):
+def write_config(path, small_reserve=True, kv_dir=None):
     """A daemon configuration; `small_reserve` keeps the disk reserve (and its ballast file) at
-    16 MiB on a large disk, where the default would be 1 GiB per throwaway data directory."""
+    16 MiB on a large disk, where the default would be 1 GiB per throwaway data directory;
+    `kv_dir` puts the NVMe KV tier there."""
+    kv = f"dir = \"{kv_dir}\"\n" if kv_dir else ""
     with open(path, "w") as f:
-        f.write("[models]\nthreads = 2\n[kv]\ndram_mib = 32\nnvme_gib = 1\n"
+        f.write(f"[models]\nthreads = 2\n[kv]\n{kv}dram_mib = 32\nnvme_gib = 1\n"
                 "[limits]\nmax_tokens = 8\nmax_upload_bytes = 4194304\ningest_concurrency = 16\n"
                 "[auth]\nfailures_per_minute = 1000000\n"
                 + ("[storage]\nreserve_mib = 16\n" if small_reserve else ""))
+
+
+def new_daemon(args, work, name, data=None, **config):
+    """A daemon (not started) on `data` (default `work/name`) with the suite's configuration
+    (`work/name.toml`, `config` passed to write_config), its log in `work/name.log`, an admin
+    key and a free port; returns (daemon, http)."""
+    data = data or os.path.join(work, name)
+    cfg = os.path.join(work, f"{name}.toml")
+    write_config(cfg, **config)
+    key = new_key(args.bins, data)
+    port = free_port()
+    return Daemon(args.bins, data, port, os.path.join(work, f"{name}.log"), cfg), Http(port, key)
 
 
 def para(rng, n_words, token):
@@ -295,13 +308,7 @@ def verify(http, coll, corpus):
 
 def scenario_kill9(args, work):
     """N random kill -9 during concurrent uploads; every acknowledged id verified."""
-    data = os.path.join(work, "kill9")
-    cfg = os.path.join(work, "kill9.toml")
-    write_config(cfg)
-    key = new_key(args.bins, data)
-    port = free_port()
-    d = Daemon(args.bins, data, port, os.path.join(work, "kill9.log"), cfg)
-    http = Http(port, key)
+    d, http = new_daemon(args, work, "kill9")
     corpus = Corpus()
     restarts = []
     stats = {"acked": 0, "errors": 0, "failed_in_202": 0, "other": {}}
@@ -381,12 +388,7 @@ def scenario_cli_kill(args, work):
     p.wait()
     # The daemon on the same data directory: every document the catalog has gets done, and
     # the chunk KV queue drains.
-    cfg = os.path.join(work, "cli.toml")
-    write_config(cfg)
-    key = new_key(args.bins, data)
-    port = free_port()
-    d = Daemon(args.bins, data, port, os.path.join(work, "cli.log"), cfg)
-    http = Http(port, key)
+    d, http = new_daemon(args, work, "cli", data)
     started = d.start()
     st, body = http.call("GET", "/api/v1/collections/cli/documents")
     docs = body.get("documents", []) if st == 200 else []
@@ -422,13 +424,7 @@ def scenario_cli_kill(args, work):
 
 def scenario_kv_corrupt(args, work):
     """Corrupted, truncated and deleted KV blobs: caught, recomputed, counted by reason."""
-    data = os.path.join(work, "kvc")
-    cfg = os.path.join(work, "kvc.toml")
-    write_config(cfg)
-    key = new_key(args.bins, data)
-    port = free_port()
-    d = Daemon(args.bins, data, port, os.path.join(work, "kvc.log"), cfg)
-    http = Http(port, key)
+    d, http = new_daemon(args, work, "kvc")
     d.start()
     http.call("POST", "/api/v1/collections", {"name": "k"})
     rng = random.Random(3)
@@ -445,7 +441,7 @@ def scenario_kv_corrupt(args, work):
         time.sleep(1)
     d.term()
     blobs = []
-    for root, _, files in os.walk(os.path.join(data, "kv")):
+    for root, _, files in os.walk(os.path.join(d.data, "kv")):
         blobs += [os.path.join(root, f) for f in files if f.endswith(".kv")]
     rng.shuffle(blobs)
     third = max(1, len(blobs) // 3)
@@ -516,14 +512,7 @@ def scenario_disk_full_data(args, work):
         print(f"  skipped: cannot mount a tmpfs here ({why}); needs root", flush=True)
         return {"scenario": "disk_full_data", "skipped": why}
     try:
-        data = os.path.join(mnt, "data")
-        cfg = os.path.join(work, "dfd.toml")
-        write_config(cfg, small_reserve=False)
-        key = new_key(args.bins, data)
-        port = free_port()
-        log = os.path.join(work, "dfd.log")
-        d = Daemon(args.bins, data, port, log, cfg)
-        http = Http(port, key)
+        d, http = new_daemon(args, work, "dfd", os.path.join(mnt, "data"), small_reserve=False)
         d.start()
         http.call("POST", "/api/v1/collections", {"name": "s"})
         # Another program takes most of the disk, so uploads reach its end in a bounded time
@@ -602,17 +591,7 @@ def scenario_disk_full_kv(args, work):
         print(f"  skipped: cannot mount a tmpfs here ({why}); needs root", flush=True)
         return {"scenario": "disk_full_kv", "skipped": why}
     try:
-        data = os.path.join(work, "dfk")
-        cfg = os.path.join(work, "dfk.toml")
-        write_config(cfg)
-        with open(cfg) as f:
-            text = f.read().replace("[kv]\n", f"[kv]\ndir = \"{mnt}/kv\"\n")
-        with open(cfg, "w") as f:
-            f.write(text)
-        key = new_key(args.bins, data)
-        port = free_port()
-        d = Daemon(args.bins, data, port, os.path.join(work, "dfk.log"), cfg)
-        http = Http(port, key)
+        d, http = new_daemon(args, work, "dfk", kv_dir=f"{mnt}/kv")
         d.start()
         http.call("POST", "/api/v1/collections", {"name": "v"})
         rng = random.Random(5)
@@ -653,13 +632,7 @@ def scenario_disk_full_kv(args, work):
 
 def scenario_bad_files(args, work):
     """Malformed, binary, empty and oversized files: a clear error each, nothing else lost."""
-    data = os.path.join(work, "bad")
-    cfg = os.path.join(work, "bad.toml")
-    write_config(cfg)
-    key = new_key(args.bins, data)
-    port = free_port()
-    d = Daemon(args.bins, data, port, os.path.join(work, "bad.log"), cfg)
-    http = Http(port, key)
+    d, http = new_daemon(args, work, "bad")
     d.start()
     http.call("POST", "/api/v1/collections", {"name": "b"})
     good = open(os.path.join(FIXTURES, "guide.md"), "rb").read()
