@@ -295,6 +295,11 @@ fn layer_norm_row(row: &mut [f32], w: &[f32], b: &[f32], eps: f32) {
 mod tests {
     use super::*;
 
+    /// Whether `a` and `b` hold the same bits, value by value.
+    fn same_bits(a: &[f32], b: &[f32]) -> bool {
+        a.iter().zip(b).all(|(a, b)| a.to_bits() == b.to_bits())
+    }
+
     /// erfc in f64 to about 1e-13 relative, the tests' reference: the power series of erf
     /// below 2 (no cancellation worth counting: erfc(2) = 4.7e-3), the continued fraction
     /// `erfc z = e^(-z^2) / sqrt(pi) / (z + (1/2) / (z + 1 / (z + (3/2) / (z + ...))))` above.
@@ -446,11 +451,7 @@ mod tests {
             for isa in Isa::available() {
                 let mut got = x.clone();
                 gelu_bias_on(isa, &mut got, &bias);
-                let same = got
-                    .iter()
-                    .zip(&want)
-                    .all(|(a, b)| a.to_bits() == b.to_bits());
-                assert!(same, "{isa:?}, rows of {row_len}");
+                assert!(same_bits(&got, &want), "{isa:?}, rows of {row_len}");
             }
         }
         // Degenerate shapes do nothing or touch only what exists.
@@ -498,11 +499,7 @@ mod tests {
             for isa in Isa::available() {
                 let mut got = x[..n].to_vec();
                 softmax_on(isa, &mut got, row_len);
-                let same = got
-                    .iter()
-                    .zip(&want)
-                    .all(|(a, b)| a.to_bits() == b.to_bits());
-                assert!(same, "{isa:?}, rows of {row_len}");
+                assert!(same_bits(&got, &want), "{isa:?}, rows of {row_len}");
             }
         }
         for isa in Isa::available() {
@@ -565,11 +562,7 @@ mod tests {
             for isa in Isa::available() {
                 let mut got = x[..n].to_vec();
                 layer_norm_on(isa, &mut got, &w, &b, 1e-12);
-                let same = got
-                    .iter()
-                    .zip(&want)
-                    .all(|(a, b)| a.to_bits() == b.to_bits());
-                assert!(same, "{isa:?}, rows of {row_len}");
+                assert!(same_bits(&got, &want), "{isa:?}, rows of {row_len}");
             }
         }
     }

@@ -69,3 +69,17 @@ pub enum KernelError {
 
 /// `Result` with [`KernelError`].
 pub type Result<T> = std::result::Result<T, KernelError>;
+
+/// `Ok` if `expected` (`None`: its computation overflowed) equals `actual`; else
+/// [`KernelError::Overflow`] or [`KernelError::LengthMismatch`] naming `what`.
+pub(crate) fn check_len(what: &'static str, expected: Option<usize>, actual: usize) -> Result<()> {
+    match expected {
+        None => Err(KernelError::Overflow { what }),
+        Some(e) if e != actual => Err(KernelError::LengthMismatch {
+            what,
+            expected: e,
+            actual,
+        }),
+        Some(_) => Ok(()),
+    }
+}

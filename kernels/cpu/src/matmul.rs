@@ -3,7 +3,7 @@
 use crate::dequant::dequantize_row;
 use crate::dot::Isa;
 use crate::dtype::GgmlType;
-use crate::error::{KernelError, Result};
+use crate::error::{check_len, KernelError, Result};
 use crate::gemm;
 use crate::pool::ThreadPool;
 use crate::quantize::quantize_into;
@@ -182,17 +182,8 @@ fn matmul_on(
 /// Validates `w` and the lengths of `x` and `out` for `n_tokens` tokens; returns `w`'s row size.
 fn check_shapes(w: &QMatrix<'_>, x: &[f32], n_tokens: usize, out_len: usize) -> Result<usize> {
     let wrb = w.validate()?;
-    let expect = |what, expected: Option<usize>, actual| match expected {
-        None => Err(KernelError::Overflow { what }),
-        Some(e) if e != actual => Err(KernelError::LengthMismatch {
-            what,
-            expected: e,
-            actual,
-        }),
-        Some(_) => Ok(()),
-    };
-    expect("matmul x elements", n_tokens.checked_mul(w.cols), x.len())?;
-    expect("matmul out elements", n_tokens.checked_mul(w.rows), out_len)?;
+    check_len("matmul x elements", n_tokens.checked_mul(w.cols), x.len())?;
+    check_len("matmul out elements", n_tokens.checked_mul(w.rows), out_len)?;
     Ok(wrb)
 }
 

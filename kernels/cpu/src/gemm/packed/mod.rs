@@ -39,7 +39,7 @@ mod avx2;
 mod avx512;
 
 use crate::dot::Isa;
-use crate::error::{KernelError, Result};
+use crate::error::{check_len, KernelError, Result};
 use crate::pool::ThreadPool;
 
 /// Rows per panel: two AVX-512 registers of 16 f32 lanes (four AVX2 ones, which the AVX2
@@ -175,19 +175,6 @@ impl PackedF32 {
         self.data[p * self.cols * LINES_PER_COL..]
             .as_ptr()
             .cast::<f32>()
-    }
-}
-
-/// `Ok` if `expected` (`None`: overflowed) equals `actual`.
-fn check_len(what: &'static str, expected: Option<usize>, actual: usize) -> Result<()> {
-    match expected {
-        None => Err(KernelError::Overflow { what }),
-        Some(e) if e != actual => Err(KernelError::LengthMismatch {
-            what,
-            expected: e,
-            actual,
-        }),
-        Some(_) => Ok(()),
     }
 }
 
