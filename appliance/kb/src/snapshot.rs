@@ -8,6 +8,7 @@
 use std::fs;
 use std::path::Path;
 
+use crate::catalog::Catalog;
 use crate::error::{KbError, Result};
 use crate::kb::KnowledgeBase;
 
@@ -26,48 +27,35 @@ impl KnowledgeBase {
     /// exist): `catalog/`, `blobs/`, `collections/`. Needs free space for a copy of the
     /// catalog; the rest is links. Runs on the owner's thread, so no write happens meanwhile.
     pub fn snapshot(&mut self, to: &Path) -> Result<SnapshotStats> {
-        if to.exists() {
-            return Err(KbError::io(
-                "snapshot into",
-                to,
-                std::io::Error::from(std::io::ErrorKind::AlreadyExists),
-            ));
-        }
-        self.catalog.flush()?;
-        let mut stats = SnapshotStats::default();
-        copy_tree(
-            &self.dir.join("catalog"),
-            &to.join("catalog"),
-            false,
-            &mut stats,
-        )?;
-        for sub in ["blobs", "collections"] {
-            copy_tree(&self.dir.join(sub), &to.join(sub), true, &mut stats)?;
-        }
-        Ok(stats)
+        copy_snapshot(&self.catalog, &self.dir, to)
     }
 
     /// [`snapshot`](Self::snapshot) of a data directory no process has open, without loading
     /// the models: the catalog is opened (so its lock keeps every other process out) and held
     /// while the files are copied.
     pub fn snapshot_closed(dir: &Path, to: &Path) -> Result<SnapshotStats> {
-        if to.exists() {
-            return Err(KbError::io(
-                "snapshot into",
-                to,
-                std::io::Error::from(std::io::ErrorKind::AlreadyExists),
-            ));
-        }
-        let catalog = crate::catalog::Catalog::open(&dir.join("catalog"))?;
-        catalog.flush()?;
-        let mut stats = SnapshotStats::default();
-        copy_tree(&dir.join("catalog"), &to.join("catalog"), false, &mut stats)?;
-        for sub in ["blobs", "collections"] {
-            copy_tree(&dir.join(sub), &to.join(sub), true, &mut stats)?;
-        }
-        drop(catalog);
-        Ok(stats)
+        let catalog = Catalog::open(&dir.join("catalog"))?;
+        copy_snapshot(&catalog, dir, to)
     }
+}
+
+/// The snapshot of data directory `dir` into `to`, by whoever holds `dir`'s open `catalog`
+/// (so nothing writes meanwhile): the catalog flushed and copied, blobs and indexes linked.
+fn copy_snapshot(catalog: &Catalog, dir: &Path, to: &Path) -> Result<SnapshotStats> {
+    if to.exists() {
+        return Err(KbError::io(
+            "snapshot into",
+            to,
+            std::io::Error::from(std::io::ErrorKind::AlreadyExists),
+        ));
+    }
+    catalog.flush()?;
+    let mut stats = SnapshotStats::default();
+    copy_tree(&dir.join("catalog"), &to.join("catalog"), false, &mut stats)?;
+    for sub in ["blobs", "collections"] {
+        copy_tree(&dir.join(sub), &to.join(sub), true, &mut stats)?;
+    }
+    Ok(stats)
 }
 
 /// Whether a file is left out of snapshots: locks (held by the live process), temp files of

@@ -81,11 +81,6 @@ enum KeysCommand {
     Revoke { id: String },
 }
 
-/// A backup error carrying its explanation.
-fn backup_error(reason: String) -> ServerError {
-    ServerError::Backup { reason }
-}
-
 fn init_logging() {
     use tracing_subscriber::EnvFilter;
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
@@ -121,11 +116,13 @@ fn main() -> Result<()> {
                     backup::write_file(&to, |f| {
                         let staged = backup::Staged::new(&config.data_dir)?;
                         backup::stage_closed(&config.data_dir, kv_dir, &staged).map_err(|e| {
-                            backup_error(format!(
-                                "{e} (if engramd is running on {}, set ENGRAM_API_KEY to an \
-                                 admin key to back up through it)",
-                                config.data_dir.display()
-                            ))
+                            ServerError::Backup {
+                                reason: format!(
+                                    "{e} (if engramd is running on {}, set ENGRAM_API_KEY to an \
+                                     admin key to back up through it)",
+                                    config.data_dir.display()
+                                ),
+                            }
                         })?;
                         backup::write_archive(&staged, kv, f).map(|_| ())
                     })?

@@ -5,13 +5,15 @@
 //! `a` (one document) and `b` (one document) and three keys: admin, a key granted only `a`
 //! (search + qa), and a search-only key. Generations use 4-8 tokens to keep the suite fast.
 
+mod common;
+
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::OnceLock;
 use std::time::Duration;
 
-use engram_server::{Daemon, KeyStore, Overrides, RawConfig, Scope};
+use engram_server::{KeyStore, Scope};
 use serde_json::{json, Value};
 
 struct Server {
@@ -22,46 +24,20 @@ struct Server {
     _dir: tempfile::TempDir,
 }
 
-fn models_dir() -> PathBuf {
-    std::env::var_os("ENGRAM_MODELS_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../models")))
-}
-
 /// Upload limit of the test server, small so the 413 test is cheap.
 const TEST_UPLOAD_LIMIT: usize = 1 << 20;
 
-/// Starts a daemon on `data_dir` (with the test configuration) on a thread of its own;
-/// returns its address once it serves.
-fn start_daemon(data_dir: &Path) -> SocketAddr {
-    let mut raw = RawConfig::parse(&format!(
-        "[limits]\nmax_upload_bytes = {TEST_UPLOAD_LIMIT}\nmax_tokens = 64\n\
+/// Starts the test daemon on `data_dir` (a small upload limit, short generations, a generous
+/// failed-key budget); its address.
+fn start(data_dir: &Path) -> SocketAddr {
+    common::start_daemon(
+        &format!(
+            "[limits]\nmax_upload_bytes = {TEST_UPLOAD_LIMIT}\nmax_tokens = 64\n\
              [auth]\nfailures_per_minute = 100000\n[kv]\ndram_mib = 64\nnvme_gib = 1\n\
              [storage]\nreserve_mib = 16\n"
-    ))
-    .unwrap();
-    raw.models.dir = Some(models_dir());
-    raw.models.threads = Some(2);
-    raw.apply_overrides(&Overrides {
-        listen: Some("127.0.0.1:0".into()),
-        data_dir: Some(data_dir.to_owned()),
-    });
-    let config = raw.validate().unwrap();
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .build()
-            .unwrap();
-        rt.block_on(async move {
-            let d = Daemon::build(config).await.expect("the daemon starts");
-            tx.send(d.local_addr()).unwrap();
-            d.serve(std::future::pending()).await.unwrap();
-        });
-    });
-    rx.recv_timeout(Duration::from_secs(300))
-        .expect("server up")
+        ),
+        data_dir,
+    )
 }
 
 fn server() -> &'static Server {
@@ -74,7 +50,7 @@ fn server() -> &'static Server {
             .create(vec![Scope::Search, Scope::Qa], Some(vec!["a".into()]))
             .unwrap();
         let (_, search_only) = keys.create(vec![Scope::Search], None).unwrap();
-        let addr = start_daemon(dir.path());
+        let addr = start(dir.path());
         let s = Server {
             addr,
             admin,
@@ -1128,7 +1104,7 @@ fn a_backup_taken_while_serving_restores_into_a_working_daemon() {
 
     // A daemon on the restored directory: the same keys, collections and documents, searchable.
     let restored = Server {
-        addr: start_daemon(&target),
+        addr: start(&target),
         admin: s.admin.clone(),
         only_a: s.only_a.clone(),
         search_only: s.search_only.clone(),

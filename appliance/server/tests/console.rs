@@ -16,14 +16,14 @@
 //! - without script: a knowledge base, a multipart upload, a retrieval test and a chat answer
 //!   through plain forms; deleting a knowledge base needs its name typed.
 
+mod common;
+
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
-use std::path::PathBuf;
 use std::sync::OnceLock;
 use std::time::Duration;
 
 use engram_server::console::{Role, UserStore, EN_SOURCE, ZH_CN_SOURCE};
-use engram_server::{Daemon, Overrides, RawConfig};
 
 const ADMIN_PW: &str = "root password 123";
 const OPERATOR_PW: &str = "watcher password 456";
@@ -32,12 +32,6 @@ const LOCKY_PW: &str = "locky password 789";
 struct Server {
     addr: SocketAddr,
     dir: tempfile::TempDir,
-}
-
-fn models_dir() -> PathBuf {
-    std::env::var_os("ENGRAM_MODELS_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../models")))
 }
 
 fn server() -> &'static Server {
@@ -50,34 +44,11 @@ fn server() -> &'static Server {
             .create("watcher", Role::Operator, OPERATOR_PW)
             .unwrap();
         users.create("locky", Role::Admin, LOCKY_PW).unwrap();
-        let mut raw = RawConfig::parse(
+        let addr = common::start_daemon(
             "[limits]\nmax_tokens = 16\n[kv]\ndram_mib = 64\nnvme_gib = 1\n\
                  [storage]\nreserve_mib = 16\n",
-        )
-        .unwrap();
-        raw.models.dir = Some(models_dir());
-        raw.models.threads = Some(2);
-        raw.apply_overrides(&Overrides {
-            listen: Some("127.0.0.1:0".into()),
-            data_dir: Some(dir.path().to_owned()),
-        });
-        let config = raw.validate().unwrap();
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_multi_thread()
-                .worker_threads(2)
-                .enable_all()
-                .build()
-                .unwrap();
-            rt.block_on(async move {
-                let d = Daemon::build(config).await.expect("the daemon starts");
-                tx.send(d.local_addr()).unwrap();
-                d.serve(std::future::pending()).await.unwrap();
-            });
-        });
-        let addr = rx
-            .recv_timeout(Duration::from_secs(300))
-            .expect("server up");
+            dir.path(),
+        );
         Server { addr, dir }
     })
 }

@@ -3,9 +3,11 @@
 //! gets SIGTERM while uploads are in flight, and after a restart every document whose upload
 //! got a 2xx is there (queued, in progress or done) and then gets done.
 
+mod common;
+
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -15,12 +17,6 @@ use serde_json::{json, Value};
 
 /// Upload clients running at once.
 const CLIENTS: usize = 6;
-
-fn models_dir() -> PathBuf {
-    std::env::var_os("ENGRAM_MODELS_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../models")))
-}
 
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
@@ -93,7 +89,7 @@ impl Daemon {
             .arg("--data-dir")
             .arg(data)
             .args(["--listen", &addr.to_string()])
-            .env("ENGRAM_MODELS_DIR", models_dir())
+            .env("ENGRAM_MODELS_DIR", common::models_dir())
             .env("RUST_LOG", "warn")
             .stdout(Stdio::null())
             .stderr(Stdio::inherit())
