@@ -99,6 +99,38 @@
     });
   }
 
+  // Restore: the archive as the request body (streamed by the server, however large), the
+  // CSRF token in a header. Without the script the form posts multipart, up to the upload limit.
+  var restore = document.getElementById("restore-form");
+  if (restore) {
+    restore.addEventListener("submit", function (e) {
+      var file = document.getElementById("restore-file").files[0];
+      if (!file) return;
+      e.preventDefault();
+      var bar = document.getElementById("restore-progress");
+      bar.hidden = false;
+      restore.querySelector("button[type=submit]").disabled = true;
+      var xhr = new XMLHttpRequest();
+      xhr.open("POST", restore.action);
+      xhr.setRequestHeader("X-CSRF-Token", csrf);
+      xhr.setRequestHeader("Content-Type", "application/zstd");
+      xhr.upload.onprogress = function (ev) {
+        if (ev.lengthComputable) bar.value = Math.round((ev.loaded / ev.total) * 100);
+      };
+      xhr.onload = function () {
+        if (xhr.status < 400) {
+          location.href = "/console/settings?ok=flash.restore_staged";
+        } else {
+          document.open();
+          document.write(xhr.responseText);
+          document.close();
+        }
+      };
+      xhr.onerror = function () { restore.querySelector("button[type=submit]").disabled = false; };
+      xhr.send(file);
+    });
+  }
+
   // Chat: stream the answer from /console/chat/stream (server-sent events over fetch).
   var chat = document.getElementById("chat-form");
   if (chat && window.ReadableStream && window.TextDecoder) {

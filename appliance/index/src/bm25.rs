@@ -26,7 +26,7 @@ use crate::{ChunkDoc, DocFilter, Hit};
 
 /// Version of the schema and payload written here; bump it when either changes, and an index of
 /// another version is reported as `Mismatch` (and rebuilt by the catalog).
-const FORMAT_VERSION: u32 = 1;
+pub const FORMAT_VERSION: u32 = 1;
 
 /// Prefix of the commit payload, followed by the catalog sequence number.
 const PAYLOAD_PREFIX: &str = "engram-bm25 v1 seq=";

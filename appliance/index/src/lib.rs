@@ -50,9 +50,13 @@ mod tests;
 use std::collections::HashSet;
 
 pub use bm25::Bm25Index;
+/// The BM25 index's on-disk format; another version is rebuilt from the catalog.
+pub use bm25::FORMAT_VERSION as BM25_FORMAT_VERSION;
 pub use error::{IndexError, Result};
 pub use fusion::{fuse, Fused, Fusion, FusionMode};
 pub use vector::VectorIndex;
+/// The vector index's on-disk format; another version is rebuilt from the catalog.
+pub use vector::FORMAT_VERSION as VECTOR_FORMAT_VERSION;
 
 /// One chunk as the BM25 index sees it.
 #[derive(Clone, Copy, Debug)]

@@ -27,10 +27,14 @@ pub(crate) fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     file.sync_all().map_err(|e| io("syncing", e))?;
     drop(file);
     std::fs::rename(&tmp, path).map_err(|e| ServerError::io("renaming", path, e))?;
+    sync_dir(dir)
+}
+
+/// Makes the renames and removals in `dir` durable.
+pub(crate) fn sync_dir(dir: &Path) -> Result<()> {
     std::fs::File::open(dir)
         .and_then(|d| d.sync_all())
-        .map_err(|e| ServerError::io("syncing", dir, e))?;
-    Ok(())
+        .map_err(|e| ServerError::io("syncing", dir, e))
 }
 
 /// Runs `f` (a read-modify-write of `path`) holding an exclusive advisory lock on

@@ -30,12 +30,20 @@ pub const FORMAT_VERSION: u32 = 1;
 pub const STAGING_DIR: &str = ".backup";
 /// Where a restore unpacks before it moves the verified files into place.
 pub const RESTORE_DIR: &str = ".restore-partial";
+/// A restore staged through the API or the console: the verified tree in `data/` and, once
+/// complete, the `READY` marker; swapped in at the next start ([`apply_staged_restore`]).
+pub const STAGED_RESTORE_DIR: &str = ".restore-staged";
+/// Where a staged restore moves the data it replaces, deleted once the swap is done.
+const REPLACED_DIR: &str = ".restore-replaced";
+const READY: &str = "READY";
+const MOVED_OUT: &str = "MOVED";
 const MANIFEST: &str = "MANIFEST.json";
 const MANIFEST_SUM: &str = "MANIFEST.sha256";
 const DATA: &str = "data/";
 /// The daemon's own files at the top of the data directory that a backup carries.
-const SERVER_FILES: [&str; 4] = [
+const SERVER_FILES: [&str; 5] = [
     crate::auth::KEY_FILE,
+    crate::versions::HISTORY_FILE,
     crate::console::users::USER_FILE,
     crate::console::settings::SETTINGS_FILE,
     crate::console::audit::AUDIT_FILE,
@@ -192,7 +200,7 @@ pub fn write_archive(staged: &Staged, kv: bool, out: impl Write) -> Result<Manif
     let manifest = Manifest {
         format: FORMAT.into(),
         version: FORMAT_VERSION,
-        engram_version: env!("CARGO_PKG_VERSION").into(),
+        engram_version: crate::versions::VERSION.into(),
         created_unix_s: SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| d.as_secs()),
@@ -297,6 +305,134 @@ pub fn restore(archive: impl Read, data_dir: &Path) -> Result<Manifest> {
     })();
     moved?;
     Ok(manifest)
+}
+
+/// Unpacks and checks an archive as [`restore`] does, but beside the data a daemon is serving:
+/// into `<data_dir>/.restore-staged/data`, marked `READY` only once every file verified. The
+/// next start swaps it in ([`apply_staged_restore`]). A restore staged earlier is replaced; on
+/// any error nothing stays staged.
+pub fn stage_restore(archive: impl Read, data_dir: &Path) -> Result<Manifest> {
+    let stage = data_dir.join(STAGED_RESTORE_DIR);
+    match fs::remove_dir_all(&stage) {
+        Ok(()) => {}
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+        Err(e) => return Err(ServerError::io("removing", &stage, e)),
+    }
+    let staged = (|| {
+        fs::create_dir_all(&stage).map_err(|e| ServerError::io("creating", &stage, e))?;
+        let manifest = restore(archive, &stage.join("data"))?;
+        let summary = serde_json::to_vec(&serde_json::json!({
+            "engram_version": manifest.engram_version,
+            "created_unix_s": manifest.created_unix_s,
+            "files": manifest.files.len(),
+            "bytes": manifest.total_bytes(),
+        }))
+        .map_err(|e| refuse(e.to_string()))?;
+        crate::atomic::write_atomic(&stage.join(READY), &summary)?;
+        Ok(manifest)
+    })();
+    if staged.is_err() {
+        let _ = fs::remove_dir_all(&stage);
+    }
+    staged
+}
+
+/// Whether a verified restore waits for the next start.
+pub fn restore_staged(data_dir: &Path) -> bool {
+    data_dir.join(STAGED_RESTORE_DIR).join(READY).exists()
+}
+
+/// At start-up, before anything opens the data: swaps in a restore [`stage_restore`] left
+/// `READY`. Every entry of the data directory moves to `.restore-replaced/`, then every
+/// staged entry moves up, and only then is the marker removed and the replaced data deleted.
+/// Each step is a rename, and a crash between them is finished by the next start (the
+/// `MOVED` marker says the first step is complete). An unfinished staging is removed. Returns
+/// the backup's Engram version when a restore was applied.
+pub fn apply_staged_restore(data_dir: &Path) -> Result<Option<String>> {
+    let stage = data_dir.join(STAGED_RESTORE_DIR);
+    let replaced = data_dir.join(REPLACED_DIR);
+    let ready = stage.join(READY);
+    let remove = |p: &Path| match fs::remove_dir_all(p) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(ServerError::io("removing", p, e)),
+    };
+    if !ready.exists() {
+        // Nothing staged, an upload cut off, or a swap finished but not yet tidied.
+        remove(&stage)?;
+        remove(&replaced)?;
+        return Ok(None);
+    }
+    let summary: serde_json::Value = fs::read(&ready)
+        .ok()
+        .and_then(|b| serde_json::from_slice(&b).ok())
+        .unwrap_or_default();
+    let moved_out = stage.join(MOVED_OUT);
+    let rename = |from: &Path, to: &Path| {
+        fs::rename(from, to).map_err(|e| ServerError::io("moving into", to, e))
+    };
+    if !moved_out.exists() {
+        fs::create_dir_all(&replaced).map_err(|e| ServerError::io("creating", &replaced, e))?;
+        for entry in fs::read_dir(data_dir).map_err(|e| ServerError::io("listing", data_dir, e))? {
+            let entry = entry.map_err(|e| ServerError::io("listing", data_dir, e))?;
+            let name = entry.file_name();
+            if name == STAGED_RESTORE_DIR || name == REPLACED_DIR {
+                continue;
+            }
+            rename(&entry.path(), &replaced.join(&name))?;
+        }
+        crate::atomic::sync_dir(&replaced)?;
+        crate::atomic::sync_dir(data_dir)?;
+        crate::atomic::write_atomic(&moved_out, b"")?;
+    }
+    let data = stage.join("data");
+    for entry in fs::read_dir(&data).map_err(|e| ServerError::io("listing", &data, e))? {
+        let entry = entry.map_err(|e| ServerError::io("listing", &data, e))?;
+        rename(&entry.path(), &data_dir.join(entry.file_name()))?;
+    }
+    crate::atomic::sync_dir(data_dir)?;
+    fs::remove_file(&ready).map_err(|e| ServerError::io("removing", &ready, e))?;
+    crate::atomic::sync_dir(&stage)?;
+    remove(&stage)?;
+    remove(&replaced)?;
+    Ok(Some(
+        summary["engram_version"]
+            .as_str()
+            .unwrap_or("unknown")
+            .to_owned(),
+    ))
+}
+
+/// Reads a request body that an async task hands over piece by piece (a restore's upload)
+/// as a blocking reader.
+pub struct ChannelReader {
+    rx: tokio::sync::mpsc::Receiver<io::Result<axum::body::Bytes>>,
+    piece: axum::body::Bytes,
+}
+
+impl ChannelReader {
+    pub fn new(rx: tokio::sync::mpsc::Receiver<io::Result<axum::body::Bytes>>) -> Self {
+        ChannelReader {
+            rx,
+            piece: axum::body::Bytes::new(),
+        }
+    }
+}
+
+impl Read for ChannelReader {
+    fn read(&mut self, out: &mut [u8]) -> io::Result<usize> {
+        while self.piece.is_empty() {
+            match self.rx.blocking_recv() {
+                Some(Ok(p)) => self.piece = p,
+                Some(Err(e)) => return Err(e),
+                None => return Ok(0),
+            }
+        }
+        let n = out.len().min(self.piece.len());
+        out[..n].copy_from_slice(&self.piece[..n]);
+        self.piece = self.piece.slice(n..);
+        Ok(n)
+    }
 }
 
 /// Reads a whole archive and checks it against its manifest as [`restore`] does, writing
@@ -735,6 +871,105 @@ mod tests {
         }
         assert!(!target.path().join(RESTORE_DIR).exists());
         assert_eq!(verify(&bytes[..]).unwrap(), m);
+    }
+
+    /// A data directory a daemon would be serving, different from the archive's.
+    fn serving_dir() -> tempfile::TempDir {
+        let d = tempfile::tempdir().unwrap();
+        fs::write(d.path().join("keys.json"), b"the new keys").unwrap();
+        fs::create_dir_all(d.path().join("catalog")).unwrap();
+        fs::write(d.path().join("catalog/db"), b"the new catalog").unwrap();
+        fs::write(d.path().join("users.json"), b"added after the backup").unwrap();
+        d
+    }
+
+    fn assert_restored(d: &Path) {
+        for (path, body) in FILES {
+            assert_eq!(fs::read(d.join(path)).unwrap(), body, "{path}");
+        }
+        assert!(
+            !d.join("users.json").exists(),
+            "a file the backup lacks stays"
+        );
+        assert!(!d.join(STAGED_RESTORE_DIR).exists());
+        assert!(!d.join(REPLACED_DIR).exists());
+    }
+
+    #[test]
+    fn a_staged_restore_is_swapped_in_at_the_next_start() {
+        let (_d, bytes, m) = archive(&FILES);
+        let d = serving_dir();
+        assert_eq!(
+            apply_staged_restore(d.path()).unwrap(),
+            None,
+            "nothing staged"
+        );
+        assert_eq!(stage_restore(&bytes[..], d.path()).unwrap(), m);
+        assert!(restore_staged(d.path()));
+        // The served data is untouched until the swap.
+        assert_eq!(
+            fs::read(d.path().join("catalog/db")).unwrap(),
+            b"the new catalog"
+        );
+        assert_eq!(
+            apply_staged_restore(d.path()).unwrap().as_deref(),
+            Some(m.engram_version.as_str())
+        );
+        assert_restored(d.path());
+        assert!(!restore_staged(d.path()));
+    }
+
+    #[test]
+    fn a_swap_cut_off_by_a_crash_is_finished_by_the_next_start() {
+        let (_d, bytes, _) = archive(&FILES);
+        // Cut off after moving part of the data out.
+        let d = serving_dir();
+        stage_restore(&bytes[..], d.path()).unwrap();
+        fs::create_dir_all(d.path().join(REPLACED_DIR)).unwrap();
+        fs::rename(
+            d.path().join("catalog"),
+            d.path().join(REPLACED_DIR).join("catalog"),
+        )
+        .unwrap();
+        apply_staged_restore(d.path()).unwrap().unwrap();
+        assert_restored(d.path());
+        // Cut off after moving everything out and part of the restore in.
+        let d = serving_dir();
+        stage_restore(&bytes[..], d.path()).unwrap();
+        let replaced = d.path().join(REPLACED_DIR);
+        fs::create_dir_all(&replaced).unwrap();
+        for name in ["keys.json", "catalog", "users.json"] {
+            fs::rename(d.path().join(name), replaced.join(name)).unwrap();
+        }
+        let stage = d.path().join(STAGED_RESTORE_DIR);
+        fs::write(stage.join(MOVED_OUT), b"").unwrap();
+        fs::rename(stage.join("data/catalog"), d.path().join("catalog")).unwrap();
+        apply_staged_restore(d.path()).unwrap().unwrap();
+        assert_restored(d.path());
+        // Cut off after the swap, before tidying: nothing is applied twice.
+        let d = serving_dir();
+        fs::create_dir_all(d.path().join(STAGED_RESTORE_DIR).join("data")).unwrap();
+        fs::create_dir_all(d.path().join(REPLACED_DIR)).unwrap();
+        assert_eq!(apply_staged_restore(d.path()).unwrap(), None);
+        assert_eq!(
+            fs::read(d.path().join("catalog/db")).unwrap(),
+            b"the new catalog"
+        );
+        assert!(!d.path().join(STAGED_RESTORE_DIR).exists());
+    }
+
+    #[test]
+    fn a_damaged_archive_stages_nothing() {
+        let (_d, bytes, _) = archive(&FILES);
+        let d = serving_dir();
+        let e = stage_restore(&bytes[..bytes.len() / 2], d.path()).unwrap_err();
+        assert!(matches!(e, ServerError::Restore { .. }), "{e}");
+        assert!(!d.path().join(STAGED_RESTORE_DIR).exists());
+        assert_eq!(apply_staged_restore(d.path()).unwrap(), None);
+        assert_eq!(
+            fs::read(d.path().join("catalog/db")).unwrap(),
+            b"the new catalog"
+        );
     }
 
     #[test]

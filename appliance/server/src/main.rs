@@ -8,7 +8,7 @@ use clap::{Parser, Subcommand};
 use engram_server::{backup, Daemon, KeyStore, Overrides, Scope, ServerError};
 
 #[derive(Parser)]
-#[command(name = "engramd", version, about = "Engram's daemon")]
+#[command(name = "engramd", version = engram_server::versions::VERSION, about = "Engram's daemon")]
 struct Cli {
     #[command(subcommand)]
     command: Option<Command>,

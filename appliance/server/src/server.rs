@@ -28,8 +28,27 @@ impl Daemon {
     pub async fn build(config: Config) -> Result<Daemon> {
         std::fs::create_dir_all(&config.data_dir)
             .map_err(|e| ServerError::io("creating", &config.data_dir, e))?;
+        // A restore staged through the API or console replaces the data before anything opens.
+        if let Some(from) = crate::backup::apply_staged_restore(&config.data_dir)? {
+            tracing::warn!(
+                backup_of = %from,
+                "restored the staged backup: the data directory is now the archive's"
+            );
+        }
         // Staging folders of backups a crash interrupted (their links pin deleted files).
         crate::backup::remove_stale(&config.data_dir);
+        // Before anything opens the data: a version that then refuses it is on record too.
+        match crate::versions::record_start(&config.data_dir) {
+            Ok(Some(e)) => tracing::info!(
+                kind = %e.kind,
+                version = %e.version,
+                previous = ?e.previous,
+                snapshot = ?e.snapshot,
+                "version change recorded"
+            ),
+            Ok(None) => {}
+            Err(e) => tracing::warn!("the version history was not updated: {e}"),
+        }
         let profiles = Profile::load_all(config.profiles_dir.as_deref())?;
         let machine = Machine::detect(&config.data_dir);
         tracing::info!(

@@ -244,6 +244,8 @@ fn routes() -> Vec<(&'static str, &'static str)> {
         ("GET", "/readyz"),
         ("GET", "/metrics"),
         ("POST", "/api/v1/admin/backup"),
+        ("GET", "/api/v1/admin/version"),
+        ("POST", "/api/v1/admin/restore"),
     ]
 }
 
@@ -1126,4 +1128,59 @@ fn a_backup_taken_while_serving_restores_into_a_working_daemon() {
     );
     assert_eq!(r.status, 200, "{}", r.text());
     assert_eq!(r.json()["hits"][0]["document"]["name"], "leave.md");
+}
+
+#[test]
+fn the_version_and_its_history_are_served_to_admins() {
+    let s = server();
+    let r = s.call("GET", "/api/v1/admin/version", Some(&s.search_only), None);
+    assert_eq!(r.status, 403, "{}", r.text());
+    let r = s.call("GET", "/api/v1/admin/version", Some(&s.admin), None);
+    assert_eq!(r.status, 200, "{}", r.text());
+    let v = r.json();
+    assert_eq!(v["version"], engram_server::versions::VERSION);
+    assert_eq!(v["formats"]["catalog_schema"], engram_kb::SCHEMA_VERSION);
+    // This data directory's first start is its install.
+    let history = v["history"].as_array().unwrap();
+    assert_eq!(history.len(), 1, "{v}");
+    assert_eq!(history[0]["kind"], "install");
+    assert_eq!(history[0]["version"], engram_server::versions::VERSION);
+    assert!(history[0]["previous"].is_null());
+}
+
+#[test]
+fn a_restore_is_verified_and_staged_for_the_next_start() {
+    use engram_server::backup;
+    let s = server();
+    let zstd = |b: &[u8]| Some(("application/zstd", b.to_vec()));
+    let r = s.raw("POST", "/api/v1/admin/restore", Some(&s.only_a), zstd(b"x"));
+    assert_eq!(r.status, 403, "{}", r.text());
+    let archive = s.call("POST", "/api/v1/admin/backup", Some(&s.admin), None);
+    assert_eq!(archive.status, 200, "{}", archive.text());
+    // Damaged: refused, nothing staged.
+    let cut = &archive.body[..archive.body.len() / 2];
+    let r = s.raw("POST", "/api/v1/admin/restore", Some(&s.admin), zstd(cut));
+    assert_eq!(r.status, 400, "{}", r.text());
+    assert_eq!(r.json()["error"]["type"], "invalid_request", "{}", r.text());
+    assert!(!backup::restore_staged(s._dir.path()));
+    // Whole: staged beside the served data, which goes on being served.
+    let r = s.raw(
+        "POST",
+        "/api/v1/admin/restore",
+        Some(&s.admin),
+        zstd(&archive.body),
+    );
+    assert_eq!(r.status, 202, "{}", r.text());
+    let v = r.json();
+    assert_eq!(v["staged"], true);
+    assert_eq!(v["engram_version"], engram_server::versions::VERSION);
+    assert!(v["files"].as_u64().unwrap() > 3, "{v}");
+    assert!(backup::restore_staged(s._dir.path()));
+    let r = s.call(
+        "GET",
+        "/api/v1/collections/a/documents/leave.md",
+        Some(&s.admin),
+        None,
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
 }

@@ -57,6 +57,8 @@ struct Resp {
     status: u16,
     headers: Vec<(String, String)>,
     body: String,
+    /// The body's bytes (an archive).
+    bytes: Vec<u8>,
 }
 
 impl Resp {
@@ -169,6 +171,7 @@ fn request_raw(
         status,
         headers,
         body: String::from_utf8_lossy(&body).into_owned(),
+        bytes: body,
     }
 }
 
@@ -792,4 +795,76 @@ fn an_admin_downloads_a_backup_from_the_settings_page() {
     let op = sign_in("watcher", OPERATOR_PW);
     let page = request("GET", "/console/settings", &op.cookie, &[], None);
     assert!(!page.body.contains("/console/backup"));
+}
+
+#[test]
+fn the_settings_page_shows_the_version_and_its_history() {
+    let admin = sign_in("root", ADMIN_PW);
+    let page = request("GET", "/console/settings", &admin.cookie, &[], None);
+    let version = engram_server::versions::VERSION;
+    assert!(
+        page.body.contains(&format!(
+            "<span class=\"badge mono\" id=\"version-current\">{version}</span>"
+        )),
+        "{}",
+        page.body
+    );
+    // The daemon's first start on this data directory is its install.
+    let table = &page.body[page.body.find("id=\"version-history\"").unwrap()..];
+    let table = &table[..table.find("</table>").unwrap()];
+    assert!(table.contains("installed"), "{table}");
+    assert!(
+        table.contains(&format!("<td class=\"mono\">{version}</td>")),
+        "{table}"
+    );
+}
+
+#[test]
+fn an_admin_stages_a_restore_from_the_settings_page() {
+    let admin = sign_in("root", ADMIN_PW);
+    let page = request("GET", "/console/settings", &admin.cookie, &[], None);
+    assert!(
+        page.body.contains("action=\"/console/restore\""),
+        "{}",
+        page.body
+    );
+    let archive = request(
+        "POST",
+        "/console/backup",
+        &admin.cookie,
+        &[],
+        Some(&form_encode(&[("csrf", &admin.csrf)])),
+    );
+    assert_eq!(archive.status, 200, "{}", archive.body);
+    let send = |cookie: &str, token: &str, body: &[u8]| {
+        request_raw(
+            "POST",
+            "/console/restore",
+            cookie,
+            &[("X-CSRF-Token", token)],
+            Some(("application/zstd".into(), body.to_vec())),
+        )
+    };
+    // The script's way: the archive as the body, the token in a header.
+    let r = send(&admin.cookie, "0".repeat(64).as_str(), &archive.bytes);
+    assert_eq!(r.status, 403, "a wrong token");
+    let r = send(
+        &admin.cookie,
+        &admin.csrf,
+        &archive.bytes[..archive.bytes.len() / 2],
+    );
+    assert_eq!(r.status, 400, "a cut-off archive: {}", r.body);
+    assert!(r.body.contains("<html"), "an HTML error page");
+    let r = send(&admin.cookie, &admin.csrf, &archive.bytes);
+    assert_eq!(r.status, 303, "{}", r.body);
+    assert_eq!(
+        r.header("location"),
+        Some("/console/settings?ok=flash.restore_staged")
+    );
+    let audit = request("GET", "/console/audit", &admin.cookie, &[], None);
+    assert!(audit.body.contains("Restore staged"), "{}", audit.body);
+    // Operators cannot.
+    let op = sign_in("watcher", OPERATOR_PW);
+    let r = send(&op.cookie, &op.csrf, &archive.bytes);
+    assert_eq!(r.status, 403);
 }

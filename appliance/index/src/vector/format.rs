@@ -50,7 +50,7 @@ pub(crate) const MANIFEST: &str = "manifest.engv";
 const MANIFEST_MAGIC: [u8; 8] = *b"ENGVMAN\0";
 const DATA_MAGIC: [u8; 8] = *b"ENGVDAT\0";
 /// Version of both files' layout (and of the graph's distance, `UnitDot`).
-pub(crate) const FORMAT_VERSION: u32 = 1;
+pub const FORMAT_VERSION: u32 = 1;
 
 /// The hnsw_rs dump of one generation.
 #[derive(Clone, Debug, PartialEq)]

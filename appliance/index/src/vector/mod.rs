@@ -11,6 +11,8 @@
 mod format;
 mod graph;
 
+pub use format::FORMAT_VERSION;
+
 use std::collections::{HashMap, HashSet};
 use std::fs::{self, File, TryLockError};
 use std::path::{Path, PathBuf};

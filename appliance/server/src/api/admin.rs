@@ -1,16 +1,19 @@
-//! Administration routes: backups.
+//! Administration routes: backups, restores (staged for the next start), the version and its
+//! history.
 
 use axum::body::Body;
 use axum::extract::{Query, State};
-use axum::http::header;
+use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
-use serde::Deserialize;
-use utoipa::IntoParams;
+use axum::Json;
+use serde::{Deserialize, Serialize};
+use utoipa::{IntoParams, ToSchema};
 
 use crate::api::{AppState, Caller};
 use crate::auth::Scope;
 use crate::backup::{self, ChannelWriter, Staged};
 use crate::error::ApiError;
+use crate::versions::{self, Formats, VersionEvent};
 
 #[derive(Debug, Deserialize, IntoParams)]
 pub struct BackupParams {
@@ -115,4 +118,156 @@ pub async fn stream_backup(s: &AppState, kv: bool) -> Result<Response, ApiError>
         Body::from_stream(stream),
     )
         .into_response())
+}
+
+/// This build's version and formats, and every version that has run on this data directory.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct VersionInfo {
+    pub version: String,
+    pub formats: Formats,
+    /// Oldest first: the install, then each upgrade and rollback.
+    pub history: Vec<VersionEvent>,
+}
+
+/// Reads the version history (for the API and the console).
+pub async fn version_info(s: &AppState) -> Result<VersionInfo, ApiError> {
+    let dir = s.data_dir.clone();
+    let history = tokio::task::spawn_blocking(move || versions::history(&dir))
+        .await
+        .map_err(ApiError::internal)?
+        .map_err(ApiError::internal)?;
+    Ok(VersionInfo {
+        version: versions::VERSION.into(),
+        formats: Formats::current(),
+        history,
+    })
+}
+
+/// The running version, the on-disk formats it reads and writes, and the version history of
+/// this data directory: the install, each upgrade and rollback, with the snapshot the package
+/// took before each (`docs/formats/upgrade.md`). Scope `admin`.
+#[utoipa::path(get, path = "/api/v1/admin/version", tag = "admin",
+    responses(
+        (status = 200, body = VersionInfo),
+        (status = 403, body = crate::api::openapi::ErrorBody)),
+    security(("bearer" = [])))]
+pub async fn version(
+    State(s): State<AppState>,
+    caller: Caller,
+) -> Result<Json<VersionInfo>, ApiError> {
+    caller.require(Scope::Admin)?;
+    Ok(Json(version_info(&s).await?))
+}
+
+/// A restore verified and staged for the next start.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct RestoreStaged {
+    /// Always true: nothing changes until engramd starts again.
+    pub staged: bool,
+    /// The Engram version that wrote the backup.
+    pub engram_version: String,
+    pub created_unix_s: u64,
+    pub files: usize,
+    pub bytes: u64,
+    /// Whether the archive carries chunk KV.
+    pub kv: bool,
+    pub next_step: String,
+}
+
+/// Verifies an archive (`POST /api/v1/admin/backup`'s or `engramd backup`'s) streamed from
+/// `body` and stages it beside the served data; the next start swaps it in.
+pub async fn stage_restore<S, E>(
+    s: &AppState,
+    mut body: S,
+    declared_len: Option<u64>,
+) -> Result<RestoreStaged, ApiError>
+where
+    S: futures_util::Stream<Item = Result<axum::body::Bytes, E>> + Unpin,
+    E: std::fmt::Display,
+{
+    use futures_util::StreamExt;
+    // Room for the unpacked tree: the archive is compressed, most of it (PDFs, index
+    // segments) barely.
+    s.storage
+        .admit_copy(declared_len.unwrap_or(0).saturating_mul(2))?;
+    let (tx, rx) = tokio::sync::mpsc::channel(8);
+    let data_dir = s.data_dir.clone();
+    let job = tokio::task::spawn_blocking(move || {
+        backup::stage_restore(backup::ChannelReader::new(rx), &data_dir)
+    });
+    while let Some(piece) = body.next().await {
+        let piece = piece.map_err(|e| std::io::Error::other(format!("the upload broke off: {e}")));
+        let broke = piece.is_err();
+        // A closed channel: the unpacker has stopped (refused the archive).
+        if tx.send(piece).await.is_err() || broke {
+            break;
+        }
+    }
+    drop(tx);
+    let m = job
+        .await
+        .map_err(ApiError::internal)?
+        .map_err(|e| match e {
+            crate::ServerError::Restore { reason } => ApiError::invalid("archive", reason),
+            crate::ServerError::Io { ref source, .. }
+                if source.kind() == std::io::ErrorKind::StorageFull =>
+            {
+                ApiError::InsufficientStorage {
+                    reason: format!("the restore does not fit on the data disk: {e}"),
+                }
+            }
+            e => ApiError::internal(e),
+        })?;
+    tracing::warn!(
+        backup_of = %m.engram_version,
+        files = m.files.len(),
+        bytes = m.total_bytes(),
+        "restore staged: applied at the next start"
+    );
+    Ok(RestoreStaged {
+        staged: true,
+        engram_version: m.engram_version.clone(),
+        created_unix_s: m.created_unix_s,
+        files: m.files.len(),
+        bytes: m.total_bytes(),
+        kv: m.kv,
+        next_step: "restart engramd (systemctl restart engramd): the data directory is replaced \
+                    by the archive's before anything opens it"
+            .into(),
+    })
+}
+
+/// Restores a backup: the archive (`application/zstd`, as `POST /api/v1/admin/backup` or
+/// `engramd backup` wrote it) is streamed in, checked file by file against its manifest
+/// (checksums, format and catalog versions) and staged beside the served data; nothing
+/// changes until engramd restarts, when the data directory is replaced by the archive's
+/// before anything opens it. A damaged or newer archive is refused (400) and nothing is
+/// staged; a second restore replaces the first. Scope `admin`, with no collection grants.
+#[utoipa::path(post, path = "/api/v1/admin/restore", tag = "admin",
+    request_body(content = Vec<u8>, content_type = "application/zstd", description = "the archive"),
+    responses(
+        (status = 202, body = RestoreStaged),
+        (status = 400, body = crate::api::openapi::ErrorBody),
+        (status = 403, body = crate::api::openapi::ErrorBody),
+        (status = 507, body = crate::api::openapi::ErrorBody)),
+    security(("bearer" = [])))]
+pub async fn restore(
+    State(s): State<AppState>,
+    caller: Caller,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<(StatusCode, Json<RestoreStaged>), ApiError> {
+    caller.require(Scope::Admin)?;
+    if caller.collections.is_some() {
+        return Err(ApiError::Forbidden {
+            reason: "a restore replaces every collection: it needs an admin key without \
+                     collection grants"
+                .into(),
+        });
+    }
+    let len = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok()?.parse().ok());
+    let staged = stage_restore(&s, body.into_data_stream(), len).await?;
+    Ok((StatusCode::ACCEPTED, Json(staged)))
 }

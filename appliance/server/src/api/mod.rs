@@ -124,6 +124,12 @@ pub fn router(state: AppState) -> Router {
             post(documents::reindex),
         )
         .route("/api/v1/admin/backup", post(admin::backup))
+        .route("/api/v1/admin/version", get(admin::version))
+        // An archive as large as the data: streamed to disk, not held.
+        .route(
+            "/api/v1/admin/restore",
+            post(admin::restore).layer(DefaultBodyLimit::disable()),
+        )
         .route("/api/v1/search", post(search::search))
         .route("/api/v1/qa", post(qa::qa))
         .route("/api/v1/openapi.json", get(openapi::serve))

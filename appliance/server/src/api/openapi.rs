@@ -49,7 +49,7 @@ impl Modify for Bearer {
         search::search, search::dify_retrieval, qa::qa,
         openai::models, openai::chat, openai::embeddings,
         health::healthz, health::readyz, health::metrics,
-        admin::backup,
+        admin::backup, admin::restore, admin::version,
     ),
     components(schemas(ErrorBody, ErrorDetail)),
     modifiers(&Bearer),

@@ -72,6 +72,17 @@ pub async fn guard(
     let mut req = req;
     if req.method() != Method::GET && req.method() != Method::HEAD {
         let (parts, body) = req.into_parts();
+        // A token in the header is checked without reading the body, which then streams (a
+        // restore's archive); in a form field it needs the body, held up to the upload limit.
+        if let Some(t) = parts.headers.get(CSRF_HEADER).and_then(|v| v.to_str().ok()) {
+            if !same_secret(t, &sess.csrf) {
+                tracing::warn!(user = %viewer.user, ip = %viewer.ip, path = %parts.uri.path(), "console: wrong CSRF token");
+                return error_page(&viewer, &Failure::new(StatusCode::FORBIDDEN, "error.csrf"));
+            }
+            let mut req = Request::from_parts(parts, body);
+            req.extensions_mut().insert(viewer.clone());
+            return finish(&viewer, next.run(req).await);
+        }
         let limit = s.limits.max_upload_bytes.saturating_add(64 << 10);
         let bytes = match axum::body::to_bytes(body, limit).await {
             Ok(b) => b,
@@ -82,10 +93,7 @@ pub async fn guard(
                 )
             }
         };
-        let token = match parts.headers.get(CSRF_HEADER).and_then(|v| v.to_str().ok()) {
-            Some(t) => Some(t.to_owned()),
-            None => form_token(parts.headers.get(header::CONTENT_TYPE), &bytes).await,
-        };
+        let token = form_token(parts.headers.get(header::CONTENT_TYPE), &bytes).await;
         if !token.is_some_and(|t| same_secret(&t, &sess.csrf)) {
             tracing::warn!(user = %viewer.user, ip = %viewer.ip, path = %parts.uri.path(), "console: missing or wrong CSRF token");
             return error_page(&viewer, &Failure::new(StatusCode::FORBIDDEN, "error.csrf"));
@@ -93,9 +101,13 @@ pub async fn guard(
         req = Request::from_parts(parts, Body::from(bytes));
     }
     req.extensions_mut().insert(viewer.clone());
-    let res = next.run(req).await;
+    finish(&viewer, next.run(req).await)
+}
+
+/// A handler's failure, or an extractor's plain-text rejection, as the console's error page.
+fn finish(viewer: &Viewer, res: Response) -> Response {
     if let Some(f) = res.extensions().get::<Failure>() {
-        return error_page(&viewer, f);
+        return error_page(viewer, f);
     }
     // An extractor's rejection (a form field missing or of the wrong kind) is axum's plain
     // text: show the console's page in the viewer's language instead.
@@ -104,7 +116,7 @@ pub async fn guard(
         .get(header::CONTENT_TYPE)
         .is_some_and(|v| v.as_bytes().starts_with(b"text/plain"));
     if plain && matches!(res.status().as_u16(), 400 | 415 | 422) {
-        return error_page(&viewer, &Failure::new(res.status(), "error.bad_form"));
+        return error_page(viewer, &Failure::new(res.status(), "error.bad_form"));
     }
     res
 }

@@ -232,6 +232,10 @@ pub fn router(state: AppState) -> Router<AppState> {
             get(settings::page).post(admin_only!(settings::save)),
         )
         .route("/console/backup", post(admin_only!(settings::backup)))
+        .route(
+            "/console/restore",
+            post(admin_only!(settings::restore)).layer(DefaultBodyLimit::disable()),
+        )
         .route("/console/audit", get(audit::page))
         // Any other console path: an HTML 404 in the viewer's language (not the API's JSON).
         .route("/console/{*rest}", get(not_found))

@@ -21,12 +21,36 @@ pub struct SettingsPage {
     pub max_tokens: usize,
     pub config: Vec<(&'static str, String)>,
     pub error: Option<String>,
+    pub version: &'static str,
+    /// Newest first: (the kind's i18n key, version, previous, when, snapshot).
+    pub history: Vec<(String, String, String, String, String)>,
+    pub history_error: Option<String>,
 }
 
 fn settings_page(s: &AppState, v: &Viewer, flash: Option<&str>) -> SettingsPage {
     let mut current = s.console.settings.get();
     // The default may exceed a small `limits.max_tokens`; show what the playground uses.
     current.chat_max_tokens = current.chat_max_tokens.min(s.limits.max_tokens);
+    // A small file, read on the page's request.
+    let (history, history_error) = match crate::versions::history(&s.data_dir) {
+        Ok(events) => (
+            events
+                .into_iter()
+                .rev()
+                .map(|e| {
+                    (
+                        format!("settings.version_kind_{}", e.kind),
+                        e.version,
+                        e.previous.unwrap_or_default(),
+                        crate::console::view::datetime(e.at_ms),
+                        e.snapshot.unwrap_or_default(),
+                    )
+                })
+                .collect(),
+            None,
+        ),
+        Err(e) => (Vec::new(), Some(e.to_string())),
+    };
     SettingsPage {
         c: v.chrome("settings", "nav.settings", "/console/settings")
             .with_flash(flash),
@@ -34,6 +58,9 @@ fn settings_page(s: &AppState, v: &Viewer, flash: Option<&str>) -> SettingsPage 
         max_tokens: s.limits.max_tokens,
         config: s.console.facts.config.clone(),
         error: None,
+        version: crate::versions::VERSION,
+        history,
+        history_error,
     }
 }
 
@@ -110,4 +137,50 @@ pub async fn backup(
         &v.ip,
     );
     Ok(res)
+}
+
+/// `POST /console/restore` (admin): stages a backup for the next start, as
+/// `POST /api/v1/admin/restore` does. The console's script sends the file as the body (with the
+/// CSRF token in a header, so it is streamed, however large); without the script, a multipart
+/// form up to the upload limit.
+pub async fn restore(
+    State(s): State<AppState>,
+    Extension(v): Extension<Viewer>,
+    req: axum::extract::Request,
+) -> Result<Response, Failure> {
+    use axum::extract::FromRequest;
+    let multipart = req
+        .headers()
+        .get(axum::http::header::CONTENT_TYPE)
+        .is_some_and(|c| c.as_bytes().starts_with(b"multipart/form-data"));
+    let staged = if multipart {
+        let bad = |e: String| Failure::new(StatusCode::BAD_REQUEST, e);
+        let mut mp = axum::extract::Multipart::from_request(req, &())
+            .await
+            .map_err(|e| bad(e.body_text()))?;
+        let mut staged = None;
+        while let Some(field) = mp.next_field().await.map_err(|e| bad(e.body_text()))? {
+            if field.name() == Some("archive") {
+                staged = Some(crate::api::admin::stage_restore(&s, field, None).await?);
+                break;
+            }
+        }
+        staged.ok_or_else(|| Failure::new(StatusCode::BAD_REQUEST, "error.no_file"))?
+    } else {
+        let len = req
+            .headers()
+            .get(axum::http::header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok()?.parse().ok());
+        crate::api::admin::stage_restore(&s, req.into_body().into_data_stream(), len).await?
+    };
+    s.console.audit.record(
+        &v.user,
+        "restore_staged",
+        &format!(
+            "a backup by Engram {} ({} files), applied at the next start",
+            staged.engram_version, staged.files
+        ),
+        &v.ip,
+    );
+    Ok(see_other("/console/settings?ok=flash.restore_staged"))
 }
