@@ -2,7 +2,9 @@
 # Runs everything CI runs, on a fresh machine too: fetches the default models (checked by
 # sha256), then format check, clippy with warnings as errors, the whole test suite against the
 # real models and ../shared/golden, the API and console end-to-end checks, a bounded run of
-# the fault-injection suite (tests/faults) and the .deb's checks (tests/appliance/deb.sh).
+# the fault-injection suite (tests/faults), the .deb's checks (tests/appliance/deb.sh) and the
+# appliance's lifecycle on installed systems (tests/appliance/run.sh: root, about 20 minutes,
+# most of it the installer ISO under QEMU's software emulation).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -19,3 +21,4 @@ scripts/test-api.sh
 scripts/test-ui.sh
 tests/faults/run.sh --ci
 tests/appliance/deb.sh --no-build
+tests/appliance/run.sh

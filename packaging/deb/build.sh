@@ -4,7 +4,8 @@
 #   packaging/deb/build.sh [--version V] [--out DIR] [--no-build]
 #
 # writes DIR/engram_V_amd64.deb (DIR: target/appliance; V: the workspace version) and prints
-# its path. Why dpkg-deb and not cargo-deb: the package carries more than the crates (the
+# its path. A V other than the workspace's is built into the binaries too (ENGRAM_VERSION:
+# `engramd --version`, the version history, backups), which rebuilds engram-server. Why dpkg-deb and not cargo-deb: the package carries more than the crates (the
 # models, the hardened unit, sysusers/tmpfiles, maintainer scripts), it needs nothing beyond
 # Debian's own dpkg, and every file of the package is in this folder to read.
 #
@@ -16,7 +17,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
-VERSION=$(sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -1)
+WORKSPACE_VERSION=$(sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -1)
+VERSION=$WORKSPACE_VERSION
 OUT=target/appliance
 BUILD=1
 while [[ $# -gt 0 ]]; do
@@ -30,12 +32,20 @@ done
 die() { echo "deb: $*" >&2; exit 1; }
 
 MODELS=$(scripts/fetch-models.sh)
+# The workspace's version is the build's default: no variable, so the usual builds are reused.
+if [[ $VERSION == "$WORKSPACE_VERSION" ]]; then
+    unset ENGRAM_VERSION
+else
+    export ENGRAM_VERSION=$VERSION
+fi
 if [[ $BUILD == 1 ]]; then
     cargo build --quiet --locked --release -p engram-server -p engram-cli
 fi
 for b in engramd engram; do
     [[ -x target/release/$b ]] || die "target/release/$b is missing (build it, or drop --no-build)"
 done
+built=$(target/release/engramd --version | cut -d' ' -f2)
+[[ $built == "$VERSION" ]] || die "target/release/engramd is version $built, not $VERSION (drop --no-build)"
 
 ROOT=$(mktemp -d)
 trap 'rm -rf "$ROOT"' EXIT
@@ -74,7 +84,7 @@ install -m 0644 "$here/copyright" "$D/copyright"
 install -d -m 0755 "$P/usr/share/man/man1" "$P/usr/share/man/man8"
 gzip -9n <"$here/engram.1" >"$P/usr/share/man/man1/engram.1.gz"
 gzip -9n <"$here/engramd.8" >"$P/usr/share/man/man8/engramd.8.gz"
-for s in postinst prerm postrm; do
+for s in preinst postinst prerm postrm; do
     install -m 0755 "$here/$s" "$P/DEBIAN/$s"
 done
 echo /etc/engram/engramd.toml >"$P/DEBIAN/conffiles"

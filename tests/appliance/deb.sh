@@ -2,8 +2,7 @@
 # Checks the .deb that packaging/deb/build.sh makes: lintian finds no error or warning, the
 # layout and maintainer scripts are there, the hardened unit keeps its exposure score, and the
 # package's own files (binaries, models, configuration) start a daemon that answers. Does not
-# install it on this machine: tests/appliance/README.md says what the installed-system test
-# (systemd-nspawn) will add.
+# install it on this machine: tests/appliance/run.sh installs it into booted systems.
 #
 #   tests/appliance/deb.sh [--no-build]
 set -euo pipefail
@@ -45,7 +44,10 @@ grep -qx /etc/engram/engramd.toml "$WORK/DEBIAN/conffiles" || fail "engramd.toml
 grep -q 'rm -rf /var/lib/engram' "$WORK/DEBIAN/postrm" || fail "postrm does not purge the data"
 awk '/"\$1" = "remove"/,/^fi/' "$WORK/DEBIAN/postrm" | grep -q 'rm -rf' \
     && fail "postrm deletes data on remove"
-sh -n "$WORK/DEBIAN/postinst" && sh -n "$WORK/DEBIAN/prerm" && sh -n "$WORK/DEBIAN/postrm"
+grep -q 'engramd .*backup --to' "$WORK/DEBIAN/preinst" || fail "preinst takes no pre-upgrade snapshot"
+for s in preinst postinst prerm postrm; do
+    sh -n "$WORK/DEBIAN/$s" || fail "$s does not parse"
+done
 
 # The unit as installed: its sandbox score.
 dpkg-deb -x "$DEB" "$WORK/root"

@@ -1,0 +1,122 @@
+#!/usr/bin/env bash
+# Builds Engram's offline media from this checkout (root: mmdebstrap, xorriso):
+#
+#   packaging/images.sh [--version V] [--previous DEB] [--installer] [--no-build] [--out DIR]
+#
+# into DIR (target/appliance):
+#   engram_V_amd64.deb        the package (packaging/deb/build.sh)
+#   repo-V/                   the signed offline apt repository (packaging/repo/build.sh):
+#                             /dists, /pool, /engram-archive-keyring.gpg, plus install.sh,
+#                             README.txt and SHA256SUMS with its signature SHA256SUMS.gpg
+#   engram-V-bundle.iso       that tree as an ISO 9660 image, for an existing Debian 12 host:
+#                             mount it and run install.sh (also the upgrade bundle: with
+#                             --previous, the older .deb is on it too, for a rollback)
+#   engram-V-installer.iso    with --installer: the bootable installer (hybrid BIOS + UEFI,
+#                             GRUB): a Debian live system (packaging/installer/) whose
+#                             engram-install partitions a disk and installs Debian and Engram
+#                             from the same repository on the ISO, unattended with an answer
+#                             file (packaging/installer/answers.example.conf)
+#
+# Signing: ENGRAM_ARCHIVE_GNUPGHOME (see packaging/repo/build.sh); without it a throwaway key.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+VERSION=$(sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -1)
+OUT=target/appliance
+PREVIOUS=
+INSTALLER=0
+DEB_ARGS=()
+while [[ $# -gt 0 ]]; do
+    case $1 in
+        --version) VERSION=$2; shift 2 ;;
+        --previous) PREVIOUS=$2; shift 2 ;;
+        --out) OUT=$2; shift 2 ;;
+        --installer) INSTALLER=1; shift ;;
+        --no-build) DEB_ARGS+=(--no-build); shift ;;
+        *) echo "images: unknown argument $1" >&2; exit 2 ;;
+    esac
+done
+die() { echo "images: $*" >&2; exit 1; }
+command -v mmdebstrap >/dev/null && command -v xorriso >/dev/null && command -v apt-ftparchive >/dev/null \
+    || die "needs mmdebstrap, xorriso and apt-utils (apt-get install mmdebstrap xorriso apt-utils)"
+mkdir -p "$OUT"
+
+DEB=$(packaging/deb/build.sh --version "$VERSION" --out "$OUT" "${DEB_ARGS[@]}")
+debs=("$DEB")
+[[ -n $PREVIOUS ]] && debs+=("$PREVIOUS")
+REPO=$OUT/repo-$VERSION
+# What the installer puts on a disk, beside what the package needs.
+packaging/repo/build.sh --out "$REPO" \
+    --packages "systemd systemd-sysv dbus apt udev kmod e2fsprogs dosfstools linux-image-amd64 initramfs-tools grub-pc grub-efi-amd64-bin" \
+    "${debs[@]}"
+
+install -m 0755 packaging/media/install.sh "$REPO/install.sh"
+cat >"$REPO/README.txt" <<README
+Engram $VERSION: offline installation medium for Debian 12 (bookworm), amd64.
+
+  mount -o ro engram-$VERSION-bundle.iso /mnt && sh /mnt/install.sh
+
+installs (or upgrades to) Engram $VERSION from this medium alone; an upgrade snapshots the
+data first. Roll back with: sh /mnt/install.sh OLD-VERSION (a version this medium holds).
+Check the medium by hand with:
+  gpgv --keyring ./engram-archive-keyring.gpg SHA256SUMS.gpg SHA256SUMS && sha256sum -c SHA256SUMS
+Packages on it: $(find "$REPO/pool" -name 'engram_*.deb' -printf '%f ' )
+README
+# The whole medium's checksums, signed with the archive key (the repository script's GnuPG home).
+export GNUPGHOME=${ENGRAM_ARCHIVE_GNUPGHOME:-$PWD/target/appliance/throwaway-gnupg}
+sign_medium() {
+    (cd "$1" && find . -type f ! -name SHA256SUMS ! -name SHA256SUMS.gpg | sed 's|^\./||' | sort \
+        | xargs sha256sum >SHA256SUMS)
+    gpg --batch --quiet --yes --detach-sign -o "$1/SHA256SUMS.gpg" "$1/SHA256SUMS"
+}
+sign_medium "$REPO"
+
+ISO=$OUT/engram-$VERSION-bundle.iso
+label=ENGRAM_$(tr -c 'A-Za-z0-9\n' _ <<<"$VERSION" | head -c 24)
+xorriso -as mkisofs -quiet -r -J -joliet-long -V "$label" -o "$ISO" "$REPO" 2>/dev/null \
+    || die "xorriso could not write $ISO"
+echo "images: $ISO ($(du -h "$ISO" | cut -f1))" >&2
+echo "$ISO"
+[[ $INSTALLER == 1 ]] || exit 0
+
+# The installer's live system: built once per package list and installer files (cached).
+I=$PWD/packaging/installer
+LIVE_PACKAGES="linux-image-amd64,live-boot,systemd-sysv,udev,kmod,mmdebstrap,gpgv,grub-pc-bin,grub-efi-amd64-bin,grub2-common,e2fsprogs,dosfstools,fdisk,util-linux"
+key=$( (echo "$LIVE_PACKAGES"; cat "$I/engram-install" "$I/engram-installer.service" \
+    "$I/engram-console-issue" "$I/engram-console-issue.service") | sha256sum | cut -c1-16)
+LIVE=$(realpath -m "$OUT/cache/live-$key")
+if [[ ! -s $LIVE/filesystem.squashfs ]]; then
+    echo "images: building the installer's live system" >&2
+    rm -rf "$OUT"/cache/live-*
+    mkdir -p "$LIVE"
+    mmdebstrap --quiet --variant=minbase --include="$LIVE_PACKAGES" \
+        --customize-hook='install -m 0755 '"$I"'/engram-install "$1/usr/sbin/engram-install"' \
+        --customize-hook='install -m 0644 '"$I"'/engram-installer.service "$1/lib/systemd/system/"' \
+        --customize-hook='ln -s /lib/systemd/system/engram-installer.service "$1/etc/systemd/system/multi-user.target.wants/"' \
+        --customize-hook='mkdir -p "$1/usr/share/engram-installer"' \
+        --customize-hook='install -m 0644 -t "$1/usr/share/engram-installer" '"$I"'/engram-console-issue '"$I"'/engram-console-issue.service' \
+        --customize-hook='echo engram-installer >"$1/etc/hostname"' \
+        --customize-hook='cp "$1"/boot/vmlinuz-* '"$LIVE"'/vmlinuz; cp "$1"/boot/initrd.img-* '"$LIVE"'/initrd.img' \
+        --customize-hook='rm -rf "$1"/boot/* "$1"/var/cache/apt/archives/*.deb "$1"/var/lib/apt/lists/*' \
+        bookworm "$LIVE/root" "${ENGRAM_DEBIAN_MIRROR:-http://deb.debian.org/debian}" >&2 \
+        || die "mmdebstrap could not build the live system"
+    mksquashfs "$LIVE/root" "$LIVE/filesystem.squashfs" -comp zstd -quiet -no-progress -noappend >&2 \
+        || die "mksquashfs"
+    rm -rf "$LIVE/root"
+fi
+
+STAGE=$OUT/installer-$VERSION
+rm -rf "$STAGE"
+cp -al "$REPO" "$STAGE"
+rm -f "$STAGE/SHA256SUMS" "$STAGE/SHA256SUMS.gpg"
+mkdir -p "$STAGE/live" "$STAGE/boot/grub" "$STAGE/install"
+cp "$LIVE/vmlinuz" "$LIVE/initrd.img" "$LIVE/filesystem.squashfs" "$STAGE/live/"
+install -m 0644 "$I/grub.cfg" "$STAGE/boot/grub/grub.cfg"
+install -m 0644 "$I/answers.example.conf" "$STAGE/install/answers.conf"
+sign_medium "$STAGE"
+INSTALLER_ISO=$OUT/engram-$VERSION-installer.iso
+grub-mkrescue -o "$INSTALLER_ISO" "$STAGE" -- -volid "$label" >/dev/null 2>&1 \
+    || die "grub-mkrescue could not write $INSTALLER_ISO (grub-pc-bin, grub-efi-amd64-bin, mtools)"
+rm -rf "$STAGE"
+echo "images: $INSTALLER_ISO ($(du -h "$INSTALLER_ISO" | cut -f1))" >&2
+echo "$INSTALLER_ISO"
