@@ -2,8 +2,9 @@
 
 Plain asserts, no pytest: `python tests/python/test_openai_client.py` with ENGRAM_URL (the
 daemon's base URL) and ENGRAM_KEY (an API key with the qa and search scopes, or admin) set.
-Covers /v1/models, /v1/chat/completions (JSON and streamed, with and without retrieval) and
-/v1/embeddings, and checks that the client's typed errors carry our error body.
+Covers /v1/models, /v1/chat/completions (JSON and streamed, with and without retrieval, every
+parameter honoured or refused by name) and /v1/embeddings, and checks that the client's typed
+errors carry our error body.
 """
 
 import base64
@@ -37,8 +38,14 @@ def rest(method, path, body=None):
 def test_models():
     models = client.models.list()
     ids = [m.id for m in models.data]
-    assert len(ids) == 2, ids
+    assert len(ids) == 3 and ids[0] == "engram", ids
     assert all(m.object == "model" for m in models.data)
+    assert client.models.retrieve(ids[1]).id == ids[1]
+    try:
+        client.models.retrieve("gpt-4o")
+        raise AssertionError("an unknown model was found")
+    except openai.NotFoundError as e:
+        assert e.body["type"] == "model_not_found", e.body
     return ids
 
 
@@ -159,13 +166,54 @@ def test_errors(model):
         assert e.body["type"] == "invalid_request", e.body
 
 
+def test_parameters(model):
+    """Each OpenAI parameter is honoured (checked by its effect) or refused by name."""
+    ask = dict(model=model, messages=[{"role": "user", "content": "Name three colours."}], max_tokens=16, temperature=0)
+    plain = client.chat.completions.create(**ask, user="u-1", n=1)
+    text = plain.choices[0].message.content
+    # stop: the answer ends before the first stop string.
+    stop = text[4:6]
+    cut = client.chat.completions.create(**ask, stop=[stop])
+    assert cut.choices[0].message.content == text[: text.index(stop)].strip(), (text, stop, cut)
+    assert cut.choices[0].finish_reason == "stop"
+    # max_completion_tokens, and the name `engram` for the served model.
+    short = client.chat.completions.create(**{**ask, "model": "engram"}, max_completion_tokens=2)
+    assert short.usage.completion_tokens <= 2, short.usage
+    # top_p with a seed: reproducible sampling.
+    a, b = (client.chat.completions.create(**{**ask, "temperature": 1.0}, top_p=0.9, seed=11) for _ in range(2))
+    assert a.choices[0].message.content == b.choices[0].message.content
+    # stream_options.include_usage: a last chunk with the usage and no choices.
+    chunks = list(client.chat.completions.create(**ask, stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens > 0, chunks[-1]
+    refused = {
+        "n": {"n": 2},
+        "logprobs": {"logprobs": True},
+        "presence_penalty": {"presence_penalty": 0.5},
+        "response_format": {"response_format": {"type": "json_object"}},
+        "tools": {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
+        "foo": {"extra_body": {"foo": 1}},
+    }
+    for param, extra in refused.items():
+        try:
+            client.chat.completions.create(**ask, **extra)
+            raise AssertionError(f"{param} was accepted")
+        except openai.BadRequestError as e:
+            assert f"`{param}`" in e.body["message"], (param, e.body)
+    try:
+        client.chat.completions.create(**{**ask, "model": "gpt-4o"})
+        raise AssertionError("an unknown model was accepted")
+    except openai.NotFoundError as e:
+        assert e.body["type"] == "model_not_found", e.body
+
+
 def main():
     started = time.time()
     ids = test_models()
-    llm, embedder = ids[0], ids[1]
+    llm, embedder = ids[1], ids[2]
     for name, f in [
         ("chat", lambda: test_chat(llm)),
         ("chat stream", lambda: test_chat_stream(llm)),
+        ("parameters", lambda: test_parameters(llm)),
         ("chat with retrieval", lambda: test_chat_with_retrieval(llm)),
         ("embeddings", lambda: test_embeddings(embedder)),
         ("errors", lambda: test_errors(llm)),

@@ -79,8 +79,7 @@ pub enum Prompt {
 pub struct Job {
     pub prompt: Prompt,
     pub max_tokens: usize,
-    pub temperature: f32,
-    pub seed: u64,
+    pub sampling: Sampling,
     /// `None`: the configured policy.
     pub policy: Option<Policy>,
     /// Metrics label: `qa` or `chat`.
@@ -95,6 +94,84 @@ pub enum Event {
     Token(String),
     Done(Summary),
     Error(ApiError),
+}
+
+/// How a job picks its tokens and when it ends early: greedy at temperature 0, else sampled
+/// (nucleus `top_p`, 1 disables) from a generator seeded with `seed`; the answer ends before
+/// the first of `stops` that appears in its text.
+#[derive(Clone, Debug)]
+pub struct Sampling {
+    pub temperature: f32,
+    pub top_p: f32,
+    pub seed: u64,
+    pub stops: Vec<String>,
+}
+
+impl Sampling {
+    pub fn new(temperature: f32, seed: u64) -> Sampling {
+        Sampling {
+            temperature,
+            top_p: 1.0,
+            seed,
+            stops: Vec::new(),
+        }
+    }
+}
+
+/// Cuts generated text at the first stop string. Text that could still be the start of one
+/// is held back until it is not (or the answer ends).
+#[derive(Debug, Default)]
+struct StopMatcher {
+    stops: Vec<String>,
+    held: String,
+    /// A stop string was reached: nothing more goes out.
+    hit: bool,
+}
+
+impl StopMatcher {
+    /// Adds a piece of text: what can be sent now, and whether a stop string was reached
+    /// (the text before it is then all there is).
+    fn push(&mut self, piece: &str) -> (String, bool) {
+        if self.stops.is_empty() {
+            return (piece.to_owned(), false);
+        }
+        self.held.push_str(piece);
+        if let Some(at) = self
+            .stops
+            .iter()
+            .filter_map(|s| self.held.find(s.as_str()))
+            .min()
+        {
+            self.held.truncate(at);
+            self.hit = true;
+            return (std::mem::take(&mut self.held), true);
+        }
+        let keep = self
+            .stops
+            .iter()
+            .map(|s| partial_suffix(&self.held, s))
+            .max()
+            .unwrap_or(0);
+        let rest = self.held.split_off(self.held.len() - keep);
+        (std::mem::replace(&mut self.held, rest), false)
+    }
+
+    /// What was held back, once the answer ends without a stop string.
+    fn flush(&mut self) -> String {
+        std::mem::take(&mut self.held)
+    }
+}
+
+/// The length of the longest suffix of `text` that is a proper prefix of `stop`.
+fn partial_suffix(text: &str, stop: &str) -> usize {
+    (1..stop.len().min(text.len() + 1))
+        .rev()
+        .find(|&n| {
+            text.is_char_boundary(text.len() - n)
+                && stop.is_char_boundary(n)
+                && text.ends_with(&stop[..n])
+        })
+        .unwrap_or(0)
 }
 
 /// The end of a job.
@@ -186,22 +263,19 @@ impl EngineHandle {
     }
 
     /// Queues a job; 429 `overloaded` when the queue is full. Returns the job's events.
-    #[allow(clippy::too_many_arguments)]
     pub fn submit(
         &self,
         kind: &'static str,
         prompt: Prompt,
         max_tokens: usize,
-        temperature: f32,
-        seed: u64,
+        sampling: Sampling,
         policy: Option<Policy>,
     ) -> std::result::Result<mpsc::Receiver<Event>, ApiError> {
         let (events, rx) = mpsc::channel(max_tokens.saturating_add(EXTRA_EVENTS));
         let job = Job {
             prompt,
             max_tokens,
-            temperature,
-            seed,
+            sampling,
             policy,
             kind,
             events,
@@ -269,6 +343,7 @@ struct Active<'t> {
     /// Prompt and generated tokens (the repetition penalty looks at them).
     history: Vec<u32>,
     detok: Detokenizer<'t>,
+    stop: StopMatcher,
     /// The logits the next token is sampled from.
     logits: Vec<f32>,
     /// The last sampled token, fed at `position` by the next step.
@@ -528,10 +603,13 @@ impl Engine {
         }
         a.generated += 1;
         a.history.push(id);
-        let piece = a.detok.push(id);
+        let (piece, stopped) = a.stop.push(&a.detok.push(id));
         if !piece.is_empty() && a.job.events.try_send(Event::Token(piece)).is_err() {
             // Closed: the client left (the channel has room for every event of the job).
             return Advance::Cancelled;
+        }
+        if stopped {
+            return Advance::Finished("stop");
         }
         if a.generated >= a.max_tokens {
             return Advance::Finished("length");
@@ -541,8 +619,20 @@ impl Engine {
     }
 
     /// Sends a finished sequence's last text and its summary.
-    fn finish(&self, a: Active<'_>, finish_reason: &'static str) {
-        let tail = a.detok.finish();
+    fn finish(&self, mut a: Active<'_>, mut finish_reason: &'static str) {
+        // After a stop string nothing more goes out; else the detokenizer's and the stop
+        // matcher's held text (which may still end at a stop string).
+        let tail = if a.stop.hit {
+            String::new()
+        } else {
+            let (mut tail, stopped) = a.stop.push(&a.detok.finish());
+            if stopped {
+                finish_reason = "stop";
+            } else {
+                tail.push_str(&a.stop.flush());
+            }
+            tail
+        };
         if !tail.is_empty() && a.job.events.try_send(Event::Token(tail)).is_err() {
             return;
         }
@@ -723,8 +813,9 @@ impl Engine {
             }),
         )?;
         let sampler = Sampler::new(SamplingParams {
-            temperature: job.temperature,
-            seed: job.seed,
+            temperature: job.sampling.temperature,
+            top_p: job.sampling.top_p,
+            seed: job.sampling.seed,
             ..SamplingParams::default()
         })
         .map_err(|e| ApiError::invalid("temperature", e.to_string()))?;
@@ -733,6 +824,10 @@ impl Engine {
             sampler,
             history: prompt.tokens(),
             detok: Detokenizer::new(&self.tokenizer, true),
+            stop: StopMatcher {
+                stops: job.sampling.stops.clone(),
+                ..StopMatcher::default()
+            },
             logits: done.logits,
             pending: 0,
             position: done.next_position,
@@ -747,5 +842,43 @@ impl Engine {
             stats: done.stats,
             job,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::StopMatcher;
+
+    fn run(stops: &[&str], pieces: &[&str]) -> (String, bool) {
+        let mut m = StopMatcher {
+            stops: stops.iter().map(|s| s.to_string()).collect(),
+            ..StopMatcher::default()
+        };
+        let mut out = String::new();
+        for p in pieces {
+            let (emit, hit) = m.push(p);
+            out.push_str(&emit);
+            if hit {
+                return (out, true);
+            }
+        }
+        out.push_str(&m.flush());
+        (out, false)
+    }
+
+    #[test]
+    fn stop_strings_cut_the_text_even_across_pieces() {
+        assert_eq!(run(&[], &["a", "b"]), ("ab".into(), false));
+        assert_eq!(run(&["\n\n"], &["one\n", "\ntwo"]), ("one".into(), true));
+        assert_eq!(
+            run(&["END", "STOP"], &["x S", "TO", "P y"]),
+            ("x ".into(), true)
+        );
+        // A held prefix that turns out not to be a stop string goes out.
+        assert_eq!(run(&["STOP"], &["ST", "AR"]), ("STAR".into(), false));
+        assert_eq!(run(&["STOP"], &["a ST"]), ("a ST".into(), false));
+        // The earliest stop string wins; multi-byte text is cut on char boundaries.
+        assert_eq!(run(&["b", "a"], &["xab"]), ("x".into(), true));
+        assert_eq!(run(&["é!"], &["caf", "é", "!"]), ("caf".into(), true));
     }
 }

@@ -113,6 +113,10 @@ pub enum ApiError {
     #[error("{what} not found")]
     NotFound { what: String },
 
+    /// An OpenAI request named a model this appliance does not serve (OpenAI's 404).
+    #[error("the model `{model}` does not exist (GET /v1/models lists the models served)")]
+    ModelNotFound { model: String },
+
     #[error("method not allowed on this path")]
     MethodNotAllowed,
 
@@ -157,7 +161,7 @@ impl ApiError {
             }
             ApiError::Invalid { .. } | ApiError::BadJson { .. } => StatusCode::BAD_REQUEST,
             ApiError::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
-            ApiError::NotFound { .. } => StatusCode::NOT_FOUND,
+            ApiError::NotFound { .. } | ApiError::ModelNotFound { .. } => StatusCode::NOT_FOUND,
             ApiError::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
             ApiError::InsufficientStorage { .. } => StatusCode::INSUFFICIENT_STORAGE,
             ApiError::Kb(e) if e.is_storage_full() => StatusCode::INSUFFICIENT_STORAGE,
@@ -193,6 +197,7 @@ impl ApiError {
             ApiError::BadJson { .. } => "invalid_json",
             ApiError::PayloadTooLarge { .. } => "payload_too_large",
             ApiError::NotFound { .. } => "not_found",
+            ApiError::ModelNotFound { .. } => "model_not_found",
             ApiError::MethodNotAllowed => "method_not_allowed",
             ApiError::InsufficientStorage { .. } => "insufficient_storage",
             ApiError::Kb(e) if e.is_storage_full() => "insufficient_storage",

@@ -276,6 +276,14 @@ fn every_route_rejects_missing_and_wrong_keys() {
             Some("not-a-key"),
         ] {
             let r = s.call(method, path, key, Some(json!({})));
+            if path == "/retrieval" {
+                // Dify's contract: 403 with its error codes.
+                assert_eq!(r.status, 403, "{path} with {key:?}: {}", r.text());
+                let code = r.json()["error_code"].as_u64();
+                let want = if key.is_some() { 1002 } else { 1001 };
+                assert_eq!(code, Some(want), "{path} with {key:?}: {}", r.text());
+                continue;
+            }
             assert_eq!(r.status, 401, "{method} {path} with {key:?}: {}", r.text());
             assert_eq!(r.error_type(), "unauthorized", "{method} {path}");
             assert!(r.header("www-authenticate").is_some());
@@ -306,6 +314,7 @@ fn collection_grants_are_enforced() {
     assert_eq!(r.status, 403, "{}", r.text());
     let r = s.call("POST", "/retrieval", Some(k), Some(json!({"knowledge_id": "b", "query": "Falcon", "retrieval_setting": {"top_k": 2, "score_threshold": 0.0}})));
     assert_eq!(r.status, 403);
+    assert_eq!(r.json()["error_code"], 1002, "{}", r.text());
     let r = s.call("POST", "/v1/chat/completions", Some(k), Some(json!({"messages": [{"role": "user", "content": "Falcon?"}], "engram": {"collections": ["a", "b"]}, "max_tokens": 4})));
     assert_eq!(r.status, 403);
     let r = s.call("GET", "/api/v1/collections/b/documents", Some(k), None);
@@ -506,7 +515,7 @@ fn openai_chat_json_and_stream() {
         "POST",
         "/v1/chat/completions",
         Some(&s.only_a),
-        Some(json!({"model": "x", "messages": [{"role": "user", "content": "How many leave days?"}], "max_tokens": 4, "engram": {"collections": ["a"], "top_k": 1}})),
+        Some(json!({"model": "engram", "messages": [{"role": "user", "content": "How many leave days?"}], "max_tokens": 4, "engram": {"collections": ["a"], "top_k": 1}})),
     );
     assert_eq!(r.status, 200, "{}", r.text());
     let v = r.json();
@@ -530,6 +539,31 @@ fn openai_chat_json_and_stream() {
     assert_eq!(first["object"], "chat.completion.chunk");
     let last: Value = serde_json::from_str(data[data.len() - 2]).unwrap();
     assert!(last["choices"][0]["finish_reason"].is_string(), "{text}");
+    // stream_options.include_usage: one more chunk, with the usage and no choices.
+    let r = s.call(
+        "POST",
+        "/v1/chat/completions",
+        Some(&s.only_a),
+        Some(
+            json!({"messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 4,
+            "stream": true, "stream_options": {"include_usage": true}}),
+        ),
+    );
+    let text = r.text();
+    let data: Vec<&str> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .collect();
+    let usage: Value = serde_json::from_str(data[data.len() - 2]).unwrap();
+    assert_eq!(usage["choices"], json!([]), "{text}");
+    let u = &usage["usage"];
+    assert!(u["prompt_tokens"].as_u64().unwrap() > 0, "{text}");
+    assert_eq!(
+        u["total_tokens"].as_u64(),
+        Some(u["prompt_tokens"].as_u64().unwrap() + u["completion_tokens"].as_u64().unwrap())
+    );
+    let finish: Value = serde_json::from_str(data[data.len() - 3]).unwrap();
+    assert!(finish["choices"][0]["finish_reason"].is_string(), "{text}");
 }
 
 #[test]
@@ -537,7 +571,35 @@ fn openai_models_and_embeddings() {
     let s = server();
     let r = s.call("GET", "/v1/models", Some(&s.search_only), None);
     assert_eq!(r.status, 200);
-    assert_eq!(r.json()["data"].as_array().unwrap().len(), 2);
+    let ids: Vec<String> = r.json()["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["id"].as_str().unwrap().to_owned())
+        .collect();
+    assert_eq!(ids.len(), 3, "{ids:?}");
+    assert_eq!(ids[0], "engram");
+    for id in &ids {
+        let r = s.call(
+            "GET",
+            &format!("/v1/models/{id}"),
+            Some(&s.search_only),
+            None,
+        );
+        assert_eq!(r.status, 200, "{}", r.text());
+        assert_eq!(r.json()["id"], id.as_str());
+    }
+    let r = s.call("GET", "/v1/models/gpt-4o", Some(&s.search_only), None);
+    assert_eq!(r.status, 404);
+    assert_eq!(r.error_type(), "model_not_found");
+    let r = s.call(
+        "POST",
+        "/v1/embeddings",
+        Some(&s.search_only),
+        Some(json!({"input": "x", "dimensions": 256})),
+    );
+    assert_eq!(r.status, 400);
+    assert!(r.text().contains("`dimensions`"), "{}", r.text());
     let r = s.call(
         "POST",
         "/v1/embeddings",
@@ -1183,4 +1245,143 @@ fn a_restore_is_verified_and_staged_for_the_next_start() {
         None,
     );
     assert_eq!(r.status, 200, "{}", r.text());
+}
+
+/// Dify's External Knowledge API as Dify's client calls it (`api/services/external_knowledge_service.py`:
+/// a JSON POST to `{endpoint}/retrieval` with `Authorization: Bearer`), and the answers its
+/// client reads: records with scores in [0, 1] that a threshold of 0.5 keeps, and errors as
+/// `{"error_code", "error_msg"}`.
+#[test]
+fn difys_external_knowledge_contract() {
+    let s = server();
+    let ask = |key: Option<&str>, body: Value| s.call("POST", "/retrieval", key, Some(body));
+    let request = |kb: &str, threshold: f64, condition: Value| {
+        json!({
+            "knowledge_id": kb,
+            "query": "How many days of paid leave do employees get per year?",
+            "retrieval_setting": {"top_k": 4, "score_threshold": threshold},
+            "metadata_condition": condition,
+        })
+    };
+    // Dify's default threshold once enabled, 0.5: the relevant chunk passes it.
+    let r = ask(Some(&s.only_a), request("a", 0.5, Value::Null));
+    assert_eq!(r.status, 200, "{}", r.text());
+    let records = r.json()["records"].as_array().unwrap().clone();
+    assert!(!records.is_empty(), "nothing passed 0.5: {}", r.text());
+    for rec in &records {
+        let score = rec["score"].as_f64().unwrap();
+        assert!((0.5..=1.0).contains(&score), "{rec}");
+        assert!(
+            rec["content"].is_string() && rec["title"].is_string(),
+            "{rec}"
+        );
+    }
+    assert_eq!(records[0]["metadata"]["path"], "leave.md");
+    // A threshold above every score keeps nothing; 0 keeps what the ranking found.
+    let r = ask(Some(&s.only_a), request("a", 0.99, Value::Null));
+    assert_eq!(r.json()["records"], json!([]), "{}", r.text());
+    // Metadata condition on `path`, the field the records carry.
+    let on_path = |p: &str| {
+        json!({"logical_operator": "and", "conditions": [
+            {"name": ["path"], "comparison_operator": "is", "value": p}]})
+    };
+    let r = ask(Some(&s.only_a), request("a", 0.0, on_path("leave.md")));
+    let records = r.json()["records"].as_array().unwrap().clone();
+    assert!(!records.is_empty(), "{}", r.text());
+    assert!(records.iter().all(|x| x["metadata"]["path"] == "leave.md"));
+    let r = ask(Some(&s.only_a), request("a", 0.0, on_path("nothing.md")));
+    assert_eq!(r.json()["records"], json!([]), "{}", r.text());
+    // Errors, in Dify's shape and statuses.
+    let error = |r: &Resp| (r.status, r.json()["error_code"].as_u64().unwrap_or(0));
+    assert_eq!(
+        error(&ask(None, request("a", 0.0, Value::Null))),
+        (403, 1001)
+    );
+    let wrong = "egk_AAAAAAAA_BBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBB";
+    assert_eq!(
+        error(&ask(Some(wrong), request("a", 0.0, Value::Null))),
+        (403, 1002)
+    );
+    let r = ask(Some(&s.admin), request("no-such-kb", 0.0, Value::Null));
+    assert_eq!(error(&r), (404, 2001), "{}", r.text());
+    assert!(r.json()["error_msg"]
+        .as_str()
+        .unwrap()
+        .contains("no-such-kb"));
+    assert!(r.json().get("error").is_none(), "only Dify's fields");
+}
+
+/// Every OpenAI chat parameter is honoured or refused by name: nothing is accepted and
+/// ignored.
+#[test]
+fn openai_chat_parameters_are_honoured_or_refused_by_name() {
+    let s = server();
+    let chat = |extra: Value| {
+        let mut body = json!({"messages": [{"role": "user", "content": "Name three colours."}],
+            "max_tokens": 16, "temperature": 0});
+        for (k, v) in extra.as_object().unwrap() {
+            body[k] = v.clone();
+        }
+        s.call("POST", "/v1/chat/completions", Some(&s.admin), Some(body))
+    };
+    for (param, value) in [
+        ("n", json!(2)),
+        ("logprobs", json!(true)),
+        ("top_logprobs", json!(3)),
+        ("presence_penalty", json!(0.5)),
+        ("frequency_penalty", json!(-1)),
+        ("response_format", json!({"type": "json_object"})),
+        (
+            "tools",
+            json!([{"type": "function", "function": {"name": "f"}}]),
+        ),
+        ("tool_choice", json!("required")),
+        ("top_p", json!(0)),
+        ("stop", json!(["a", "b", "c", "d", "e"])),
+        ("functions", json!([])),
+    ] {
+        let r = chat(json!({ param: value }));
+        assert_eq!(r.status, 400, "{param}: {}", r.text());
+        assert!(
+            r.text().contains(&format!("`{param}`")),
+            "{param}: {}",
+            r.text()
+        );
+    }
+    let r = chat(json!({"model": "gpt-4o"}));
+    assert_eq!(r.status, 404, "{}", r.text());
+    assert_eq!(r.error_type(), "model_not_found");
+    // Accepted with their no-op values; `engram` names the served model.
+    let plain = chat(
+        json!({"model": "engram", "n": 1, "logprobs": false, "presence_penalty": 0,
+        "response_format": {"type": "text"}, "tools": [], "user": "u-1", "top_p": 1}),
+    );
+    assert_eq!(plain.status, 200, "{}", plain.text());
+    let answer = plain.json()["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    // `stop`: the answer ends before the first stop string, with finish_reason stop.
+    let cut_at = answer.char_indices().nth(4).map(|(i, _)| i).unwrap();
+    let stop: String = answer[cut_at..].chars().take(2).collect();
+    let r = chat(json!({"stop": stop}));
+    assert_eq!(r.status, 200, "{}", r.text());
+    let v = r.json();
+    let first = answer.find(&stop).unwrap();
+    assert_eq!(
+        v["choices"][0]["message"]["content"],
+        answer[..first].trim()
+    );
+    assert_eq!(v["choices"][0]["finish_reason"], "stop", "{v}");
+    assert!(v["usage"]["completion_tokens"].as_u64().unwrap() < 16);
+    // `max_completion_tokens` wins over `max_tokens`.
+    let r = chat(json!({"max_completion_tokens": 3}));
+    assert!(r.json()["usage"]["completion_tokens"].as_u64().unwrap() <= 3);
+    // `top_p` with a seed: sampled, and the same seed gives the same answer.
+    let sampled = |seed: u64| {
+        let r = chat(json!({"temperature": 1.0, "top_p": 0.9, "seed": seed}));
+        assert_eq!(r.status, 200, "{}", r.text());
+        r.json()["choices"][0]["message"]["content"].clone()
+    };
+    assert_eq!(sampled(7), sampled(7));
 }

@@ -244,7 +244,8 @@ where
 /// before anything opens it. A damaged or newer archive is refused (400) and nothing is
 /// staged; a second restore replaces the first. Scope `admin`, with no collection grants.
 #[utoipa::path(post, path = "/api/v1/admin/restore", tag = "admin",
-    request_body(content = Vec<u8>, content_type = "application/zstd", description = "the archive"),
+    request_body(content = Vec<u8>, content_type = "application/octet-stream",
+        description = "the archive (a zstd-compressed tar; `application/zstd` is accepted too)"),
     responses(
         (status = 202, body = RestoreStaged),
         (status = 400, body = crate::api::openapi::ErrorBody),

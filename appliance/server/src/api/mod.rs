@@ -134,6 +134,7 @@ pub fn router(state: AppState) -> Router {
         .route("/api/v1/qa", post(qa::qa))
         .route("/api/v1/openapi.json", get(openapi::serve))
         .route("/v1/models", get(openai::models))
+        .route("/v1/models/{id}", get(openai::model))
         .route("/v1/chat/completions", post(openai::chat))
         .route("/v1/embeddings", post(openai::embeddings))
         .route("/retrieval", post(search::dify_retrieval))
@@ -149,6 +150,8 @@ pub fn router(state: AppState) -> Router {
         .fallback(not_found)
         .layer(DefaultBodyLimit::max(state.limits.max_upload_bytes))
         .layer(middleware::from_fn(one_error_shape))
+        // Outermost: Dify's error shape for `/retrieval`, whichever layer answered.
+        .layer(middleware::from_fn(search::dify_error_shape))
         // After the error-shape layer: console errors are HTML pages, not JSON.
         .merge(console)
         .with_state(state)

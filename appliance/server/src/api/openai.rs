@@ -42,18 +42,159 @@ pub struct EngramOptions {
     pub policy: Option<String>,
 }
 
-/// OpenAI's chat request (the fields Engram reads; others are ignored).
+/// `stream_options`.
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct StreamOptions {
+    /// A last chunk with `usage` (and no choices) before `[DONE]`.
+    #[serde(default)]
+    pub include_usage: bool,
+}
+
+/// OpenAI's chat request. Every parameter OpenAI defines is either honoured or, with a value
+/// that would change the answer in a way Engram does not implement, refused with a 400 that
+/// names it; an unknown parameter is refused as OpenAI refuses it.
 #[derive(Debug, Deserialize, ToSchema)]
 pub struct ChatRequest {
+    /// `engram`, the served model's id, or absent.
     pub model: Option<String>,
     pub messages: Vec<ChatMessage>,
     pub max_tokens: Option<usize>,
+    /// Takes precedence over `max_tokens`.
     pub max_completion_tokens: Option<usize>,
     pub temperature: Option<f32>,
+    /// Nucleus sampling, in (0, 1]; 1 (the default) disables it.
+    pub top_p: Option<f32>,
     pub seed: Option<u64>,
+    /// Up to 4 strings: the answer ends before the first of them (`finish_reason: stop`).
+    #[schema(value_type = Object)]
+    pub stop: Option<serde_json::Value>,
+    /// Only 1.
+    pub n: Option<u32>,
     #[serde(default)]
     pub stream: bool,
+    pub stream_options: Option<StreamOptions>,
+    /// Only false (no log probabilities).
+    pub logprobs: Option<bool>,
+    /// Only 0.
+    pub top_logprobs: Option<u32>,
+    /// Only 0.
+    pub presence_penalty: Option<f32>,
+    /// Only 0.
+    pub frequency_penalty: Option<f32>,
+    /// Only `{"type": "text"}`.
+    #[schema(value_type = Object)]
+    pub response_format: Option<serde_json::Value>,
+    /// Only none (an empty list).
+    #[schema(value_type = Object)]
+    pub tools: Option<serde_json::Value>,
+    /// Only `none` or `auto` with no tools.
+    #[schema(value_type = Object)]
+    pub tool_choice: Option<serde_json::Value>,
+    /// The end user: logged with the request, for the caller's audits (it changes nothing, as
+    /// at OpenAI).
+    pub user: Option<String>,
     pub engram: Option<EngramOptions>,
+    /// Anything else: refused, naming it.
+    #[serde(flatten)]
+    #[schema(value_type = Object)]
+    pub unknown: std::collections::BTreeMap<String, serde_json::Value>,
+}
+
+/// The model names `/v1/models` lists: `engram`, the chat model's id and the embedder's.
+fn model_ids(s: &AppState) -> [String; 3] {
+    [
+        "engram".to_owned(),
+        s.engine.info.model_id.clone(),
+        s.kb.embed_model.to_string(),
+    ]
+}
+
+/// 404 `model_not_found` unless `model` is one of `allowed` (absent is fine).
+fn check_model(model: Option<&str>, allowed: &[String]) -> Result<(), ApiError> {
+    match model {
+        Some(m) if !allowed.iter().any(|a| a == m) => Err(ApiError::ModelNotFound {
+            model: m.to_owned(),
+        }),
+        _ => Ok(()),
+    }
+}
+
+/// The stop strings of `stop` (a string or up to 4 strings).
+fn stop_strings(stop: Option<&serde_json::Value>) -> Result<Vec<String>, ApiError> {
+    let bad = |why: &str| ApiError::invalid("stop", why.to_owned());
+    let list = match stop {
+        None | Some(serde_json::Value::Null) => return Ok(Vec::new()),
+        Some(serde_json::Value::String(s)) => vec![s.clone()],
+        Some(serde_json::Value::Array(a)) => a
+            .iter()
+            .map(|v| {
+                v.as_str()
+                    .map(str::to_owned)
+                    .ok_or_else(|| bad("expected strings"))
+            })
+            .collect::<Result<_, _>>()?,
+        Some(_) => return Err(bad("expected a string or an array of up to 4 strings")),
+    };
+    if list.len() > 4 {
+        return Err(bad("at most 4 stop sequences"));
+    }
+    if list.iter().any(String::is_empty) {
+        return Err(bad("a stop sequence is empty"));
+    }
+    Ok(list)
+}
+
+/// Refuses the parameters whose values Engram does not implement, naming each.
+fn refuse_unsupported(b: &ChatRequest) -> Result<(), ApiError> {
+    let no = |param: &str, why: &str| Err(ApiError::invalid(param, why.to_owned()));
+    if let Some(name) = b.unknown.keys().next() {
+        return no(name, "unrecognized request argument");
+    }
+    if b.n.is_some_and(|n| n != 1) {
+        return no("n", "only one choice (n = 1) is generated");
+    }
+    if b.logprobs == Some(true) || b.top_logprobs.is_some_and(|n| n > 0) {
+        let p = if b.logprobs == Some(true) {
+            "logprobs"
+        } else {
+            "top_logprobs"
+        };
+        return no(p, "log probabilities are not returned");
+    }
+    for (p, v) in [
+        ("presence_penalty", b.presence_penalty),
+        ("frequency_penalty", b.frequency_penalty),
+    ] {
+        if v.is_some_and(|v| v != 0.0) {
+            return no(p, "penalties are not implemented (only 0)");
+        }
+    }
+    if let Some(f) = &b.response_format {
+        if f["type"] != "text" {
+            return no(
+                "response_format",
+                "structured output (json_object, json_schema) is not implemented: only {\"type\": \"text\"}",
+            );
+        }
+    }
+    if b.tools
+        .as_ref()
+        .is_some_and(|t| !t.is_null() && t.as_array().is_none_or(|a| !a.is_empty()))
+    {
+        return no("tools", "tool calls are not implemented");
+    }
+    if let Some(c) = &b.tool_choice {
+        if !(c.is_null() || c == "none" || c == "auto") {
+            return no("tool_choice", "tool calls are not implemented");
+        }
+    }
+    if let Some(p) = b.top_p {
+        if !(p > 0.0 && p <= 1.0) {
+            return no("top_p", "must be in (0, 1]");
+        }
+    }
+    Ok(())
 }
 
 fn text_of(content: &serde_json::Value) -> Result<String, ApiError> {
@@ -78,15 +219,33 @@ fn unix_now() -> u64 {
         .map_or(0, |d| d.as_secs())
 }
 
-/// The models served.
+fn model_object(id: &str) -> serde_json::Value {
+    serde_json::json!({"id": id, "object": "model", "created": 0, "owned_by": "engram"})
+}
+
+/// The models served: `engram` and the chat model's own id (both answer chat completions),
+/// and the embedder's id (embeddings).
 #[utoipa::path(get, path = "/v1/models", tag = "openai",
     responses((status = 200, description = "OpenAI model list")), security(("bearer" = [])))]
 pub async fn models(State(s): State<AppState>) -> axum::Json<serde_json::Value> {
-    let m = |id: &str| serde_json::json!({"id": id, "object": "model", "created": 0, "owned_by": "engram"});
     axum::Json(serde_json::json!({
         "object": "list",
-        "data": [m(&s.engine.info.model_id), m(&s.kb.embed_model)],
+        "data": model_ids(&s).iter().map(|id| model_object(id)).collect::<Vec<_>>(),
     }))
+}
+
+/// One model; 404 `model_not_found` for a name not served.
+#[utoipa::path(get, path = "/v1/models/{id}", tag = "openai",
+    params(("id" = String, Path, description = "a model name from /v1/models")),
+    responses((status = 200, description = "OpenAI model object"),
+        (status = 404, body = crate::api::openapi::ErrorBody)),
+    security(("bearer" = [])))]
+pub async fn model(
+    State(s): State<AppState>,
+    axum::extract::Path(id): axum::extract::Path<String>,
+) -> Result<axum::Json<serde_json::Value>, ApiError> {
+    check_model(Some(&id), &model_ids(&s))?;
+    Ok(axum::Json(model_object(&id)))
 }
 
 /// Chat completions; with `engram.collections`, retrieval-augmented through fused prefill.
@@ -101,6 +260,13 @@ pub async fn chat(
     Json(b): Json<ChatRequest>,
 ) -> Result<Response, ApiError> {
     caller.require(Scope::Qa)?;
+    refuse_unsupported(&b)?;
+    if let Some(u) = &b.user {
+        tracing::info!(key = %caller.key_id, end_user = %u, "chat completion");
+    }
+    check_model(b.model.as_deref(), &model_ids(&s)[..2])?;
+    let stops = stop_strings(b.stop.as_ref())?;
+    let include_usage = b.stream_options.as_ref().is_some_and(|o| o.include_usage);
     let max_tokens = b
         .max_completion_tokens
         .or(b.max_tokens)
@@ -169,8 +335,12 @@ pub async fn chat(
         "chat",
         prompt,
         max_tokens,
-        temperature,
-        b.seed.unwrap_or(0),
+        crate::engine::Sampling {
+            temperature,
+            top_p: b.top_p.unwrap_or(1.0),
+            seed: b.seed.unwrap_or(0),
+            stops,
+        },
         policy,
     )?;
     let id = format!("chatcmpl-{:016x}", rand::random::<u64>());
@@ -187,11 +357,7 @@ pub async fn chat(
                 "message": {"role": "assistant", "content": answer.trim()},
                 "finish_reason": sum.finish_reason,
             }],
-            "usage": {
-                "prompt_tokens": sum.prompt_tokens,
-                "completion_tokens": sum.generated_tokens,
-                "total_tokens": sum.prompt_tokens + sum.generated_tokens,
-            },
+            "usage": usage_of(&sum),
         });
         if let Some(c) = cites {
             body["citations"] = serde_json::to_value(c).expect("json");
@@ -203,9 +369,20 @@ pub async fn chat(
         }
         return Ok(axum::Json(body).into_response());
     }
-    Ok(Sse::new(chunks(rx, id, created, model, cites))
-        .keep_alive(KeepAlive::default())
-        .into_response())
+    Ok(
+        Sse::new(chunks(rx, id, created, model, cites, include_usage))
+            .keep_alive(KeepAlive::default())
+            .into_response(),
+    )
+}
+
+/// OpenAI's `usage`.
+fn usage_of(sum: &crate::engine::Summary) -> serde_json::Value {
+    serde_json::json!({
+        "prompt_tokens": sum.prompt_tokens,
+        "completion_tokens": sum.generated_tokens,
+        "total_tokens": sum.prompt_tokens + sum.generated_tokens,
+    })
 }
 
 fn data(v: &serde_json::Value) -> SseEvent {
@@ -213,13 +390,15 @@ fn data(v: &serde_json::Value) -> SseEvent {
 }
 
 /// `chat.completion.chunk` events: the role, the content pieces, the finish reason (with the
-/// citations when retrieval ran), then `[DONE]`.
+/// citations when retrieval ran), with `include_usage` a chunk with the usage and no choices,
+/// then `[DONE]`.
 fn chunks(
     rx: tokio::sync::mpsc::Receiver<Event>,
     id: String,
     created: u64,
     model: String,
     cites: Option<Vec<Citation>>,
+    include_usage: bool,
 ) -> impl Stream<Item = Result<SseEvent, Infallible>> {
     let chunk = move |delta: serde_json::Value, finish: Option<&str>| {
         serde_json::json!({
@@ -234,7 +413,7 @@ fn chunks(
         serde_json::json!({"role": "assistant", "content": ""}),
         None,
     ));
-    let rest = stream::unfold(Some((rx, cites, chunk)), |state| async move {
+    let rest = stream::unfold(Some((rx, cites, chunk)), move |state| async move {
         let (mut rx, cites, chunk) = state?;
         match rx.recv().await {
             Some(Event::Token(t)) => {
@@ -246,7 +425,15 @@ fn chunks(
                 if let Some(c) = cites {
                     last["citations"] = serde_json::to_value(c).expect("json");
                 }
-                Some((vec![data(&last), SseEvent::default().data("[DONE]")], None))
+                let mut events = vec![data(&last)];
+                if include_usage {
+                    let mut usage = chunk(serde_json::Value::Null, None);
+                    usage["choices"] = serde_json::json!([]);
+                    usage["usage"] = usage_of(&sum);
+                    events.push(data(&usage));
+                }
+                events.push(SseEvent::default().data("[DONE]"));
+                Some((events, None))
             }
             Some(Event::Error(e)) => Some((
                 vec![data(&e.body()), SseEvent::default().data("[DONE]")],
@@ -274,6 +461,14 @@ pub struct EmbeddingsRequest {
     pub model: Option<String>,
     /// `float` (the default) or `base64` (little-endian f32, as OpenAI's clients ask for).
     pub encoding_format: Option<String>,
+    /// Only the embedder's own size (384 for all-MiniLM-L6-v2).
+    pub dimensions: Option<usize>,
+    /// The end user: logged with the request.
+    pub user: Option<String>,
+    /// Anything else: refused, naming it.
+    #[serde(flatten)]
+    #[schema(value_type = Object)]
+    pub unknown: std::collections::BTreeMap<String, serde_json::Value>,
 }
 
 /// Sentence embeddings from the knowledge base's embedder. Scope `search`.
@@ -286,6 +481,20 @@ pub async fn embeddings(
     Json(b): Json<EmbeddingsRequest>,
 ) -> Result<axum::Json<serde_json::Value>, ApiError> {
     caller.require(Scope::Search)?;
+    if let Some(name) = b.unknown.keys().next() {
+        return Err(ApiError::invalid(name, "unrecognized request argument"));
+    }
+    if let Some(u) = &b.user {
+        tracing::info!(key = %caller.key_id, end_user = %u, "embeddings");
+    }
+    check_model(b.model.as_deref(), &model_ids(&s)[2..])?;
+    let dim = s.kb.embed_dim;
+    if b.dimensions.is_some_and(|d| d != dim) {
+        return Err(ApiError::invalid(
+            "dimensions",
+            format!("the embedder's vectors have {dim} dimensions; no other size is served"),
+        ));
+    }
     let inputs: Vec<String> = match b.input {
         serde_json::Value::String(s) => vec![s],
         serde_json::Value::Array(a) => a

@@ -155,8 +155,7 @@ pub async fn qa(
             passages: hits.into_iter().map(|h| h.text).collect(),
         },
         max_tokens,
-        b.temperature,
-        b.seed,
+        crate::engine::Sampling::new(b.temperature, b.seed),
         policy,
     )?;
     if !b.stream {

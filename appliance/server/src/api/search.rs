@@ -248,9 +248,19 @@ pub struct DifyResponse {
     pub records: Vec<DifyRecord>,
 }
 
-/// Dify External Knowledge API: `knowledge_id` is the collection. Scope `search`.
+/// Dify External Knowledge API (Dify's contract: `POST {endpoint}/retrieval`):
+/// `knowledge_id` is the collection. Records come in Engram's fused ranking; each `score` is
+/// the chunk's cosine similarity to the query (all-MiniLM-L6-v2, clamped to [0, 1]: about 0.3
+/// is related, 0.5 and above close), so Dify's `score_threshold` means what it says. When the
+/// dense side is skipped (a query the embedder cannot read, e.g. Chinese) the score is the
+/// chunk's BM25 score over the best hit's (the best is 1). `metadata_condition`: `is` / `=`
+/// conditions joined by `and`, on document metadata or `path` (the document's name). Errors
+/// follow Dify's shape `{"error_code", "error_msg"}`: 1001 (403) a missing or malformed
+/// Authorization header, 1002 (403) a wrong key or one not granted the collection, 2001 (404)
+/// no such knowledge base, otherwise the HTTP status as the code. Scope `search`.
 #[utoipa::path(post, path = "/retrieval", tag = "dify", request_body = DifyRequest,
-    responses((status = 200, body = DifyResponse), (status = 403, body = crate::api::openapi::ErrorBody)),
+    responses((status = 200, body = DifyResponse), (status = 400, body = DifyError),
+        (status = 403, body = DifyError), (status = 404, body = DifyError)),
     security(("bearer" = [])))]
 pub async fn dify_retrieval(
     State(s): State<AppState>,
@@ -258,18 +268,29 @@ pub async fn dify_retrieval(
     Json(b): Json<DifyRequest>,
 ) -> Result<axum::Json<DifyResponse>, ApiError> {
     caller.require(Scope::Search)?;
-    let filters = dify_filters(b.metadata_condition.as_ref())?;
+    let (filters, path) = dify_filters(b.metadata_condition.as_ref())?;
     let t = std::time::Instant::now();
-    let hits = retrieve(
+    let top_k = b.retrieval_setting.top_k;
+    // A `path` condition is applied to the ranking: fetch enough to fill top_k after it.
+    let fetch = if path.is_some() {
+        top_k.saturating_mul(8).clamp(top_k, 200)
+    } else {
+        top_k
+    };
+    let mut hits = retrieve(
         &s,
         &caller,
         std::slice::from_ref(&b.knowledge_id),
         &b.query,
-        b.retrieval_setting.top_k,
+        fetch,
         Mode::Hybrid,
         &filters,
     )
     .await?;
+    if let Some(p) = &path {
+        hits.retain(|h| &h.document.name == p);
+    }
+    hits.truncate(top_k);
     s.console.queries().record(
         "dify",
         &caller.key_id,
@@ -279,30 +300,106 @@ pub async fn dify_retrieval(
         hits.len(),
         t.elapsed().as_secs_f64() * 1e3,
     );
+    let best_bm25 = hits.iter().filter_map(|h| h.bm25).fold(0.0f32, f32::max);
     let threshold = b.retrieval_setting.score_threshold;
     Ok(axum::Json(DifyResponse {
         records: hits
             .into_iter()
-            .filter(|h| h.score >= threshold)
-            .map(|h| DifyRecord {
+            .map(|h| {
+                let score = match (h.dense, h.bm25) {
+                    (Some(cos), _) => cos.clamp(0.0, 1.0),
+                    (None, Some(bm25)) if best_bm25 > 0.0 => (bm25 / best_bm25).clamp(0.0, 1.0),
+                    _ => 0.0,
+                };
+                (h, score)
+            })
+            .filter(|(_, score)| *score >= threshold)
+            .map(|(h, score)| DifyRecord {
                 metadata: serde_json::json!({
                     "document_id": h.document.id,
                     "chunk_id": h.chunk_id,
                     "path": h.document.name,
                     "page": h.span.page,
+                    "fused_score": h.score,
                 }),
                 title: h.document.title.clone().unwrap_or(h.document.name.clone()),
-                score: h.score,
+                score,
                 content: h.text,
             })
             .collect(),
     }))
 }
 
-fn dify_filters(cond: Option<&serde_json::Value>) -> Result<BTreeMap<String, String>, ApiError> {
+/// Dify's error body.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct DifyError {
+    pub error_code: u32,
+    pub error_msg: String,
+}
+
+/// Rewrites `/retrieval`'s error responses (Engram's `{"error": {"type", "message"}}`, from
+/// the handler or the authentication before it) into Dify's `{"error_code", "error_msg"}`,
+/// with the status Dify's client expects.
+pub async fn dify_error_shape(
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> axum::response::Response {
+    use axum::http::StatusCode;
+    use axum::response::IntoResponse;
+    let dify = req.uri().path() == "/retrieval";
+    let res = next.run(req).await;
+    if !dify || res.status().is_success() {
+        return res;
+    }
+    let status = res.status();
+    let (parts, body) = res.into_parts();
+    let bytes = axum::body::to_bytes(body, 64 << 10)
+        .await
+        .unwrap_or_default();
+    let v: serde_json::Value = serde_json::from_slice(&bytes).unwrap_or_default();
+    let message = v["error"]["message"]
+        .as_str()
+        .map(str::to_owned)
+        .unwrap_or_else(|| String::from_utf8_lossy(&bytes).into_owned());
+    let (status, code) = match (status, v["error"]["type"].as_str()) {
+        (StatusCode::UNAUTHORIZED, _) if message == "invalid API key" => {
+            (StatusCode::FORBIDDEN, 1002)
+        }
+        (StatusCode::UNAUTHORIZED, _) => (StatusCode::FORBIDDEN, 1001),
+        (StatusCode::FORBIDDEN, _) => (StatusCode::FORBIDDEN, 1002),
+        (StatusCode::NOT_FOUND, Some("not_found")) if message.contains("collection") => {
+            (StatusCode::NOT_FOUND, 2001)
+        }
+        (s, _) => (s, u32::from(s.as_u16())),
+    };
+    let mut out = (
+        status,
+        axum::Json(DifyError {
+            error_code: code,
+            error_msg: message,
+        }),
+    )
+        .into_response();
+    // Retry-After and the like stay.
+    for (k, v) in parts.headers.iter() {
+        if k != axum::http::header::CONTENT_TYPE
+            && k != axum::http::header::CONTENT_LENGTH
+            && k != axum::http::header::WWW_AUTHENTICATE
+        {
+            out.headers_mut().insert(k.clone(), v.clone());
+        }
+    }
+    out
+}
+
+/// Dify's `metadata_condition` as metadata filters, and a `path` (document name) condition.
+type DifyFilters = (BTreeMap<String, String>, Option<String>);
+
+fn dify_filters(cond: Option<&serde_json::Value>) -> Result<DifyFilters, ApiError> {
     let mut out = BTreeMap::new();
+    let mut path = None;
     let Some(cond) = cond.filter(|c| !c.is_null()) else {
-        return Ok(out);
+        return Ok((out, path));
     };
     let bad = |why: &str| ApiError::invalid("metadata_condition", why.to_owned());
     if cond["logical_operator"]
@@ -326,7 +423,14 @@ fn dify_filters(cond: Option<&serde_json::Value>) -> Result<BTreeMap<String, Str
             v if !v.is_null() => v.to_string(),
             _ => return Err(bad("a condition without a value")),
         };
-        out.insert(name.to_owned(), value);
+        if name == "path" {
+            if path.as_ref().is_some_and(|p| p != &value) {
+                return Err(bad("two different `path` conditions match nothing"));
+            }
+            path = Some(value);
+        } else {
+            out.insert(name.to_owned(), value);
+        }
     }
-    Ok(out)
+    Ok((out, path))
 }

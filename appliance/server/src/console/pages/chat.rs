@@ -267,8 +267,7 @@ async fn start(
             passages: hits.into_iter().map(|h| h.text).collect(),
         },
         f.max_tokens,
-        0.0,
-        0,
+        crate::engine::Sampling::new(0.0, 0),
         Some(policy),
     )?;
     Ok((rx, cites, retrieve_ms))
