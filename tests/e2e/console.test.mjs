@@ -82,6 +82,8 @@ try {
     page.waitForURL(/ok=flash\.uploaded/, { timeout: 60_000 }),
     page.click('#upload-form button[type="submit"]'),
   ]);
+  assert.ok(await page.isVisible(".flash.ok"), "a notice says the upload was accepted");
+  assert.doesNotMatch(page.url(), /ok=/, "the notice leaves the address");
   await page.waitForSelector('tr[data-doc="leave-policy.md"][data-stage="done"]', { timeout: 180_000 });
   await shot("03-documents");
   await page.click('tr[data-doc="leave-policy.md"] a');
@@ -140,6 +142,8 @@ try {
     page.click(`tr[data-key="${id}"] button`),
   ]);
   assert.equal(await page.locator(`tr[data-key="${id}"]`).count(), 0, "the key is gone");
+  await page.reload();
+  assert.equal(await page.locator(".flash.ok").count(), 0, "a reload does not repeat the notice");
   const after = await fetch(`${URL}/api/v1/collections`, { headers: { Authorization: `Bearer ${key}` } });
   assert.equal(after.status, 401, "the revoked key is refused");
   await shot("10-api-key-revoked");

@@ -5,6 +5,14 @@
   "use strict";
   var csrf = (document.querySelector('meta[name="csrf-token"]') || {}).content || "";
 
+  // A notice (?ok=...) shows once: the address drops it, so a reload does not repeat it.
+  if (window.history && history.replaceState && /[?&]ok=/.test(location.search)) {
+    var params = new URLSearchParams(location.search);
+    params.delete("ok");
+    var rest = params.toString();
+    history.replaceState(null, "", location.pathname + (rest ? "?" + rest : "") + location.hash);
+  }
+
   // Live sections: <section id="x" data-live="SECONDS"> is re-fetched from this page's URL
   // and replaced, while the tab is visible and nothing in it has focus.
   function live(el) {
