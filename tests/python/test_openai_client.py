@@ -206,6 +206,15 @@ def test_parameters(model):
         assert e.body["type"] == "model_not_found", e.body
 
 
+def test_completions(model):
+    r = client.completions.create(model=model, prompt="The capital of France is", max_tokens=6, temperature=0)
+    assert r.object == "text_completion", r
+    text = r.choices[0].text
+    assert text and r.usage.completion_tokens <= 6, r
+    pieces = client.completions.create(model=model, prompt="The capital of France is", max_tokens=6, temperature=0, stream=True)
+    assert "".join(c.choices[0].text for c in pieces if c.choices) == text
+
+
 def main():
     started = time.time()
     ids = test_models()
@@ -214,6 +223,7 @@ def main():
         ("chat", lambda: test_chat(llm)),
         ("chat stream", lambda: test_chat_stream(llm)),
         ("parameters", lambda: test_parameters(llm)),
+        ("completions", lambda: test_completions(llm)),
         ("chat with retrieval", lambda: test_chat_with_retrieval(llm)),
         ("embeddings", lambda: test_embeddings(embedder)),
         ("errors", lambda: test_errors(llm)),

@@ -73,6 +73,9 @@ pub enum Prompt {
     },
     /// A plain chat (OpenAI without retrieval): the template over the messages.
     Chat { messages: Vec<(String, String)> },
+    /// Text continued as it is (OpenAI's completions): no template; special tokens written
+    /// in it are parsed, and BOS is added when the model wants it, as llama.cpp does.
+    Text { text: String },
 }
 
 /// One generation request.
@@ -742,12 +745,17 @@ impl Engine {
                 s
             }
         };
+        self.text_prompt(&text, "messages")
+    }
+
+    /// A prompt of `text` as it is; errors name `field`.
+    fn text_prompt(&self, text: &str, field: &str) -> std::result::Result<FusedPrompt, ApiError> {
         let mut tokens = self
             .tokenizer
-            .encode_prompt(&text)
-            .map_err(|e| ApiError::invalid("messages", e.to_string()))?;
+            .encode_prompt(text)
+            .map_err(|e| ApiError::invalid(field, e.to_string()))?;
         let Some(last) = tokens.pop() else {
-            return Err(ApiError::invalid("messages", "the prompt is empty"));
+            return Err(ApiError::invalid(field, "the prompt is empty"));
         };
         // Everything but the last token is a prefix the prefix cache can serve next turn.
         Ok(FusedPrompt {
@@ -784,6 +792,7 @@ impl Engine {
                 (p, policy, off)
             }
             Prompt::Chat { messages } => (self.chat_prompt(messages)?, Policy::Full, None),
+            Prompt::Text { text } => (self.text_prompt(text, "prompt")?, Policy::Full, None),
         };
         let context = self.model.config().context_length;
         if prompt.len() >= context {

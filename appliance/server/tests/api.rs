@@ -239,6 +239,7 @@ fn routes() -> Vec<(&'static str, &'static str)> {
         ("GET", "/api/v1/openapi.json"),
         ("GET", "/v1/models"),
         ("POST", "/v1/chat/completions"),
+        ("POST", "/v1/completions"),
         ("POST", "/v1/embeddings"),
         ("POST", "/retrieval"),
         ("GET", "/readyz"),
@@ -1384,4 +1385,67 @@ fn openai_chat_parameters_are_honoured_or_refused_by_name() {
         r.json()["choices"][0]["message"]["content"].clone()
     };
     assert_eq!(sampled(7), sampled(7));
+}
+
+#[test]
+fn openai_text_completions() {
+    let s = server();
+    let complete = |extra: Value| {
+        let mut body = json!({"model": "engram", "prompt": "The capital of France is",
+            "max_tokens": 6, "temperature": 0});
+        for (k, v) in extra.as_object().unwrap() {
+            body[k] = v.clone();
+        }
+        s.call("POST", "/v1/completions", Some(&s.only_a), Some(body))
+    };
+    let r = complete(json!({}));
+    assert_eq!(r.status, 200, "{}", r.text());
+    let v = r.json();
+    assert_eq!(v["object"], "text_completion");
+    let text = v["choices"][0]["text"].as_str().unwrap().to_owned();
+    assert!(!text.is_empty(), "{v}");
+    assert!(v["usage"]["completion_tokens"].as_u64().unwrap() <= 6);
+    // Greedy: the same text again, and streamed pieces that add up to it.
+    assert_eq!(
+        complete(json!({})).json()["choices"][0]["text"],
+        text.as_str()
+    );
+    let r = complete(json!({"stream": true, "stream_options": {"include_usage": true}}));
+    let body = r.text();
+    let data: Vec<Value> = body
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter(|d| *d != "[DONE]")
+        .map(|d| serde_json::from_str(d).unwrap())
+        .collect();
+    let streamed: String = data
+        .iter()
+        .filter_map(|c| c["choices"][0]["text"].as_str())
+        .collect();
+    assert_eq!(streamed, text);
+    assert!(
+        data.last().unwrap()["usage"]["total_tokens"]
+            .as_u64()
+            .unwrap()
+            > 0,
+        "{body}"
+    );
+    for (param, value) in [
+        ("echo", json!(true)),
+        ("logprobs", json!(2)),
+        ("best_of", json!(3)),
+        ("suffix", json!("end")),
+        ("logit_bias", json!({"50256": -100})),
+        ("prompt", json!([1, 2, 3])),
+        ("functions", json!([])),
+    ] {
+        let r = complete(json!({ param: value }));
+        assert_eq!(r.status, 400, "{param}: {}", r.text());
+        assert!(
+            r.text().contains(&format!("`{param}`")),
+            "{param}: {}",
+            r.text()
+        );
+    }
+    assert_eq!(complete(json!({"model": "davinci-002"})).status, 404);
 }

@@ -136,6 +136,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/models", get(openai::models))
         .route("/v1/models/{id}", get(openai::model))
         .route("/v1/chat/completions", post(openai::chat))
+        .route("/v1/completions", post(openai::completions))
         .route("/v1/embeddings", post(openai::embeddings))
         .route("/retrieval", post(search::dify_retrieval))
         .route("/readyz", get(health::readyz))

@@ -1,6 +1,6 @@
 //! The OpenAI-compatible API: `/v1/models`, `/v1/chat/completions` (JSON or `data:` chunks
 //! ending with `data: [DONE]`; an optional `engram` object turns on retrieval and adds
-//! `citations`), `/v1/embeddings`.
+//! `citations`), `/v1/completions` (text continued as it is), `/v1/embeddings`.
 
 use std::convert::Infallible;
 use std::time::{Instant, SystemTime};
@@ -450,6 +450,195 @@ fn chunks(
     })
     .flat_map(stream::iter);
     stream::once(async move { first }).chain(rest).map(Ok)
+}
+
+/// OpenAI's (legacy) completions request. As for chat, every parameter is honoured or
+/// refused by name.
+#[derive(Debug, Deserialize, ToSchema)]
+pub struct CompletionRequest {
+    /// `engram`, the served model's id, or absent.
+    pub model: Option<String>,
+    /// The text to continue: a string, or an array of one string.
+    #[schema(value_type = Object)]
+    pub prompt: serde_json::Value,
+    /// Default 16, as at OpenAI.
+    pub max_tokens: Option<usize>,
+    pub temperature: Option<f32>,
+    pub top_p: Option<f32>,
+    pub seed: Option<u64>,
+    #[schema(value_type = Object)]
+    pub stop: Option<serde_json::Value>,
+    /// Only 1.
+    pub n: Option<u32>,
+    /// Only 1.
+    pub best_of: Option<u32>,
+    #[serde(default)]
+    pub stream: bool,
+    pub stream_options: Option<StreamOptions>,
+    /// Only null or 0.
+    pub logprobs: Option<u32>,
+    /// Only false.
+    pub echo: Option<bool>,
+    /// Only null or empty.
+    pub suffix: Option<String>,
+    /// Only 0.
+    pub presence_penalty: Option<f32>,
+    /// Only 0.
+    pub frequency_penalty: Option<f32>,
+    /// Only empty.
+    #[schema(value_type = Object)]
+    pub logit_bias: Option<serde_json::Value>,
+    /// The end user: logged with the request.
+    pub user: Option<String>,
+    /// Anything else: refused, naming it.
+    #[serde(flatten)]
+    #[schema(value_type = Object)]
+    pub unknown: std::collections::BTreeMap<String, serde_json::Value>,
+}
+
+/// Text completions: the prompt continued as it is (no chat template). Scope `qa`.
+#[utoipa::path(post, path = "/v1/completions", tag = "openai", request_body = CompletionRequest,
+    responses((status = 200, description = "text_completion, or its chunks ending with [DONE]"),
+        (status = 400, body = crate::api::openapi::ErrorBody),
+        (status = 404, body = crate::api::openapi::ErrorBody)),
+    security(("bearer" = [])))]
+pub async fn completions(
+    State(s): State<AppState>,
+    caller: Caller,
+    Json(b): Json<CompletionRequest>,
+) -> Result<Response, ApiError> {
+    caller.require(Scope::Qa)?;
+    let no = |param: &str, why: &str| Err(ApiError::invalid(param, why.to_owned()));
+    if let Some(name) = b.unknown.keys().next() {
+        return no(name, "unrecognized request argument");
+    }
+    if b.n.is_some_and(|n| n != 1) {
+        return no("n", "only one choice (n = 1) is generated");
+    }
+    if b.best_of.is_some_and(|n| n != 1) {
+        return no("best_of", "only 1");
+    }
+    if b.logprobs.is_some_and(|n| n > 0) {
+        return no("logprobs", "log probabilities are not returned");
+    }
+    if b.echo == Some(true) {
+        return no("echo", "the prompt is not echoed");
+    }
+    if b.suffix.as_deref().is_some_and(|x| !x.is_empty()) {
+        return no("suffix", "insertion (a suffix) is not implemented");
+    }
+    for (p, v) in [
+        ("presence_penalty", b.presence_penalty),
+        ("frequency_penalty", b.frequency_penalty),
+    ] {
+        if v.is_some_and(|v| v != 0.0) {
+            return no(p, "penalties are not implemented (only 0)");
+        }
+    }
+    if b.logit_bias
+        .as_ref()
+        .is_some_and(|l| l.as_object().is_none_or(|o| !o.is_empty()))
+    {
+        return no("logit_bias", "logit biases are not implemented");
+    }
+    if let Some(p) = b.top_p {
+        if !(p > 0.0 && p <= 1.0) {
+            return no("top_p", "must be in (0, 1]");
+        }
+    }
+    check_model(b.model.as_deref(), &model_ids(&s)[..2])?;
+    let text = match &b.prompt {
+        serde_json::Value::String(t) => t.clone(),
+        serde_json::Value::Array(a) if a.len() == 1 && a[0].is_string() => {
+            a[0].as_str().unwrap_or_default().to_owned()
+        }
+        _ => {
+            return no(
+                "prompt",
+                "expected a string (token arrays and batches are not supported)",
+            )
+        }
+    };
+    if let Some(u) = &b.user {
+        tracing::info!(key = %caller.key_id, end_user = %u, "completion");
+    }
+    let max_tokens = b.max_tokens.unwrap_or(16);
+    let temperature = b.temperature.unwrap_or(1.0);
+    check_generation(&s, max_tokens, temperature)?;
+    let rx = s.engine.submit(
+        "chat",
+        Prompt::Text { text },
+        max_tokens,
+        crate::engine::Sampling {
+            temperature,
+            top_p: b.top_p.unwrap_or(1.0),
+            seed: b.seed.unwrap_or(0),
+            stops: stop_strings(b.stop.as_ref())?,
+        },
+        None,
+    )?;
+    let id = format!("cmpl-{:016x}", rand::random::<u64>());
+    let created = unix_now();
+    let model = b.model.unwrap_or_else(|| s.engine.info.model_id.clone());
+    if !b.stream {
+        let (text, sum) = crate::engine::collect(rx).await?;
+        return Ok(axum::Json(serde_json::json!({
+            "id": id,
+            "object": "text_completion",
+            "created": created,
+            "model": model,
+            "choices": [{"text": text, "index": 0, "logprobs": null,
+                "finish_reason": sum.finish_reason}],
+            "usage": usage_of(&sum),
+        }))
+        .into_response());
+    }
+    let include_usage = b.stream_options.as_ref().is_some_and(|o| o.include_usage);
+    let chunk = move |text: &str, finish: Option<&str>| {
+        serde_json::json!({
+            "id": id,
+            "object": "text_completion",
+            "created": created,
+            "model": model,
+            "choices": [{"text": text, "index": 0, "logprobs": null, "finish_reason": finish}],
+        })
+    };
+    let events = stream::unfold(Some((rx, chunk)), move |state| async move {
+        let (mut rx, chunk) = state?;
+        match rx.recv().await {
+            Some(Event::Token(t)) => {
+                let ev = data(&chunk(&t, None));
+                Some((vec![ev], Some((rx, chunk))))
+            }
+            Some(Event::Done(sum)) => {
+                let mut events = vec![data(&chunk("", Some(sum.finish_reason)))];
+                if include_usage {
+                    let mut usage = chunk("", None);
+                    usage["choices"] = serde_json::json!([]);
+                    usage["usage"] = usage_of(&sum);
+                    events.push(data(&usage));
+                }
+                events.push(SseEvent::default().data("[DONE]"));
+                Some((events, None))
+            }
+            Some(Event::Error(e)) => Some((
+                vec![data(&e.body()), SseEvent::default().data("[DONE]")],
+                None,
+            )),
+            None => Some((
+                vec![
+                    data(&ApiError::internal("the engine dropped the job").body()),
+                    SseEvent::default().data("[DONE]"),
+                ],
+                None,
+            )),
+        }
+    })
+    .flat_map(stream::iter)
+    .map(Ok::<_, Infallible>);
+    Ok(Sse::new(events)
+        .keep_alive(KeepAlive::default())
+        .into_response())
 }
 
 /// OpenAI's embeddings request.

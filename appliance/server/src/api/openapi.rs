@@ -47,7 +47,7 @@ impl Modify for Bearer {
         documents::upload, documents::upload_text, documents::list, documents::get,
         documents::delete, documents::chunks, documents::cancel, documents::reindex,
         search::search, search::dify_retrieval, qa::qa,
-        openai::models, openai::model, openai::chat, openai::embeddings,
+        openai::models, openai::model, openai::chat, openai::completions, openai::embeddings,
         health::healthz, health::readyz, health::metrics,
         admin::backup, admin::restore, admin::version,
     ),
