@@ -124,12 +124,16 @@ boot() {
     [[ -n $LEADER ]] || fail "the container did not start (see $OUT/console.log)"
 }
 in_ct() { nsenter -t "$LEADER" -a "$@"; }
-http() { nsenter -t "$LEADER" -n curl -sS "$@"; }
+# The daemon's address inside the container, and what curl needs to trust it (set for the
+# installed VM, whose engramd listens beyond loopback and so speaks TLS).
+BASE=http://127.0.0.1:8080
+CURL_TLS=()
+http() { nsenter -t "$LEADER" -n curl -sS "${CURL_TLS[@]}" "$@"; }
 wait_active() {
     local state=
     for _ in $(seq 600); do
         state=$(in_ct systemctl is-active engramd.service 2>/dev/null || true)
-        [[ $state == active ]] && http -f -o /dev/null http://127.0.0.1:8080/healthz 2>/dev/null && return 0
+        [[ $state == active ]] && http -f -o /dev/null $BASE/healthz 2>/dev/null && return 0
         [[ $state == failed ]] && break
         sleep 0.5
     done
@@ -166,22 +170,22 @@ KEY=$(in_ct runuser -u engram -- /usr/bin/engramd --config /etc/engram/engramd.t
 [[ -n $KEY ]] || fail "no key"
 AUTH=(-H "Authorization: Bearer $KEY")
 http -f "${AUTH[@]}" -H 'Content-Type: application/json' -d '{"name":"handbook"}' \
-    http://127.0.0.1:8080/api/v1/collections >/dev/null || fail "creating a collection"
+    $BASE/api/v1/collections >/dev/null || fail "creating a collection"
 DOC=$(http -f "${AUTH[@]}" -H 'Content-Type: application/json' \
     -d '{"name":"lighthouse.md","text":"The Skerryvore lighthouse keeper logs the lamp oil every evening at dusk. Relief boats arrive every fortnight from Hynish."}' \
-    http://127.0.0.1:8080/api/v1/collections/handbook/documents/text) || fail "uploading"
+    $BASE/api/v1/collections/handbook/documents/text) || fail "uploading"
 DOC_ID=$(python3 -c 'import json,sys; d=json.load(sys.stdin); print(d["documents"][0]["id"])' <<<"$DOC")
 present() {
     local body
     for _ in $(seq 240); do
-        body=$(http "${AUTH[@]}" "http://127.0.0.1:8080/api/v1/collections/handbook/documents/$DOC_ID" || true)
+        body=$(http "${AUTH[@]}" "$BASE/api/v1/collections/handbook/documents/$DOC_ID" || true)
         grep -q '"stage": *"done"' <<<"$body" && break
         sleep 0.5
     done
     grep -q '"stage": *"done"' <<<"$body" || fail "$1: document $DOC_ID is not ready: $body"
     body=$(http -f "${AUTH[@]}" -H 'Content-Type: application/json' \
         -d '{"query":"who brings relief boats from Hynish","collections":["handbook"],"top_k":3}' \
-        http://127.0.0.1:8080/api/v1/search) || fail "$1: search"
+        $BASE/api/v1/search) || fail "$1: search"
     grep -q Skerryvore <<<"$body" || fail "$1: the document is not found: $body"
     step "$1: document $DOC_ID found by search"
 }
@@ -192,7 +196,7 @@ in_ct sh /media/engram-upgrade/install.sh >>"$LOG" 2>&1 || { tail -20 "$LOG"; fa
 wait_active
 version_is "$V2"
 present "after the upgrade"
-history() { http -f "${AUTH[@]}" http://127.0.0.1:8080/api/v1/admin/version; }
+history() { http -f "${AUTH[@]}" $BASE/api/v1/admin/version; }
 h=$(history) || fail "GET /api/v1/admin/version"
 python3 -c '
 import json, sys
@@ -233,16 +237,16 @@ present "after the restore"
 step "restore through the running daemon: staged, applied at the restart"
 LATER=$(http -f "${AUTH[@]}" -H 'Content-Type: application/json' \
     -d '{"name":"later.md","text":"Written after the backup: the fog signal is tested on Sundays."}' \
-    http://127.0.0.1:8080/api/v1/collections/handbook/documents/text) || fail "uploading later.md"
+    $BASE/api/v1/collections/handbook/documents/text) || fail "uploading later.md"
 LATER_ID=$(python3 -c 'import json,sys; print(json.load(sys.stdin)["documents"][0]["id"])' <<<"$LATER")
 code=$(http -o "$OUT/restore.json" -w '%{http_code}' "${AUTH[@]}" -H 'Content-Type: application/zstd' \
-    --data-binary "@$ROOT/root/engram.tar.zst" http://127.0.0.1:8080/api/v1/admin/restore)
+    --data-binary "@$ROOT/root/engram.tar.zst" $BASE/api/v1/admin/restore)
 [[ $code == 202 ]] || fail "POST /api/v1/admin/restore: $code $(cat "$OUT/restore.json")"
 in_ct systemctl restart engramd.service
 wait_active
 present "after the staged restore"
 code=$(http -o /dev/null -w '%{http_code}' "${AUTH[@]}" \
-    "http://127.0.0.1:8080/api/v1/collections/handbook/documents/$LATER_ID")
+    "$BASE/api/v1/collections/handbook/documents/$LATER_ID")
 [[ $code == 404 ]] || fail "later.md ($LATER_ID), written after the backup, survived the restore ($code)"
 [[ ! -e $ROOT/var/lib/engram/.restore-staged ]] || fail "the staged restore is still there"
 
@@ -317,17 +321,24 @@ for _ in $(seq 100); do
     sleep 0.2
 done
 [[ -n $LEADER ]] || fail "the installed system did not start"
+# Listening beyond loopback, engramd speaks TLS with the certificate it made at its first start.
+BASE=https://127.0.0.1:8080
+CURL_TLS=(--cacert "$ROOT/var/lib/engram/tls/cert.pem")
 wait_active
 version_is "$V1"
-for _ in $(seq 60); do grep -q 'console at http://' "$VM/console.log" && break; sleep 0.5; done
-grep -q "console at http://[^ ]*:8080/console/" "$VM/console.log" || fail "the console URL is not on the tty"
+code=$(http -o /dev/null -w '%{http_code}' http://127.0.0.1:8080/console/)
+[[ $code == 308 ]] || fail "plain HTTP on the TLS port is not redirected ($code)"
+for _ in $(seq 60); do grep -q 'console at https://' "$VM/console.log" && break; sleep 0.5; done
+grep -q "console at https://[^ ]*:8080/console/" "$VM/console.log" || fail "the console URL is not on the tty"
+FPR=$(cat "$ROOT/var/lib/engram/tls/fingerprint")
+grep -q "SHA-256: $FPR" "$VM/console.log" || fail "the certificate's fingerprint is not on the tty"
 grep -q "First admin: operator1  password: $PASSWORD" "$VM/console.log" || fail "the first admin is not on the tty"
-page=$(http -c "$VM/cookies" http://127.0.0.1:8080/console/signin)
+page=$(http -c "$VM/cookies" $BASE/console/signin)
 csrf=$(grep -o 'name="csrf" value="[0-9a-f]*"' <<<"$page" | head -1 | sed 's/.*value="\(.*\)"/\1/')
 code=$(http -b "$VM/cookies" -o /dev/null -w '%{http_code}' --data-urlencode name=operator1 \
-    --data-urlencode "password=$PASSWORD" --data-urlencode "csrf=$csrf" http://127.0.0.1:8080/console/signin)
+    --data-urlencode "password=$PASSWORD" --data-urlencode "csrf=$csrf" $BASE/console/signin)
 [[ $code == 303 ]] || fail "the first admin cannot sign in ($code)"
-step "the installed system runs engramd $V1; the tty shows the console URL and the first admin, who signs in"
+step "the installed system runs engramd $V1 over TLS (its own certificate, plain HTTP redirected); the tty shows the console URL, the fingerprint and the first admin, who signs in"
 echo "  (a full VM boot of the installed disk is not checked here: under TCG engramd's start takes longer than CI allows, and this machine's KVM hangs 64-bit guests)"
 
 step "all checks passed; images in $OUT"

@@ -58,6 +58,8 @@ pub struct RawConfig {
     #[serde(default)]
     pub auth: RawAuth,
     #[serde(default)]
+    pub tls: RawTls,
+    #[serde(default)]
     pub storage: RawStorage,
 }
 
@@ -114,6 +116,19 @@ pub struct RawAuth {
     pub cache_secs: Option<u64>,
 }
 
+/// `[tls]`.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawTls {
+    /// `auto` (the default: TLS when listening beyond loopback), `on` or `off` (plain HTTP
+    /// even beyond loopback: only behind a TLS-terminating proxy).
+    pub mode: Option<String>,
+    /// PEM certificate chain and private key; without them a self-signed pair is generated
+    /// in `<data_dir>/tls/` at the first start.
+    pub cert: Option<PathBuf>,
+    pub key: Option<PathBuf>,
+}
+
 /// Values given on the command line; they win over the file and the environment.
 #[derive(Clone, Debug, Default)]
 pub struct Overrides {
@@ -152,6 +167,7 @@ pub struct Config {
     pub max_query_bytes: usize,
     /// Free space kept for the catalog and indexes; `None`: `storage::default_reserve`.
     pub storage_reserve_bytes: Option<u64>,
+    pub tls: crate::tls::TlsSetting,
 }
 
 /// Prefix cache budget when the file says nothing: the system prompt and chat template of
@@ -316,7 +332,29 @@ impl RawConfig {
                 "must be at least 1",
             ));
         }
+        let tls_files = match (self.tls.cert, self.tls.key) {
+            (Some(c), Some(k)) => Some((c, k)),
+            (None, None) => None,
+            _ => {
+                return Err(ServerError::config(
+                    "tls.cert",
+                    "give both `cert` and `key`, or neither (a self-signed pair)",
+                ))
+            }
+        };
+        let tls = match self.tls.mode.as_deref().unwrap_or("auto") {
+            "auto" if listen.ip().is_loopback() => crate::tls::TlsSetting::Off,
+            "auto" | "on" => crate::tls::TlsSetting::On(tls_files),
+            "off" => crate::tls::TlsSetting::Off,
+            other => {
+                return Err(ServerError::config(
+                    "tls.mode",
+                    format!("`{other}`: expected auto, on or off"),
+                ))
+            }
+        };
         Ok(Config {
+            tls,
             listen,
             kv_dir: self.kv.dir.unwrap_or_else(|| data_dir.join("kv")),
             data_dir,

@@ -22,6 +22,7 @@ mod metrics;
 mod profile;
 mod server;
 pub mod storage;
+pub mod tls;
 pub mod versions;
 
 pub use api::{openapi_json, router, AppState, Limits};

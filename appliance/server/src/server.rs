@@ -19,6 +19,7 @@ use engram_kvstore::{IoMode, NvmeOptions, NvmeTier};
 /// A daemon with everything loaded and its listener bound, not yet serving.
 pub struct Daemon {
     listener: tokio::net::TcpListener,
+    tls: Option<crate::tls::Tls>,
     state: AppState,
     threads: Vec<std::thread::JoinHandle<()>>,
 }
@@ -190,6 +191,28 @@ impl Daemon {
             crate::console::Facts::new(&config, p, &machine, threads, queue_depth),
             metrics.clone(),
         )?);
+        let tls = match &config.tls {
+            crate::tls::TlsSetting::Off => {
+                if !config.listen.ip().is_loopback() {
+                    tracing::warn!(
+                        listen = %config.listen,
+                        "plain HTTP beyond loopback ([tls] mode = \"off\"): keys and passwords \
+                         cross the network in clear unless a TLS proxy is in front"
+                    );
+                }
+                None
+            }
+            crate::tls::TlsSetting::On(files) => {
+                let t = crate::tls::load(files.as_ref(), &config.data_dir, config.listen)?;
+                tracing::info!(
+                    cert = %t.cert_path.display(),
+                    self_signed = t.self_signed,
+                    sha256_fingerprint = %t.fingerprint,
+                    "TLS on"
+                );
+                Some(t)
+            }
+        };
         let listener = tokio::net::TcpListener::bind(config.listen)
             .await
             .map_err(|e| ServerError::io("binding", config.listen.to_string(), e))?;
@@ -213,6 +236,7 @@ impl Daemon {
         };
         Ok(Daemon {
             listener,
+            tls,
             state,
             threads: vec![kb_thread, engine_thread],
         })
@@ -234,15 +258,24 @@ impl Daemon {
     ) -> Result<()> {
         let addr = self.local_addr();
         let app = api::router(self.state);
-        tracing::info!(%addr, "listening");
-        crate::lifecycle::sd_notify("READY=1");
-        axum::serve(
-            self.listener,
-            app.into_make_service_with_connect_info::<SocketAddr>(),
-        )
-        .with_graceful_shutdown(shutdown)
-        .await
-        .map_err(|e| ServerError::io("serving", addr.to_string(), e))?;
+        let served = match self.tls {
+            Some(tls) => {
+                tracing::info!(%addr, scheme = "https", "listening");
+                crate::lifecycle::sd_notify("READY=1");
+                crate::tls::serve(self.listener, app, tls, shutdown).await
+            }
+            None => {
+                tracing::info!(%addr, scheme = "http", "listening");
+                crate::lifecycle::sd_notify("READY=1");
+                axum::serve(
+                    self.listener,
+                    app.into_make_service_with_connect_info::<SocketAddr>(),
+                )
+                .with_graceful_shutdown(shutdown)
+                .await
+            }
+        };
+        served.map_err(|e| ServerError::io("serving", addr.to_string(), e))?;
         let threads = self.threads;
         tokio::task::spawn_blocking(move || {
             for t in threads {

@@ -77,6 +77,18 @@ impl Facts {
         let kv_nvme_gib = config.kv_nvme_gib.unwrap_or(profile.kv_nvme_gib);
         let config_rows = vec![
             ("listen", config.listen.to_string()),
+            (
+                "tls",
+                match &config.tls {
+                    crate::tls::TlsSetting::Off => "off".into(),
+                    crate::tls::TlsSetting::On(None) => {
+                        format!("on (self-signed, {}/tls/)", config.data_dir.display())
+                    }
+                    crate::tls::TlsSetting::On(Some((cert, _))) => {
+                        format!("on ({})", cert.display())
+                    }
+                },
+            ),
             ("data_dir", config.data_dir.display().to_string()),
             (
                 "profile",
