@@ -202,6 +202,10 @@ pub async fn serve(
                 hyper::service::service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
                     let mut req = req.map(axum::body::Body::new);
                     req.extensions_mut().insert(ConnectInfo(peer));
+                    // What the console reads to mark its cookies Secure (as behind a TLS
+                    // proxy); set here, so a client cannot say otherwise.
+                    req.headers_mut()
+                        .insert("x-forwarded-proto", HeaderValue::from_static("https"));
                     app.clone().oneshot(req)
                 });
             let conn = hyper::server::conn::http1::Builder::new()

@@ -61,6 +61,14 @@ fn tls_with_a_generated_certificate_verifies_with_cacert() {
         )),
         "{head}"
     );
+    // The console's cookies are Secure over TLS.
+    let signin = format!("https://127.0.0.1:{}/console/signin", addr.port());
+    let (_, head) = curl(&["--cacert", cacert, "-D", "-", "-o", "/dev/null", &signin]);
+    let cookie = head
+        .lines()
+        .find(|l| l.to_ascii_lowercase().starts_with("set-cookie:"))
+        .unwrap_or_default();
+    assert!(cookie.contains("; Secure"), "{head}");
     // An API call over TLS is authenticated as usual.
     let api = format!("https://127.0.0.1:{}/api/v1/collections", addr.port());
     let (_, status) = curl(&[
