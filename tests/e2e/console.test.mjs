@@ -137,10 +137,21 @@ try {
   await page.reload();
   assert.equal(await page.locator("#new-key-value").count(), 0, "the key is shown once");
   assert.equal(await page.locator("#keys-table tbody tr").count(), rows, "a reload creates no key");
+  // Revoking asks first: dismissed, nothing happens; accepted, the key goes.
+  page.once("dialog", (d) => d.dismiss());
+  await page.click(`tr[data-key="${id}"] button`);
+  await page.waitForTimeout(300);
+  assert.equal(await page.locator(`tr[data-key="${id}"]`).count(), 1, "a dismissed confirmation keeps the key");
+  let asked = "";
+  page.once("dialog", (d) => {
+    asked = d.message();
+    d.accept();
+  });
   await Promise.all([
     page.waitForURL(/ok=flash\.key_revoked/),
     page.click(`tr[data-key="${id}"] button`),
   ]);
+  assert.match(asked, /Revoke egk_/, "the confirmation names the key");
   assert.equal(await page.locator(`tr[data-key="${id}"]`).count(), 0, "the key is gone");
   await page.reload();
   assert.equal(await page.locator(".flash.ok").count(), 0, "a reload does not repeat the notice");

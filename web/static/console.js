@@ -13,6 +13,13 @@
     history.replaceState(null, "", location.pathname + (rest ? "?" + rest : "") + location.hash);
   }
 
+  // Irreversible actions (revoking a key, deleting a user) ask first: <form data-confirm="...">.
+  document.querySelectorAll("form[data-confirm]").forEach(function (f) {
+    f.addEventListener("submit", function (e) {
+      if (!window.confirm(f.getAttribute("data-confirm"))) e.preventDefault();
+    });
+  });
+
   // Live sections: <section id="x" data-live="SECONDS"> is re-fetched from this page's URL
   // and replaced, while the tab is visible and nothing in it has focus.
   function live(el) {
