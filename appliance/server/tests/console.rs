@@ -868,3 +868,67 @@ fn an_admin_stages_a_restore_from_the_settings_page() {
     let r = send(&op.cookie, &op.csrf, &archive.bytes);
     assert_eq!(r.status, 403);
 }
+
+#[test]
+fn a_long_document_shows_its_chunks_a_page_at_a_time() {
+    use engram_server::{KeyStore, Scope};
+    let (_, key) = KeyStore::new(server().dir.path())
+        .create(vec![Scope::Admin], None)
+        .unwrap();
+    let auth = format!("Bearer {key}");
+    let api = |path: &str, body: serde_json::Value| {
+        request_raw(
+            "POST",
+            path,
+            "",
+            &[("Authorization", &auth)],
+            Some(("application/json".into(), body.to_string().into_bytes())),
+        )
+    };
+    let r = api(
+        "/api/v1/collections",
+        serde_json::json!({"name": "long", "chunk_tokens": 16, "overlap_tokens": 0}),
+    );
+    assert_eq!(r.status, 201, "{}", r.body);
+    let text: String = (1..=90)
+        .map(|i| format!("Line {i} of the long manual describes step number {i} in full.\n\n"))
+        .collect();
+    let r = api(
+        "/api/v1/collections/long/documents/text",
+        serde_json::json!({"name": "manual.md", "text": text}),
+    );
+    assert_eq!(r.status, 202, "{}", r.body);
+    let admin = sign_in("root", ADMIN_PW);
+    let page = |q: &str| {
+        request(
+            "GET",
+            &format!("/console/kb/long/doc/manual.md{q}"),
+            &admin.cookie,
+            &[],
+            None,
+        )
+    };
+    let mut first = page("");
+    for _ in 0..240 {
+        if first.body.contains("id=\"chunk-pager\"") {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(500));
+        first = page("");
+    }
+    let count = |body: &str| body.matches("<article class=\"chunk\"").count();
+    assert_eq!(count(&first.body), 50, "{}", first.body);
+    assert!(first.body.contains("rel=\"next\""));
+    assert!(!first.body.contains("rel=\"prev\""));
+    let total: usize = {
+        let h2 = &first.body[first.body.find("Chunks (").unwrap() + 8..];
+        h2[..h2.find(')').unwrap()].parse().unwrap()
+    };
+    assert!(total > 50, "{total}");
+    let last_page = total.div_ceil(50);
+    let last = page(&format!("?page={last_page}"));
+    assert_eq!(count(&last.body), total - 50 * (last_page - 1));
+    assert!(last.body.contains("rel=\"prev\"") && !last.body.contains("rel=\"next\""));
+    // Out of range: the nearest page.
+    assert_eq!(count(&page("?page=999").body), count(&last.body));
+}

@@ -10,9 +10,8 @@ use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Extension;
 use engram_kb::{Admission, Document, NewDocument, Stage};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
-use super::dashboard::FlashQuery;
 use crate::api::AppState;
 use crate::console::view::{bytes, datetime_ms, enc, html, see_other, Chrome, Failure, Viewer};
 
@@ -205,7 +204,25 @@ pub struct DocPage {
     pub format: String,
     pub hash: String,
     pub metadata: Vec<(String, String)>,
+    /// This page's chunks.
     pub chunks: Vec<ChunkRow>,
+    /// All of the document's chunks, and where this page starts in them (1-based, for the
+    /// "x-y of n" line).
+    pub total_chunks: usize,
+    pub first: usize,
+    pub prev_href: Option<String>,
+    pub next_href: Option<String>,
+}
+
+/// Chunks per page of a document: a page stays a few screens long whatever the document's
+/// size (a 1,000-chunk document would otherwise render hundreds of thousands of pixels).
+pub const CHUNKS_PER_PAGE: usize = 50;
+
+#[derive(Deserialize)]
+pub struct DocQuery {
+    pub ok: Option<String>,
+    /// 1-based page of chunks.
+    pub page: Option<usize>,
 }
 
 /// `GET /console/kb/{name}/doc/{id}`: stages with timestamps, failure reason, chunks.
@@ -213,7 +230,7 @@ pub async fn show(
     State(s): State<AppState>,
     Extension(v): Extension<Viewer>,
     Path((name, id)): Path<(String, String)>,
-    Query(q): Query<FlashQuery>,
+    Query(q): Query<DocQuery>,
 ) -> Result<Response, Failure> {
     let n = name.clone();
     let (d, chunks) =
@@ -224,6 +241,11 @@ pub async fn show(
         })
         .await??;
     let row = DocRow::new(&name, &d);
+    let total_chunks = chunks.len();
+    let pages = total_chunks.div_ceil(CHUNKS_PER_PAGE).max(1);
+    let page = q.page.unwrap_or(1).clamp(1, pages);
+    let first = (page - 1) * CHUNKS_PER_PAGE;
+    let page_href = |p: usize| format!("{}?page={p}", row.href);
     Ok(html(&DocPage {
         c: v.chrome("kb", "doc.title", &row.href)
             .with_flash(q.ok.as_deref()),
@@ -233,8 +255,14 @@ pub async fn show(
         format: d.format.clone().unwrap_or_default(),
         hash: d.hash.clone(),
         metadata: d.metadata.clone().into_iter().collect(),
+        total_chunks,
+        first: first + 1,
+        prev_href: (page > 1).then(|| page_href(page - 1)),
+        next_href: (page < pages).then(|| page_href(page + 1)),
         chunks: chunks
             .into_iter()
+            .skip(first)
+            .take(CHUNKS_PER_PAGE)
             .map(|c| ChunkRow {
                 id: c.id,
                 ordinal: c.ordinal,
