@@ -932,3 +932,60 @@ fn a_long_document_shows_its_chunks_a_page_at_a_time() {
     // Out of range: the nearest page.
     assert_eq!(count(&page("?page=999").body), count(&last.body));
 }
+
+#[test]
+fn the_document_list_searches_and_pages_on_the_server() {
+    use engram_server::{KeyStore, Scope};
+    let (_, key) = KeyStore::new(server().dir.path())
+        .create(vec![Scope::Admin], None)
+        .unwrap();
+    let auth = format!("Bearer {key}");
+    let api = |path: &str, body: serde_json::Value| {
+        request_raw(
+            "POST",
+            path,
+            "",
+            &[("Authorization", &auth)],
+            Some(("application/json".into(), body.to_string().into_bytes())),
+        )
+    };
+    assert_eq!(
+        api("/api/v1/collections", serde_json::json!({"name": "many"})).status,
+        201
+    );
+    for i in 0..105 {
+        let name = if i % 10 == 0 {
+            format!("Invoice-{i:03}.txt")
+        } else {
+            format!("memo-{i:03}.txt")
+        };
+        let r = api(
+            "/api/v1/collections/many/documents/text",
+            serde_json::json!({"name": name, "text": format!("Note {i}.")}),
+        );
+        assert_eq!(r.status, 202, "{}", r.body);
+    }
+    let admin = sign_in("root", ADMIN_PW);
+    let page = |q: &str| {
+        request(
+            "GET",
+            &format!("/console/kb/many{q}"),
+            &admin.cookie,
+            &[],
+            None,
+        )
+    };
+    let rows = |body: &str| body.matches("<tr data-doc=").count();
+    let first = page("");
+    assert_eq!(rows(&first.body), 100, "a page of 100");
+    assert!(first.body.contains("rel=\"next\""), "{}", first.body);
+    assert_eq!(rows(&page("?page=2").body), 5);
+    // The search is on the server, in any case, over every page.
+    let found = page("?q=INVOICE");
+    assert_eq!(rows(&found.body), 11, "{}", found.body);
+    assert!(found.body.contains("data-doc=\"Invoice-100.txt\""));
+    assert!(!found.body.contains("memo-"));
+    let none = page("?q=nothing-like-this");
+    assert_eq!(rows(&none.body), 0);
+    assert!(none.body.contains("No document matches."));
+}

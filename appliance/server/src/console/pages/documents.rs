@@ -25,7 +25,6 @@ pub struct DocRow {
     pub size: String,
     pub chunks: u32,
     pub error: Option<String>,
-    pub busy: bool,
     pub can_cancel: bool,
     pub can_reindex: bool,
     /// (stage key, time) of every stage reached.
@@ -69,7 +68,6 @@ impl DocRow {
             size: bytes(d.size),
             chunks: d.chunks,
             error: d.error.clone(),
-            busy: !matches!(d.stage, Stage::Done | Stage::Failed),
             can_cancel: !matches!(d.stage, Stage::Done | Stage::Failed),
             can_reindex: matches!(d.stage, Stage::Done | Stage::Failed),
             stages: d

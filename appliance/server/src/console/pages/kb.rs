@@ -102,10 +102,30 @@ pub struct KbShowPage {
     pub embed_model: String,
     pub dim: usize,
     pub kv_dtype: String,
+    /// This page of the documents that match the search.
     pub docs: Vec<DocRow>,
     /// Some document is still moving through the pipeline (the page refreshes itself).
     pub busy: bool,
     pub max_upload: String,
+    /// The search (part of a document's name or title, any case), as typed.
+    pub q: String,
+    /// Documents in the collection, those matching, and where this page starts (1-based).
+    pub total_docs: usize,
+    pub matching: usize,
+    pub first: usize,
+    pub prev_href: Option<String>,
+    pub next_href: Option<String>,
+}
+
+/// Documents per page of a knowledge base.
+pub const DOCS_PER_PAGE: usize = 100;
+
+#[derive(Deserialize)]
+pub struct KbQuery {
+    pub ok: Option<String>,
+    pub q: Option<String>,
+    /// 1-based.
+    pub page: Option<usize>,
 }
 
 /// `GET /console/kb/{name}`: settings, documents with their stages, upload.
@@ -113,17 +133,58 @@ pub async fn show(
     State(s): State<AppState>,
     Extension(v): Extension<Viewer>,
     Path(name): Path<String>,
-    Query(q): Query<FlashQuery>,
+    Query(q): Query<KbQuery>,
 ) -> Result<Response, Failure> {
     let n = name.clone();
     let (coll, docs) = s
         .kb
         .call(move |kb| -> engram_kb::Result<_> { Ok((kb.collection(&n)?, kb.documents(&n)?)) })
         .await??;
-    let docs: Vec<DocRow> = docs.iter().map(|d| DocRow::new(&name, d)).collect();
-    let busy = docs.iter().any(|d| d.busy);
+    let total_docs = docs.len();
+    // Still in the pipeline: the list refreshes itself.
+    let busy = docs
+        .iter()
+        .any(|d| !matches!(d.stage, engram_kb::Stage::Done | engram_kb::Stage::Failed));
+    let search = q.q.as_deref().unwrap_or("").trim().to_owned();
+    let needle = search.to_lowercase();
+    let matching: Vec<_> = docs
+        .iter()
+        .filter(|d| {
+            needle.is_empty()
+                || d.name.to_lowercase().contains(&needle)
+                || d.title
+                    .as_deref()
+                    .is_some_and(|t| t.to_lowercase().contains(&needle))
+        })
+        .collect();
+    let pages = matching.len().div_ceil(DOCS_PER_PAGE).max(1);
+    let page = q.page.unwrap_or(1).clamp(1, pages);
+    let first = (page - 1) * DOCS_PER_PAGE;
     let kb = KbRow::from(&coll);
+    let page_href = |p: usize| {
+        let mut h = format!("{}?page={p}", kb.href);
+        if !search.is_empty() {
+            h.push_str("&q=");
+            h.push_str(&crate::console::view::enc(&search));
+        }
+        h
+    };
+    let prev_href = (page > 1).then(|| page_href(page - 1));
+    let next_href = (page < pages).then(|| page_href(page + 1));
+    let matching_count = matching.len();
+    let docs: Vec<DocRow> = matching
+        .into_iter()
+        .skip(first)
+        .take(DOCS_PER_PAGE)
+        .map(|d| DocRow::new(&name, d))
+        .collect();
     Ok(html(&KbShowPage {
+        q: search,
+        total_docs,
+        matching: matching_count,
+        first: first + 1,
+        prev_href,
+        next_href,
         c: v.chrome("kb", "nav.kb", &kb.href)
             .with_flash(q.ok.as_deref()),
         embed_model: coll.embed_model.clone(),
