@@ -191,6 +191,25 @@ fn dechunk(mut b: &[u8]) -> Vec<u8> {
     }
 }
 
+/// A JSON POST to the API with an admin key (made once in the test server's data directory),
+/// to set up what the console shows.
+fn api(path: &str, body: serde_json::Value) -> Resp {
+    static KEY: OnceLock<String> = OnceLock::new();
+    let key = KEY.get_or_init(|| {
+        engram_server::KeyStore::new(server().dir.path())
+            .create(vec![engram_server::Scope::Admin], None)
+            .unwrap()
+            .1
+    });
+    request_raw(
+        "POST",
+        path,
+        "",
+        &[("Authorization", &format!("Bearer {key}"))],
+        Some(("application/json".into(), body.to_string().into_bytes())),
+    )
+}
+
 fn form_encode(pairs: &[(&str, &str)]) -> String {
     pairs
         .iter()
@@ -871,20 +890,6 @@ fn an_admin_stages_a_restore_from_the_settings_page() {
 
 #[test]
 fn a_long_document_shows_its_chunks_a_page_at_a_time() {
-    use engram_server::{KeyStore, Scope};
-    let (_, key) = KeyStore::new(server().dir.path())
-        .create(vec![Scope::Admin], None)
-        .unwrap();
-    let auth = format!("Bearer {key}");
-    let api = |path: &str, body: serde_json::Value| {
-        request_raw(
-            "POST",
-            path,
-            "",
-            &[("Authorization", &auth)],
-            Some(("application/json".into(), body.to_string().into_bytes())),
-        )
-    };
     let r = api(
         "/api/v1/collections",
         serde_json::json!({"name": "long", "chunk_tokens": 16, "overlap_tokens": 0}),
@@ -935,20 +940,6 @@ fn a_long_document_shows_its_chunks_a_page_at_a_time() {
 
 #[test]
 fn the_document_list_searches_and_pages_on_the_server() {
-    use engram_server::{KeyStore, Scope};
-    let (_, key) = KeyStore::new(server().dir.path())
-        .create(vec![Scope::Admin], None)
-        .unwrap();
-    let auth = format!("Bearer {key}");
-    let api = |path: &str, body: serde_json::Value| {
-        request_raw(
-            "POST",
-            path,
-            "",
-            &[("Authorization", &auth)],
-            Some(("application/json".into(), body.to_string().into_bytes())),
-        )
-    };
     assert_eq!(
         api("/api/v1/collections", serde_json::json!({"name": "many"})).status,
         201

@@ -148,12 +148,13 @@ fn stop_strings(stop: Option<&serde_json::Value>) -> Result<Vec<String>, ApiErro
 /// Refuses the parameters whose values Engram does not implement, naming each.
 fn refuse_unsupported(b: &ChatRequest) -> Result<(), ApiError> {
     let no = |param: &str, why: &str| Err(ApiError::invalid(param, why.to_owned()));
-    if let Some(name) = b.unknown.keys().next() {
-        return no(name, "unrecognized request argument");
-    }
-    if b.n.is_some_and(|n| n != 1) {
-        return no("n", "only one choice (n = 1) is generated");
-    }
+    refuse_common(&Common {
+        unknown: &b.unknown,
+        n: b.n,
+        presence_penalty: b.presence_penalty,
+        frequency_penalty: b.frequency_penalty,
+        top_p: b.top_p,
+    })?;
     if b.logprobs == Some(true) || b.top_logprobs.is_some_and(|n| n > 0) {
         let p = if b.logprobs == Some(true) {
             "logprobs"
@@ -161,14 +162,6 @@ fn refuse_unsupported(b: &ChatRequest) -> Result<(), ApiError> {
             "top_logprobs"
         };
         return no(p, "log probabilities are not returned");
-    }
-    for (p, v) in [
-        ("presence_penalty", b.presence_penalty),
-        ("frequency_penalty", b.frequency_penalty),
-    ] {
-        if v.is_some_and(|v| v != 0.0) {
-            return no(p, "penalties are not implemented (only 0)");
-        }
     }
     if let Some(f) = &b.response_format {
         if f["type"] != "text" {
@@ -189,7 +182,37 @@ fn refuse_unsupported(b: &ChatRequest) -> Result<(), ApiError> {
             return no("tool_choice", "tool calls are not implemented");
         }
     }
-    if let Some(p) = b.top_p {
+    Ok(())
+}
+
+/// The parameters chat and text completions share the rules of.
+struct Common<'a> {
+    unknown: &'a std::collections::BTreeMap<String, serde_json::Value>,
+    n: Option<u32>,
+    presence_penalty: Option<f32>,
+    frequency_penalty: Option<f32>,
+    top_p: Option<f32>,
+}
+
+/// Refuses, naming it, an unknown argument, more than one choice, a penalty, or a `top_p`
+/// outside (0, 1].
+fn refuse_common(c: &Common<'_>) -> Result<(), ApiError> {
+    let no = |param: &str, why: &str| Err(ApiError::invalid(param, why.to_owned()));
+    if let Some(name) = c.unknown.keys().next() {
+        return no(name, "unrecognized request argument");
+    }
+    if c.n.is_some_and(|n| n != 1) {
+        return no("n", "only one choice (n = 1) is generated");
+    }
+    for (p, v) in [
+        ("presence_penalty", c.presence_penalty),
+        ("frequency_penalty", c.frequency_penalty),
+    ] {
+        if v.is_some_and(|v| v != 0.0) {
+            return no(p, "penalties are not implemented (only 0)");
+        }
+    }
+    if let Some(p) = c.top_p {
         if !(p > 0.0 && p <= 1.0) {
             return no("top_p", "must be in (0, 1]");
         }
@@ -400,7 +423,11 @@ fn chunks(
     cites: Option<Vec<Citation>>,
     include_usage: bool,
 ) -> impl Stream<Item = Result<SseEvent, Infallible>> {
-    let chunk = move |delta: serde_json::Value, finish: Option<&str>| {
+    let chunk = move |text: Option<&str>, finish: Option<&str>| {
+        let delta = match text {
+            Some(t) => serde_json::json!({"content": t}),
+            None => serde_json::json!({}),
+        };
         serde_json::json!({
             "id": id,
             "object": "chat.completion.chunk",
@@ -409,47 +436,58 @@ fn chunks(
             "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
         })
     };
-    let first = data(&chunk(
-        serde_json::json!({"role": "assistant", "content": ""}),
-        None,
-    ));
-    let rest = stream::unfold(Some((rx, cites, chunk)), move |state| async move {
-        let (mut rx, cites, chunk) = state?;
-        match rx.recv().await {
+    let mut first = chunk(None, None);
+    first["choices"][0]["delta"] = serde_json::json!({"role": "assistant", "content": ""});
+    let cites = cites.map(|c| serde_json::to_value(c).expect("json"));
+    stream::once(async move { Ok(data(&first)) }).chain(generation_events(
+        rx,
+        include_usage,
+        chunk,
+        cites,
+    ))
+}
+
+/// The events of a streamed generation: `chunk(Some(text), None)` per piece of text, then
+/// `chunk(None, Some(finish_reason))` (with `citations` when given), with `include_usage` a
+/// chunk with no choices and the `usage`, then `[DONE]`. An error ends the stream with its
+/// body and `[DONE]`.
+fn generation_events(
+    rx: tokio::sync::mpsc::Receiver<Event>,
+    include_usage: bool,
+    chunk: impl Fn(Option<&str>, Option<&str>) -> serde_json::Value + Send + 'static,
+    citations: Option<serde_json::Value>,
+) -> impl Stream<Item = Result<SseEvent, Infallible>> {
+    let done = || SseEvent::default().data("[DONE]");
+    stream::unfold(Some((rx, chunk, citations)), move |state| async move {
+        let (mut rx, chunk, citations) = state?;
+        let events = match rx.recv().await {
             Some(Event::Token(t)) => {
-                let ev = data(&chunk(serde_json::json!({"content": t}), None));
-                Some((vec![ev], Some((rx, cites, chunk))))
+                let ev = data(&chunk(Some(&t), None));
+                return Some((vec![ev], Some((rx, chunk, citations))));
             }
             Some(Event::Done(sum)) => {
-                let mut last = chunk(serde_json::json!({}), Some(sum.finish_reason));
-                if let Some(c) = cites {
-                    last["citations"] = serde_json::to_value(c).expect("json");
+                let mut last = chunk(None, Some(sum.finish_reason));
+                if let Some(c) = citations {
+                    last["citations"] = c;
                 }
                 let mut events = vec![data(&last)];
                 if include_usage {
-                    let mut usage = chunk(serde_json::Value::Null, None);
+                    let mut usage = chunk(None, None);
                     usage["choices"] = serde_json::json!([]);
                     usage["usage"] = usage_of(&sum);
                     events.push(data(&usage));
                 }
-                events.push(SseEvent::default().data("[DONE]"));
-                Some((events, None))
+                events
             }
-            Some(Event::Error(e)) => Some((
-                vec![data(&e.body()), SseEvent::default().data("[DONE]")],
-                None,
-            )),
-            None => Some((
-                vec![
-                    data(&ApiError::internal("the engine dropped the job").body()),
-                    SseEvent::default().data("[DONE]"),
-                ],
-                None,
-            )),
-        }
+            Some(Event::Error(e)) => vec![data(&e.body())],
+            None => vec![data(
+                &ApiError::internal("the engine dropped the job").body(),
+            )],
+        };
+        Some(([events, vec![done()]].concat(), None))
     })
-    .flat_map(stream::iter);
-    stream::once(async move { first }).chain(rest).map(Ok)
+    .flat_map(stream::iter)
+    .map(Ok)
 }
 
 /// OpenAI's (legacy) completions request. As for chat, every parameter is honoured or
@@ -509,12 +547,13 @@ pub async fn completions(
 ) -> Result<Response, ApiError> {
     caller.require(Scope::Qa)?;
     let no = |param: &str, why: &str| Err(ApiError::invalid(param, why.to_owned()));
-    if let Some(name) = b.unknown.keys().next() {
-        return no(name, "unrecognized request argument");
-    }
-    if b.n.is_some_and(|n| n != 1) {
-        return no("n", "only one choice (n = 1) is generated");
-    }
+    refuse_common(&Common {
+        unknown: &b.unknown,
+        n: b.n,
+        presence_penalty: b.presence_penalty,
+        frequency_penalty: b.frequency_penalty,
+        top_p: b.top_p,
+    })?;
     if b.best_of.is_some_and(|n| n != 1) {
         return no("best_of", "only 1");
     }
@@ -527,24 +566,11 @@ pub async fn completions(
     if b.suffix.as_deref().is_some_and(|x| !x.is_empty()) {
         return no("suffix", "insertion (a suffix) is not implemented");
     }
-    for (p, v) in [
-        ("presence_penalty", b.presence_penalty),
-        ("frequency_penalty", b.frequency_penalty),
-    ] {
-        if v.is_some_and(|v| v != 0.0) {
-            return no(p, "penalties are not implemented (only 0)");
-        }
-    }
     if b.logit_bias
         .as_ref()
         .is_some_and(|l| l.as_object().is_none_or(|o| !o.is_empty()))
     {
         return no("logit_bias", "logit biases are not implemented");
-    }
-    if let Some(p) = b.top_p {
-        if !(p > 0.0 && p <= 1.0) {
-            return no("top_p", "must be in (0, 1]");
-        }
     }
     check_model(b.model.as_deref(), &model_ids(&s)[..2])?;
     let text = match &b.prompt {
@@ -594,48 +620,17 @@ pub async fn completions(
         .into_response());
     }
     let include_usage = b.stream_options.as_ref().is_some_and(|o| o.include_usage);
-    let chunk = move |text: &str, finish: Option<&str>| {
+    let chunk = move |text: Option<&str>, finish: Option<&str>| {
         serde_json::json!({
             "id": id,
             "object": "text_completion",
             "created": created,
             "model": model,
-            "choices": [{"text": text, "index": 0, "logprobs": null, "finish_reason": finish}],
+            "choices": [{"text": text.unwrap_or(""), "index": 0, "logprobs": null,
+                "finish_reason": finish}],
         })
     };
-    let events = stream::unfold(Some((rx, chunk)), move |state| async move {
-        let (mut rx, chunk) = state?;
-        match rx.recv().await {
-            Some(Event::Token(t)) => {
-                let ev = data(&chunk(&t, None));
-                Some((vec![ev], Some((rx, chunk))))
-            }
-            Some(Event::Done(sum)) => {
-                let mut events = vec![data(&chunk("", Some(sum.finish_reason)))];
-                if include_usage {
-                    let mut usage = chunk("", None);
-                    usage["choices"] = serde_json::json!([]);
-                    usage["usage"] = usage_of(&sum);
-                    events.push(data(&usage));
-                }
-                events.push(SseEvent::default().data("[DONE]"));
-                Some((events, None))
-            }
-            Some(Event::Error(e)) => Some((
-                vec![data(&e.body()), SseEvent::default().data("[DONE]")],
-                None,
-            )),
-            None => Some((
-                vec![
-                    data(&ApiError::internal("the engine dropped the job").body()),
-                    SseEvent::default().data("[DONE]"),
-                ],
-                None,
-            )),
-        }
-    })
-    .flat_map(stream::iter)
-    .map(Ok::<_, Infallible>);
+    let events = generation_events(rx, include_usage, chunk, None);
     Ok(Sse::new(events)
         .keep_alive(KeepAlive::default())
         .into_response())

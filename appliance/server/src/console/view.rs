@@ -193,6 +193,33 @@ pub fn error_page(viewer: &Viewer, f: &Failure) -> Response {
     )
 }
 
+/// One page of a list shown `per_page` items at a time: the page asked for (1-based, clamped to
+/// the pages there are), where it starts, and links to its neighbours.
+pub struct Pager {
+    /// Items before this page.
+    pub offset: usize,
+    pub prev_href: Option<String>,
+    pub next_href: Option<String>,
+}
+
+impl Pager {
+    /// `href(n)` is the address of page `n`.
+    pub fn new(
+        total: usize,
+        per_page: usize,
+        asked: Option<usize>,
+        href: impl Fn(usize) -> String,
+    ) -> Pager {
+        let pages = total.div_ceil(per_page).max(1);
+        let page = asked.unwrap_or(1).clamp(1, pages);
+        Pager {
+            offset: (page - 1) * per_page,
+            prev_href: (page > 1).then(|| href(page - 1)),
+            next_href: (page < pages).then(|| href(page + 1)),
+        }
+    }
+}
+
 /// `2026-11-21 14:20:05` (UTC) from milliseconds since the epoch.
 pub fn datetime(ms: u64) -> String {
     let secs = ms / 1000;

@@ -13,7 +13,9 @@ use engram_kb::{Admission, Document, NewDocument, Stage};
 use serde::{Deserialize, Serialize};
 
 use crate::api::AppState;
-use crate::console::view::{bytes, datetime_ms, enc, html, see_other, Chrome, Failure, Viewer};
+use crate::console::view::{
+    bytes, datetime_ms, enc, html, see_other, Chrome, Failure, Pager, Viewer,
+};
 
 /// One row of the documents table.
 pub struct DocRow {
@@ -240,10 +242,9 @@ pub async fn show(
         .await??;
     let row = DocRow::new(&name, &d);
     let total_chunks = chunks.len();
-    let pages = total_chunks.div_ceil(CHUNKS_PER_PAGE).max(1);
-    let page = q.page.unwrap_or(1).clamp(1, pages);
-    let first = (page - 1) * CHUNKS_PER_PAGE;
-    let page_href = |p: usize| format!("{}?page={p}", row.href);
+    let pager = Pager::new(total_chunks, CHUNKS_PER_PAGE, q.page, |p| {
+        format!("{}?page={p}", row.href)
+    });
     Ok(html(&DocPage {
         c: v.chrome("kb", "doc.title", &row.href)
             .with_flash(q.ok.as_deref()),
@@ -254,12 +255,12 @@ pub async fn show(
         hash: d.hash.clone(),
         metadata: d.metadata.clone().into_iter().collect(),
         total_chunks,
-        first: first + 1,
-        prev_href: (page > 1).then(|| page_href(page - 1)),
-        next_href: (page < pages).then(|| page_href(page + 1)),
+        first: pager.offset + 1,
+        prev_href: pager.prev_href,
+        next_href: pager.next_href,
         chunks: chunks
             .into_iter()
-            .skip(first)
+            .skip(pager.offset)
             .take(CHUNKS_PER_PAGE)
             .map(|c| ChunkRow {
                 id: c.id,

@@ -12,7 +12,7 @@ use serde::Deserialize;
 use super::dashboard::FlashQuery;
 use super::documents::DocRow;
 use crate::api::AppState;
-use crate::console::view::{datetime, enc, html, see_other, Chrome, Failure, Viewer};
+use crate::console::view::{datetime, enc, html, see_other, Chrome, Failure, Pager, Viewer};
 
 pub struct KbRow {
     pub name: String,
@@ -157,24 +157,19 @@ pub async fn show(
                     .is_some_and(|t| t.to_lowercase().contains(&needle))
         })
         .collect();
-    let pages = matching.len().div_ceil(DOCS_PER_PAGE).max(1);
-    let page = q.page.unwrap_or(1).clamp(1, pages);
-    let first = (page - 1) * DOCS_PER_PAGE;
     let kb = KbRow::from(&coll);
-    let page_href = |p: usize| {
+    let pager = Pager::new(matching.len(), DOCS_PER_PAGE, q.page, |p| {
         let mut h = format!("{}?page={p}", kb.href);
         if !search.is_empty() {
             h.push_str("&q=");
-            h.push_str(&crate::console::view::enc(&search));
+            h.push_str(&enc(&search));
         }
         h
-    };
-    let prev_href = (page > 1).then(|| page_href(page - 1));
-    let next_href = (page < pages).then(|| page_href(page + 1));
+    });
     let matching_count = matching.len();
     let docs: Vec<DocRow> = matching
         .into_iter()
-        .skip(first)
+        .skip(pager.offset)
         .take(DOCS_PER_PAGE)
         .map(|d| DocRow::new(&name, d))
         .collect();
@@ -182,9 +177,9 @@ pub async fn show(
         q: search,
         total_docs,
         matching: matching_count,
-        first: first + 1,
-        prev_href,
-        next_href,
+        first: pager.offset + 1,
+        prev_href: pager.prev_href,
+        next_href: pager.next_href,
         c: v.chrome("kb", "nav.kb", &kb.href)
             .with_flash(q.ok.as_deref()),
         embed_model: coll.embed_model.clone(),
