@@ -313,11 +313,7 @@ pub fn restore(archive: impl Read, data_dir: &Path) -> Result<Manifest> {
 /// any error nothing stays staged.
 pub fn stage_restore(archive: impl Read, data_dir: &Path) -> Result<Manifest> {
     let stage = data_dir.join(STAGED_RESTORE_DIR);
-    match fs::remove_dir_all(&stage) {
-        Ok(()) => {}
-        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-        Err(e) => return Err(ServerError::io("removing", &stage, e)),
-    }
+    remove_dir_if_present(&stage)?;
     let staged = (|| {
         fs::create_dir_all(&stage).map_err(|e| ServerError::io("creating", &stage, e))?;
         let manifest = restore(archive, &stage.join("data"))?;
@@ -337,6 +333,14 @@ pub fn stage_restore(archive: impl Read, data_dir: &Path) -> Result<Manifest> {
     staged
 }
 
+/// Removes a folder and everything in it; one already gone is fine.
+fn remove_dir_if_present(dir: &Path) -> Result<()> {
+    match fs::remove_dir_all(dir) {
+        Err(e) if e.kind() != io::ErrorKind::NotFound => Err(ServerError::io("removing", dir, e)),
+        _ => Ok(()),
+    }
+}
+
 /// Whether a verified restore waits for the next start.
 pub fn restore_staged(data_dir: &Path) -> bool {
     data_dir.join(STAGED_RESTORE_DIR).join(READY).exists()
@@ -352,15 +356,10 @@ pub fn apply_staged_restore(data_dir: &Path) -> Result<Option<String>> {
     let stage = data_dir.join(STAGED_RESTORE_DIR);
     let replaced = data_dir.join(REPLACED_DIR);
     let ready = stage.join(READY);
-    let remove = |p: &Path| match fs::remove_dir_all(p) {
-        Ok(()) => Ok(()),
-        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
-        Err(e) => Err(ServerError::io("removing", p, e)),
-    };
     if !ready.exists() {
         // Nothing staged, an upload cut off, or a swap finished but not yet tidied.
-        remove(&stage)?;
-        remove(&replaced)?;
+        remove_dir_if_present(&stage)?;
+        remove_dir_if_present(&replaced)?;
         return Ok(None);
     }
     let summary: serde_json::Value = fs::read(&ready)
@@ -393,8 +392,8 @@ pub fn apply_staged_restore(data_dir: &Path) -> Result<Option<String>> {
     crate::atomic::sync_dir(data_dir)?;
     fs::remove_file(&ready).map_err(|e| ServerError::io("removing", &ready, e))?;
     crate::atomic::sync_dir(&stage)?;
-    remove(&stage)?;
-    remove(&replaced)?;
+    remove_dir_if_present(&stage)?;
+    remove_dir_if_present(&replaced)?;
     Ok(Some(
         summary["engram_version"]
             .as_str()

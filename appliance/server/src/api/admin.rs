@@ -41,15 +41,22 @@ pub async fn backup(
     caller: Caller,
     Query(p): Query<BackupParams>,
 ) -> Result<Response, ApiError> {
+    require_every_collection(&caller, "a backup holds")?;
+    stream_backup(&s, p.kv).await
+}
+
+/// Scope `admin` and no collection grants: what touches every collection at once (`what`:
+/// "a backup holds", "a restore replaces").
+fn require_every_collection(caller: &Caller, what: &str) -> Result<(), ApiError> {
     caller.require(Scope::Admin)?;
     if caller.collections.is_some() {
         return Err(ApiError::Forbidden {
-            reason: "a backup holds every collection: it needs an admin key without collection \
-                     grants"
-                .into(),
+            reason: format!(
+                "{what} every collection: it needs an admin key without collection grants"
+            ),
         });
     }
-    stream_backup(&s, p.kv).await
+    Ok(())
 }
 
 /// Takes a backup and answers with the archive streamed as it is written (the API route and
@@ -258,14 +265,7 @@ pub async fn restore(
     headers: HeaderMap,
     body: Body,
 ) -> Result<(StatusCode, Json<RestoreStaged>), ApiError> {
-    caller.require(Scope::Admin)?;
-    if caller.collections.is_some() {
-        return Err(ApiError::Forbidden {
-            reason: "a restore replaces every collection: it needs an admin key without \
-                     collection grants"
-                .into(),
-        });
-    }
+    require_every_collection(&caller, "a restore replaces")?;
     let len = headers
         .get(header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok()?.parse().ok());
