@@ -10,80 +10,16 @@
 #   BATCHED engram_b8/b1=X llamacpp_b8/b1=Y engram/llamacpp_b8=Z      (with --batched)
 set -euo pipefail
 
-LLAMACPP_PY_VERSION="0.3.36"
-LLAMACPP_SDIST_SHA256="832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-cache_root="${XDG_CACHE_HOME:-$HOME/.cache}/engram"
-build_root="${LLAMACPP_BUILD_DIR:-$cache_root/llama.cpp-$LLAMACPP_PY_VERSION}"
-llama_bench="$build_root/build/bin/llama-bench"
-llama_batched="$build_root/build/bin/llama-batched-bench"
 
 log() { echo "vs-llamacpp: $*" >&2; }
 die() { echo "vs-llamacpp: error: $*" >&2; exit 1; }
 
-# Installs Debian packages when running as root; otherwise fails with what to install.
-apt_install() {
-    local pkg="$1" why="$2"
-    if ! command -v apt-get >/dev/null || [[ $(id -u) -ne 0 ]]; then
-        die "$why is missing; install the '$pkg' package"
-    fi
-    log "installing $pkg"
-    apt-get install -y -q "$pkg" >&2 || { apt-get update -q >&2 && apt-get install -y -q "$pkg" >&2; } \
-        || die "could not install $pkg"
-}
-
-# ---------------------------------------------------------------------------------------------
-# llama.cpp: llama-bench from the vendored copy in the llama-cpp-python sdist, cached outside
-# the repository and reused when present.
-# ---------------------------------------------------------------------------------------------
-build_llama_bench() {
-    if [[ -x "$llama_bench" && -x "$llama_batched" ]]; then
-        log "reusing $llama_bench and $llama_batched"
-        return 0
-    fi
-    command -v cmake >/dev/null || apt_install cmake cmake
-    command -v python3 >/dev/null || die "python3 with pip is needed to download llama-cpp-python"
-
-    local sdist_dir="$build_root/sdist" src="$build_root/src"
-    local sdist="$sdist_dir/llama_cpp_python-$LLAMACPP_PY_VERSION.tar.gz"
-    mkdir -p "$sdist_dir"
-    if [[ ! -f "$sdist" ]]; then
-        log "downloading llama-cpp-python==$LLAMACPP_PY_VERSION sdist from PyPI"
-        # `--no-binary llama-cpp-python` (not :all:) gets the sdist without also compiling its
-        # build requirements (ninja, scikit-build-core) from source for the metadata step.
-        python3 -m pip download --quiet --no-deps --no-binary llama-cpp-python \
-            --disable-pip-version-check \
-            "llama-cpp-python==$LLAMACPP_PY_VERSION" -d "$sdist_dir" >&2 \
-            || die "pip download of llama-cpp-python==$LLAMACPP_PY_VERSION failed"
-    fi
-    [[ "$(sha256sum "$sdist" | cut -d' ' -f1)" == "$LLAMACPP_SDIST_SHA256" ]] \
-        || die "$sdist does not have the expected sha256 $LLAMACPP_SDIST_SHA256; delete it to retry"
-    if [[ ! -f "$src/vendor/llama.cpp/CMakeLists.txt" ]]; then
-        rm -rf "$src" && mkdir -p "$src"
-        tar -xzf "$sdist" -C "$src" --strip-components=1
-    fi
-    [[ -f "$src/vendor/llama.cpp/CMakeLists.txt" ]] || die "no vendor/llama.cpp in the sdist"
-
-    # CPU only, static (so the binary does not depend on the build tree's .so files), tuned for
-    # this machine like Engram's release build. This llama.cpp has no LLAMA_CURL any more (it is
-    # deprecated and ignored); downloads go through LLAMA_OPENSSL, which llama-bench never uses.
-    local start=$SECONDS
-    log "configuring llama.cpp (CPU only) in $build_root/build"
-    cmake -S "$src/vendor/llama.cpp" -B "$build_root/build" \
-        -DCMAKE_BUILD_TYPE=Release \
-        -DBUILD_SHARED_LIBS=OFF \
-        -DGGML_NATIVE=ON \
-        -DGGML_CUDA=OFF -DGGML_METAL=OFF -DGGML_VULKAN=OFF \
-        -DGGML_CCACHE=OFF \
-        -DLLAMA_OPENSSL=OFF \
-        -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
-        -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF >&2
-    log "building llama-bench and llama-batched-bench (-j${LLAMACPP_JOBS:-2}); this takes a while on few cores"
-    cmake --build "$build_root/build" --config Release --target llama-bench llama-batched-bench \
-        -j "${LLAMACPP_JOBS:-2}" >&2
-    [[ -x "$llama_bench" && -x "$llama_batched" ]] || die "build finished but a llama.cpp tool is missing"
-    log "built llama.cpp's tools in $((SECONDS - start)) s"
-}
+# shellcheck source=bench/llamacpp.sh
+source "$repo_root/bench/llamacpp.sh"
+llama_bench="$llamacpp_bin/llama-bench"
+llama_batched="$llamacpp_bin/llama-batched-bench"
+build_llama_bench() { build_llamacpp llama-bench llama-batched-bench; }
 
 # ---------------------------------------------------------------------------------------------
 # Arguments

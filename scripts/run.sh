@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The main job, on a fresh machine: fetches the default models, builds Engram in release mode,
-# indexes a small sample corpus (three of this repository's docs) with each chunk's KV stored, creates an
+# indexes a small sample corpus (an invented employee handbook in English and Chinese, and three of
+# this repository's docs) with each chunk's KV stored, creates an
 # admin API key on the first run, prints the URL, the key and a first request, then runs the
 # daemon `engramd` in the foreground (Ctrl-C stops it gracefully).
 # Data lives in $ENGRAM_DATA_DIR (default ./data); re-running skips what is already indexed and
@@ -13,6 +14,7 @@ export ENGRAM_MODELS_DIR="$models"
 data="${ENGRAM_DATA_DIR:-$(pwd)/data}"
 listen="${ENGRAM_LISTEN:-127.0.0.1:8080}"
 cargo build --release --locked -p engram-cli -p engram-server
+target/release/engram ingest docs/samples/handbook --collection handbook --kv --data-dir "$data"
 target/release/engram ingest docs/architecture.md docs/engramd.md docs/formats --collection engram-docs --kv --data-dir "$data"
 
 key_file="$data/run-admin.key"
@@ -26,7 +28,7 @@ engramd on http://$listen   (admin key, also in $key_file)
   $key
 Try:
   curl -s http://$listen/api/v1/qa -H "Authorization: Bearer $key" -H 'Content-Type: application/json' \\
-    -d '{"question": "How does Engram check a stored KV blob?", "collections": ["engram-docs"], "max_tokens": 48}'
+    -d '{"question": "How many days of paid leave do employees get?", "collections": ["handbook"], "max_tokens": 48}'
 
 INFO
 exec target/release/engramd --data-dir "$data" --listen "$listen"

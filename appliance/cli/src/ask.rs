@@ -10,12 +10,12 @@ use std::time::Instant;
 use anyhow::{Context, Result};
 use clap::Args;
 use engram_fusion::{
-    chunk_tokens, fused_prefill, rag_frame, rag_prompt, ChunkStore, GateLimits, Policy,
-    DEFAULT_POLICY, DEFAULT_SYSTEM,
+    chunk_tokens, fused_prefill, rag_frame, rag_prompt, AnswerStart, ChunkStore, GateLimits,
+    Policy, ANSWER_STOPS, DEFAULT_POLICY, DEFAULT_SYSTEM,
 };
 use engram_kb::{KnowledgeBase, SearchRequest};
 use engram_kvstore::{DramTier, IoMode, KvDtype, KvStore, NvmeOptions, NvmeTier};
-use engram_model::{Logits, Model, Sampler, SamplingParams};
+use engram_model::{Logits, Model, Sampler, SamplingParams, StopMatcher};
 use engram_tokenizer::{ChatTemplate, Detokenizer, Tokenizer};
 
 use crate::kb::KbArgs;
@@ -164,7 +164,6 @@ pub fn precompute_docs(
 }
 
 pub fn ask(a: AskArgs) -> Result<()> {
-    let started = Instant::now();
     let kb = a.kb.open()?;
     let t = Instant::now();
     let mut req = SearchRequest::new(&a.collection, &a.question);
@@ -212,44 +211,27 @@ pub fn ask(a: AskArgs) -> Result<()> {
         chunks,
         &a.question,
     )?;
-    let mut kv = llm.model.new_cache(prompt.len() + a.max_tokens + 1);
-    let done = fused_prefill(&llm.model, &store, None, &prompt, policy, &mut kv)?;
-
-    let mut sampler = Sampler::new(SamplingParams {
-        temperature: a.temperature,
-        ..SamplingParams::default()
-    })?;
-    let mut history = prompt.tokens();
-    let mut detok = Detokenizer::new(&llm.tokenizer, true);
-    let mut answer = String::new();
-    let mut logits = done.logits;
-    let decode_start = Instant::now();
-    let mut first_token = None;
-    let mut generated = 0;
     let stdout = std::io::stdout();
-    for (i, pos) in (done.next_position..).take(a.max_tokens).enumerate() {
-        let id = sampler.sample(&logits, &history);
-        first_token.get_or_insert_with(|| started.elapsed());
-        if llm.tokenizer.is_eog(id) {
-            break;
-        }
-        generated += 1;
-        history.push(id);
-        let piece = detok.push(id);
-        if !a.json {
-            let mut out = stdout.lock();
-            write!(out, "{piece}")?;
-            out.flush()?;
-        }
-        answer.push_str(&piece);
-        if i + 1 < a.max_tokens {
-            logits = llm.model.forward(&[id], &[pos], &mut kv, Logits::Last)?;
-        }
-    }
-    let tail = detok.finish();
-    answer.push_str(&tail);
-    let decode = decode_start.elapsed();
-    let s = &done.stats;
+    let json = a.json;
+    let g = generate(
+        &llm,
+        &store,
+        &prompt,
+        &a.question,
+        policy,
+        a.max_tokens,
+        a.temperature,
+        &mut |piece| {
+            if !json {
+                let mut out = stdout.lock();
+                let _ = write!(out, "{piece}");
+                let _ = out.flush();
+            }
+        },
+    )?;
+    let first_token = Some(g.first_token + retrieve);
+    let (answer, decode, generated, done) = (g.text, g.decode, g.generated, g.prefilled);
+    let s = &done;
     let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
     let citations: Vec<serde_json::Value> = hits
         .iter()
@@ -285,7 +267,7 @@ pub fn ask(a: AskArgs) -> Result<()> {
         );
         return Ok(());
     }
-    println!("{tail}");
+    println!();
     println!();
     for (i, h) in hits.iter().enumerate() {
         let page = h.page.map(|p| format!(", page {p}")).unwrap_or_default();
@@ -315,6 +297,83 @@ pub fn ask(a: AskArgs) -> Result<()> {
         generated,
     );
     Ok(())
+}
+
+/// A generated answer.
+pub struct Generated {
+    /// The answer up to the first stop string.
+    pub text: String,
+    pub prefilled: engram_fusion::FuseStats,
+    /// From the start of the prefill to the first token.
+    pub first_token: std::time::Duration,
+    pub decode: std::time::Duration,
+    pub generated: usize,
+}
+
+/// Prefills `prompt` (asking `question`) under `policy` and decodes an answer (greedy at
+/// temperature 0) until the end-of-generation token, a stop string of [`ANSWER_STOPS`] or
+/// `max_tokens`; `on_piece` gets the text as it becomes final, without a leading label or the
+/// question repeated ([`AnswerStart`]), as `engramd` sends it.
+#[allow(clippy::too_many_arguments)]
+pub fn generate(
+    llm: &Llm,
+    store: &ChunkStore,
+    prompt: &engram_fusion::FusedPrompt,
+    question: &str,
+    policy: Policy,
+    max_tokens: usize,
+    temperature: f32,
+    on_piece: &mut dyn FnMut(&str),
+) -> Result<Generated> {
+    let started = Instant::now();
+    let mut kv = llm.model.new_cache(prompt.len() + max_tokens + 1);
+    let done = fused_prefill(&llm.model, store, None, prompt, policy, &mut kv)?;
+    let mut sampler = Sampler::new(SamplingParams {
+        temperature,
+        ..SamplingParams::default()
+    })?;
+    let stops: Vec<String> = ANSWER_STOPS.iter().map(|s| s.to_string()).collect();
+    let mut stop = StopMatcher::new(&stops);
+    let mut lead = AnswerStart::new(question);
+    let mut history = prompt.tokens();
+    let mut detok = Detokenizer::new(&llm.tokenizer, true);
+    let mut logits = done.logits;
+    let decode_start = Instant::now();
+    let mut first_token = None;
+    let mut generated = 0;
+    let mut stopped = false;
+    for (i, pos) in (done.next_position..).take(max_tokens).enumerate() {
+        let id = sampler.sample(&logits, &history);
+        first_token.get_or_insert_with(|| started.elapsed());
+        if llm.tokenizer.is_eog(id) {
+            break;
+        }
+        generated += 1;
+        history.push(id);
+        let (out, hit) = stop.push(&lead.push(&detok.push(id)));
+        on_piece(&out);
+        if hit {
+            stopped = true;
+            break;
+        }
+        if i + 1 < max_tokens {
+            logits = llm.model.forward(&[id], &[pos], &mut kv, Logits::Last)?;
+        }
+    }
+    if !stopped {
+        let mut tail = lead.push(&detok.finish());
+        tail.push_str(&lead.finish());
+        let (out, _) = stop.push(&tail);
+        on_piece(&out);
+        on_piece(&stop.flush());
+    }
+    Ok(Generated {
+        text: stop.text().to_owned(),
+        prefilled: done.stats,
+        first_token: first_token.unwrap_or_default(),
+        decode: decode_start.elapsed(),
+        generated,
+    })
 }
 
 #[derive(Args)]

@@ -35,6 +35,9 @@ enum EvalCommand {
     Retrieval(RetrievalArgs),
     /// Fidelity and TTFT of fusion policies against full prefill (MuSiQue-shaped JSON).
     Fusion(crate::fusion_eval::FusionArgs),
+    /// End-to-end QA (retrieve, prompt, fused prefill, greedy answer) scored against gold
+    /// answers, optionally beside a peer server given the same passages.
+    Qa(crate::qa_eval::QaArgs),
 }
 
 #[derive(Args)]
@@ -77,7 +80,7 @@ struct Query {
     text: String,
 }
 
-fn read_jsonl<T: serde::de::DeserializeOwned>(path: &Path) -> Result<Vec<T>> {
+pub fn read_jsonl<T: serde::de::DeserializeOwned>(path: &Path) -> Result<Vec<T>> {
     let f = std::fs::File::open(path).with_context(|| format!("opening {}", path.display()))?;
     let mut out = Vec::new();
     for (i, line) in std::io::BufReader::new(f).lines().enumerate() {
@@ -170,7 +173,7 @@ pub fn recall(ranked: &[&str], relevant: &HashMap<String, u32>, k: usize) -> f64
 }
 
 /// Removes the temporary data folder when the evaluation ends, however it ends.
-struct TempDir(PathBuf);
+pub struct TempDir(pub PathBuf);
 
 impl Drop for TempDir {
     fn drop(&mut self) {
@@ -182,6 +185,7 @@ pub fn eval(a: EvalArgs) -> Result<()> {
     match a.command {
         EvalCommand::Retrieval(r) => retrieval(r),
         EvalCommand::Fusion(f) => crate::fusion_eval::run(f),
+        EvalCommand::Qa(q) => crate::qa_eval::run(q),
     }
 }
 

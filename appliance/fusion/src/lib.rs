@@ -9,6 +9,7 @@
 //! - [`gate`](FidelityGate): the per-model self-check that decides whether fusion is used.
 #![forbid(unsafe_code)]
 
+mod answer;
 mod chunks;
 mod error;
 mod fuse;
@@ -17,6 +18,7 @@ mod policy;
 mod prefix;
 mod prompt;
 
+pub use answer::{clean_answer, no_answer, relevant, AnswerStart, ANSWER_STOPS, DENSE_FLOOR};
 pub use chunks::{
     bos_frame, precompute, ChunkCounters, ChunkCounts, ChunkStore, FetchTimes, Fetched, Reject,
     Source, FINGERPRINT_RECORD,
@@ -32,6 +34,6 @@ pub use gate::{
 pub use policy::{Policy, CHECK_LAYER, DEFAULT_POLICY};
 pub use prefix::{PrefixCache, PrefixEntry, PrefixHit, BLOCK};
 pub use prompt::{
-    chunk_text, chunk_tokens, rag_frame, rag_prefix_frame, rag_prompt, DEFAULT_SYSTEM,
-    FRAME_CONTEXT, QUESTION_INSTRUCTION,
+    chunk_text, chunk_tokens, is_chinese, rag_frame, rag_prefix_frame, rag_prompt, rag_prompt_with,
+    Layout, DEFAULT_LAYOUT, DEFAULT_SYSTEM, FRAME_CONTEXT, LAYOUTS, QUESTION_INSTRUCTION,
 };

@@ -21,8 +21,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use engram_fusion::{
-    chunk_tokens, fused_prefill_interleaved, rag_frame, rag_prompt, ChunkStore, FusedPrompt,
-    GateLimits, Interleave, Policy, PrefixCache, DEFAULT_SYSTEM,
+    chunk_tokens, fused_prefill_interleaved, no_answer, rag_frame, rag_prompt, AnswerStart,
+    ChunkStore, FusedPrompt, GateLimits, Interleave, Policy, PrefixCache, ANSWER_STOPS,
+    DEFAULT_SYSTEM,
 };
 use engram_kvstore::{DramTier, KvDtype, KvStore, NvmeTier};
 use engram_model::{KvCache, Logits, Model, Sampler, SamplingParams, Sequence};
@@ -66,7 +67,8 @@ pub struct EngineOptions {
 /// The prompt of a job.
 #[derive(Clone, Debug)]
 pub enum Prompt {
-    /// Question answering over retrieved passages, through fused prefill.
+    /// Question answering over retrieved passages, through fused prefill. Without passages
+    /// (nothing relevant was retrieved) the answer says so without running the model.
     Rag {
         question: String,
         passages: Vec<String>,
@@ -275,6 +277,20 @@ impl EngineHandle {
         policy: Option<Policy>,
     ) -> std::result::Result<mpsc::Receiver<Event>, ApiError> {
         let (events, rx) = mpsc::channel(max_tokens.saturating_add(EXTRA_EVENTS));
+        if let Prompt::Rag { question, passages } = &prompt {
+            if passages.is_empty() {
+                let _ = events.try_send(Event::Token(no_answer(question).to_owned()));
+                let _ = events.try_send(Event::Done(Summary {
+                    policy: Policy::Full.name(),
+                    fusion_disabled: None,
+                    prompt_tokens: 0,
+                    generated_tokens: 0,
+                    finish_reason: "stop",
+                    timings: serde_json::json!({"no_relevant_passages": true}),
+                }));
+                return Ok(rx);
+            }
+        }
         let job = Job {
             prompt,
             max_tokens,
@@ -347,6 +363,9 @@ struct Active<'t> {
     history: Vec<u32>,
     detok: Detokenizer<'t>,
     stop: StopMatcher,
+    /// A RAG answer's start, held back while it may be a label or the question repeated
+    /// (before the stop strings, so that a blank line before the answer does not end it).
+    lead: Option<AnswerStart>,
     /// The logits the next token is sampled from.
     logits: Vec<f32>,
     /// The last sampled token, fed at `position` by the next step.
@@ -606,7 +625,11 @@ impl Engine {
         }
         a.generated += 1;
         a.history.push(id);
-        let (piece, stopped) = a.stop.push(&a.detok.push(id));
+        let mut text = a.detok.push(id);
+        if let Some(lead) = &mut a.lead {
+            text = lead.push(&text);
+        }
+        let (piece, stopped) = a.stop.push(&text);
         if !piece.is_empty() && a.job.events.try_send(Event::Token(piece)).is_err() {
             // Closed: the client left (the channel has room for every event of the job).
             return Advance::Cancelled;
@@ -628,7 +651,12 @@ impl Engine {
         let tail = if a.stop.hit {
             String::new()
         } else {
-            let (mut tail, stopped) = a.stop.push(&a.detok.finish());
+            let mut text = a.detok.finish();
+            if let Some(lead) = &mut a.lead {
+                text = lead.push(&text);
+                text.push_str(&lead.finish());
+            }
+            let (mut tail, stopped) = a.stop.push(&text);
             if stopped {
                 finish_reason = "stop";
             } else {
@@ -773,8 +801,12 @@ impl Engine {
         batch: &mut Vec<Active<'t>>,
     ) -> std::result::Result<Active<'t>, ApiError> {
         let started = Instant::now();
+        let mut stops = job.sampling.stops.clone();
+        let mut lead = None;
         let (prompt, policy, fusion_disabled) = match &job.prompt {
             Prompt::Rag { question, passages } => {
+                stops.extend(ANSWER_STOPS.iter().map(|s| s.to_string()));
+                lead = Some(AnswerStart::new(question));
                 let (policy, off) = self.gated(job.policy.unwrap_or(self.opts.policy))?;
                 let chunks = passages
                     .iter()
@@ -834,9 +866,10 @@ impl Engine {
             history: prompt.tokens(),
             detok: Detokenizer::new(&self.tokenizer, true),
             stop: StopMatcher {
-                stops: job.sampling.stops.clone(),
+                stops,
                 ..StopMatcher::default()
             },
+            lead,
             logits: done.logits,
             pending: 0,
             position: done.next_position,

@@ -72,6 +72,18 @@ pub struct QaResponse {
     pub timings: serde_json::Value,
 }
 
+/// The hits an answer is built from: all of them when the best one is about the question (see
+/// [`engram_fusion::relevant`]), none otherwise; the engine then answers that nothing relevant
+/// was found instead of letting the model invent an answer from unrelated passages.
+pub fn grounded(question: &str, hits: Vec<Hit>) -> Vec<Hit> {
+    let best = hits.iter().filter_map(|h| h.dense).reduce(f32::max);
+    if engram_fusion::relevant(question, best) {
+        hits
+    } else {
+        Vec::new()
+    }
+}
+
 pub fn citations(hits: &[Hit]) -> Vec<Citation> {
     hits.iter()
         .enumerate()
@@ -146,6 +158,7 @@ pub async fn qa(
         &Default::default(),
     )
     .await?;
+    let hits = grounded(&b.question, hits);
     let retrieve_ms = t.elapsed().as_secs_f64() * 1e3;
     let cites = citations(&hits);
     let rx = s.engine.submit(

@@ -1,0 +1,656 @@
+//! `engram eval qa`: end-to-end question answering over a collection built from a QA set's
+//! paragraphs (XQuAD, CMRC2018 in `../shared/data/qa-eval`): hybrid retrieval, the RAG prompt,
+//! fused prefill and greedy decoding, scored against the gold answers (SQuAD's F1 and exact
+//! match; by character for Chinese, as CMRC2018's evaluation does). Retrieval recall@k is
+//! reported separately, so a passage never retrieved is not blamed on generation.
+//!
+//! With `--peer URL` the same retrieved passages also go to an OpenAI-compatible server
+//! (`llama-server` on the same GGUF, see `bench/qa-vs-llamacpp.sh`) in the RAG prompt
+//! LangChain's default RAG chain uses, greedy, scored the same way in the same run.
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use engram_fusion::{
+    chunk_tokens, no_answer, rag_prompt_with, relevant, Layout, Policy, DEFAULT_LAYOUT,
+    DEFAULT_POLICY, DEFAULT_SYSTEM,
+};
+use engram_kb::{NewDocument, SearchRequest};
+use engram_kvstore::{DramTier, KvDtype, KvStore};
+use serde::Deserialize;
+
+use crate::ask::{generate, Llm};
+use crate::kb::{ChunkArgs, KbArgs, StageBars};
+
+#[derive(Args)]
+pub struct QaArgs {
+    /// The QA set: `xquad-en`, `xquad-zh` or `cmrc2018`, under --root.
+    #[arg(long)]
+    set: String,
+    /// Folder of the QA sets.
+    #[arg(long, default_value = "../shared/data/qa-eval")]
+    root: PathBuf,
+    /// Questions evaluated, spread evenly over the set (every question of the set when 0).
+    #[arg(long, default_value_t = 150)]
+    limit: usize,
+    /// Chunks retrieved into the prompt.
+    #[arg(long, default_value_t = 5)]
+    k: usize,
+    /// Fusion policy: full, reuse, boundary:N or deviation:R.
+    #[arg(long, default_value_t = DEFAULT_POLICY.name())]
+    policy: String,
+    /// Prompt layouts to compare, comma-separated (the default layout first); see
+    /// `engram_fusion::LAYOUTS`.
+    #[arg(long, default_value = DEFAULT_LAYOUT.name)]
+    layouts: String,
+    /// Most tokens generated per answer.
+    #[arg(long, default_value_t = 32)]
+    max_tokens: usize,
+    /// An OpenAI-compatible server (e.g. `http://127.0.0.1:8090`) answering the same
+    /// passages in LangChain's default RAG prompt, scored the same way.
+    #[arg(long)]
+    peer: Option<String>,
+    /// Also ask the first --limit queries of this BEIR `queries.jsonl` (e.g. SciFact's, against
+    /// a Wikipedia set): questions nothing in the collection answers, for the share answered
+    /// "I don't know" and the relevance floor's calibration.
+    #[arg(long)]
+    off_topic: Option<PathBuf>,
+    /// Print every question with its answers.
+    #[arg(long)]
+    verbose: bool,
+    /// Print the results as one JSON object.
+    #[arg(long)]
+    json: bool,
+    #[command(flatten)]
+    chunking: ChunkArgs,
+    #[command(flatten)]
+    kb: KbArgs,
+}
+
+#[derive(Deserialize)]
+struct QaItem {
+    id: String,
+    question: String,
+    answers: Vec<String>,
+    context_id: String,
+}
+
+#[derive(Deserialize)]
+struct Paragraph {
+    #[serde(rename = "_id")]
+    id: String,
+    #[serde(default)]
+    title: String,
+    text: String,
+}
+
+/// The files of a set: (questions, paragraphs, scored as Chinese).
+fn set_files(root: &Path, set: &str) -> Result<(PathBuf, PathBuf, bool)> {
+    Ok(match set {
+        "xquad-en" => (
+            root.join("xquad/qa.en.jsonl"),
+            root.join("xquad/contexts.en.jsonl"),
+            false,
+        ),
+        "xquad-zh" => (
+            root.join("xquad/qa.zh.jsonl"),
+            root.join("xquad/contexts.zh.jsonl"),
+            true,
+        ),
+        "cmrc2018" => (
+            root.join("cmrc2018-dev-subset/qa.jsonl"),
+            root.join("cmrc2018-dev-subset/contexts.jsonl"),
+            true,
+        ),
+        other => bail!("unknown QA set `{other}` (xquad-en, xquad-zh or cmrc2018)"),
+    })
+}
+
+/// Scores of one system on one question.
+#[derive(Clone, Copy, Default)]
+struct Score {
+    f1: f64,
+    em: f64,
+}
+
+#[derive(Default)]
+struct Tally {
+    f1: Vec<f64>,
+    em: Vec<f64>,
+    ttft_ms: Vec<f64>,
+    empty: usize,
+}
+
+impl Tally {
+    fn add(&mut self, s: Score, ttft_ms: f64, empty: bool) {
+        self.f1.push(s.f1);
+        self.em.push(s.em);
+        self.ttft_ms.push(ttft_ms);
+        self.empty += usize::from(empty);
+    }
+
+    fn json(&self) -> serde_json::Value {
+        serde_json::json!({
+            "f1": mean(&self.f1),
+            "em": mean(&self.em),
+            "ttft_ms_mean": mean(&self.ttft_ms),
+            "empty_answers": self.empty,
+        })
+    }
+}
+
+fn mean(v: &[f64]) -> f64 {
+    if v.is_empty() {
+        0.0
+    } else {
+        v.iter().sum::<f64>() / v.len() as f64
+    }
+}
+
+/// LangChain's default RAG prompt (the `rlm/rag-prompt` hub prompt its RAG tutorials use),
+/// as one user message.
+fn langchain_prompt(question: &str, passages: &[String]) -> String {
+    format!(
+        "You are an assistant for question-answering tasks. Use the following pieces of retrieved context to answer the question. If you don't know the answer, just say that you don't know. Use three sentences maximum and keep the answer concise.\nQuestion: {question} \nContext: {} \nAnswer:",
+        passages.join("\n\n")
+    )
+}
+
+/// Asks the peer, greedy, for at most `max_tokens`: one HTTP/1.1 POST of its
+/// `/v1/chat/completions` (a server on this machine or network, plain HTTP).
+fn ask_peer(url: &str, prompt: &str, max_tokens: usize) -> Result<(String, f64)> {
+    use std::io::{Read, Write};
+    let t = Instant::now();
+    let host = url
+        .strip_prefix("http://")
+        .context("--peer must be an http:// URL")?
+        .trim_end_matches('/');
+    let body = serde_json::json!({
+        "model": "peer",
+        "messages": [{"role": "user", "content": prompt}],
+        "temperature": 0.0,
+        "max_tokens": max_tokens,
+    })
+    .to_string();
+    let mut conn = std::net::TcpStream::connect(host)
+        .with_context(|| format!("connecting to the peer at {url}"))?;
+    conn.set_read_timeout(Some(std::time::Duration::from_secs(300)))?;
+    write!(
+        conn,
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )?;
+    let mut raw = Vec::new();
+    conn.read_to_end(&mut raw)
+        .context("reading the peer's reply")?;
+    let raw = String::from_utf8_lossy(&raw);
+    let (head, payload) = raw
+        .split_once("\r\n\r\n")
+        .context("the peer's reply has no HTTP header")?;
+    if !head.starts_with("HTTP/1.1 200") {
+        bail!("the peer answered {}", head.lines().next().unwrap_or(""));
+    }
+    let payload = if head
+        .to_ascii_lowercase()
+        .contains("transfer-encoding: chunked")
+    {
+        dechunk(payload)?
+    } else {
+        payload.to_owned()
+    };
+    let reply: serde_json::Value =
+        serde_json::from_str(&payload).context("the peer's reply is not JSON")?;
+    let text = reply["choices"][0]["message"]["content"]
+        .as_str()
+        .context("the peer's reply has no choices[0].message.content")?
+        .to_owned();
+    Ok((text, t.elapsed().as_secs_f64() * 1e3))
+}
+
+/// The body of a chunked HTTP/1.1 reply.
+fn dechunk(mut s: &str) -> Result<String> {
+    let mut out = String::new();
+    loop {
+        let (size, rest) = s
+            .split_once("\r\n")
+            .context("a bad chunk in the peer's reply")?;
+        let n = usize::from_str_radix(size.split(';').next().unwrap_or("").trim(), 16)
+            .context("a bad chunk size in the peer's reply")?;
+        if n == 0 {
+            return Ok(out);
+        }
+        out.push_str(rest.get(..n).context("a short chunk in the peer's reply")?);
+        s = rest[n..].trim_start_matches("\r\n");
+    }
+}
+
+pub fn run(a: QaArgs) -> Result<()> {
+    let (qa_path, ctx_path, chinese) = set_files(&a.root, &a.set)?;
+    let mut items: Vec<QaItem> = crate::eval::read_jsonl(&qa_path)?;
+    let paragraphs: Vec<Paragraph> = crate::eval::read_jsonl(&ctx_path)?;
+    if a.limit > 0 && items.len() > a.limit {
+        // Evenly spread: the sets list questions article by article.
+        let n = items.len();
+        items = items
+            .into_iter()
+            .enumerate()
+            .filter(|(i, _)| (i * a.limit) % n < a.limit)
+            .map(|(_, q)| q)
+            .take(a.limit)
+            .collect();
+    }
+    if items.is_empty() {
+        bail!("{}: no questions", qa_path.display());
+    }
+    let layouts: Vec<Layout> = a
+        .layouts
+        .split(',')
+        .map(|n| {
+            Layout::named(n.trim()).with_context(|| {
+                format!(
+                    "unknown layout `{n}` (one of {})",
+                    engram_fusion::LAYOUTS
+                        .iter()
+                        .map(|l| l.name)
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                )
+            })
+        })
+        .collect::<Result<_>>()?;
+    let policy: Policy = a.policy.parse()?;
+
+    let mut kb_args = a.kb.clone();
+    let _temp = if kb_args.data_dir.is_none() {
+        let dir = std::env::temp_dir().join(format!("engram-eval-qa-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        kb_args.data_dir = Some(dir.clone());
+        Some(crate::eval::TempDir(dir))
+    } else {
+        None
+    };
+    let mut kb = kb_args.open()?;
+    let collection = format!("qa-{}", a.set);
+    kb.ensure_collection(&collection, a.chunking.config())?;
+    let t = Instant::now();
+    let bars = StageBars::new(paragraphs.len() as u64);
+    let docs = paragraphs
+        .iter()
+        .map(|p| NewDocument::new(format!("{}.txt", p.id), p.text.clone()));
+    let report = kb.ingest(&collection, docs, &mut |p| bars.update(p))?;
+    bars.finish();
+    if let Some((name, e)) = report.failures().next() {
+        bail!("paragraph {name} failed to ingest: {e}");
+    }
+    eprintln!(
+        "{} paragraphs ingested in {:.1} s ({} titles unused)",
+        paragraphs.len(),
+        t.elapsed().as_secs_f64(),
+        paragraphs.iter().filter(|p| !p.title.is_empty()).count()
+    );
+
+    let llm = Llm::load(&kb_args)?;
+    // The chunk KV lives in DRAM for the run: computed at its first use, reused after.
+    let store = llm.chunk_store(
+        KvStore::new(Some(DramTier::new(4 << 30)), None),
+        KvDtype::F16,
+    )?;
+
+    let mut tallies: Vec<Tally> = layouts.iter().map(|_| Tally::default()).collect();
+    let mut peer = Tally::default();
+    let (mut recalled, mut skipped, mut refused) = (0usize, 0usize, 0usize);
+    let mut best_dense = Vec::new();
+    let started = Instant::now();
+    for (qi, item) in items.iter().enumerate() {
+        let t = Instant::now();
+        let mut req = SearchRequest::new(&collection, &item.question);
+        req.k = a.k;
+        let hits = kb.search(&req)?.hits;
+        let retrieve_ms = t.elapsed().as_secs_f64() * 1e3;
+        let hit_gold = hits
+            .iter()
+            .any(|h| h.doc_name.strip_suffix(".txt") == Some(item.context_id.as_str()));
+        recalled += usize::from(hit_gold);
+        let best = hits.iter().filter_map(|h| h.dense).reduce(f32::max);
+        best_dense.push(best.unwrap_or(0.0) as f64);
+        let grounded = relevant(&item.question, best);
+        refused += usize::from(!grounded);
+        let passages: Vec<String> = hits.iter().map(|h| h.text.clone()).collect();
+        let chunks: Vec<Vec<u32>> = passages
+            .iter()
+            .map(|p| chunk_tokens(&llm.tokenizer, p))
+            .collect::<engram_tokenizer::Result<_>>()?;
+        let mut line = vec![format!(
+            "[{}/{}] {} {} | gold {:?} | retrieved gold: {hit_gold}",
+            qi + 1,
+            items.len(),
+            item.id,
+            item.question,
+            item.answers.first().map(String::as_str).unwrap_or("")
+        )];
+        let mut fits = true;
+        for (layout, tally) in layouts.iter().zip(tallies.iter_mut()) {
+            if !grounded {
+                let answer = no_answer(&item.question);
+                tally.add(
+                    best_score(answer, &item.answers, chinese),
+                    retrieve_ms,
+                    false,
+                );
+                line.push(format!("  {}: {answer:?}", layout.name));
+                continue;
+            }
+            let prompt = rag_prompt_with(
+                *layout,
+                &llm.tokenizer,
+                llm.template.as_ref(),
+                DEFAULT_SYSTEM,
+                chunks.clone(),
+                &item.question,
+            )?;
+            if prompt.len() + a.max_tokens >= llm.model.config().context_length {
+                fits = false;
+                break;
+            }
+            let g = generate(
+                &llm,
+                &store,
+                &prompt,
+                &item.question,
+                policy,
+                a.max_tokens,
+                0.0,
+                &mut |_| {},
+            )?;
+            let answer = g.text.trim().to_owned();
+            let score = best_score(&answer, &item.answers, chinese);
+            tally.add(
+                score,
+                retrieve_ms + g.first_token.as_secs_f64() * 1e3,
+                answer.is_empty(),
+            );
+            line.push(format!(
+                "  {} (f1 {:.2}): {answer:?}",
+                layout.name, score.f1
+            ));
+        }
+        if !fits {
+            skipped += 1;
+            continue;
+        }
+        if let Some(url) = &a.peer {
+            let (text, ms) = ask_peer(
+                url,
+                &langchain_prompt(&item.question, &passages),
+                a.max_tokens,
+            )?;
+            let answer = text.trim().to_owned();
+            let score = best_score(&answer, &item.answers, chinese);
+            peer.add(score, retrieve_ms + ms, answer.is_empty());
+            line.push(format!("  peer (f1 {:.2}): {answer:?}", score.f1));
+        }
+        if a.verbose {
+            eprintln!("{}", line.join("\n"));
+        }
+    }
+    let n = items.len() - skipped;
+    let recall = recalled as f64 / items.len() as f64;
+    let off_topic = match &a.off_topic {
+        Some(path) => Some(off_topic(&kb, &collection, path, a.limit.max(1))?),
+        None => None,
+    };
+    let mut systems = serde_json::Map::new();
+    for (layout, tally) in layouts.iter().zip(&tallies) {
+        systems.insert(format!("engram:{}", layout.name), tally.json());
+    }
+    if a.peer.is_some() {
+        systems.insert("peer".into(), peer.json());
+    }
+    let out = serde_json::json!({
+        "set": a.set,
+        "questions": n,
+        "skipped_too_long": skipped,
+        "k": a.k,
+        "policy": policy.name(),
+        format!("recall@{}", a.k): recall,
+        "systems": systems,
+        "refused_as_irrelevant": refused,
+        "best_dense": percentiles(&best_dense),
+        "off_topic": off_topic.as_ref().map(|(refused, n, dense)| serde_json::json!({
+            "questions": n,
+            "refused": refused,
+            "best_dense": percentiles(dense),
+        })),
+        "elapsed_s": started.elapsed().as_secs_f64(),
+    });
+    if a.json {
+        println!("{out}");
+        return Ok(());
+    }
+    println!(
+        "{} ({n} questions, {skipped} skipped as too long; policy {}; top {})",
+        a.set,
+        policy.name(),
+        a.k
+    );
+    println!("retrieval recall@{}: {recall:.3}", a.k);
+    println!(
+        "answered \"I don't know\" (best chunk below the relevance floor): {refused}; best \
+         chunk's cosine {}",
+        percentiles(&best_dense)
+    );
+    if let Some((refused, n, dense)) = &off_topic {
+        println!(
+            "off-topic questions answered \"I don't know\": {refused}/{n}; best chunk's cosine {}",
+            percentiles(dense)
+        );
+    }
+    println!(
+        "{:<24} {:>6} {:>6} {:>10} {:>6}",
+        "system", "F1", "EM", "TTFT ms", "empty"
+    );
+    let mut rows: Vec<(String, &Tally)> = layouts
+        .iter()
+        .zip(&tallies)
+        .map(|(l, t)| (format!("engram:{}", l.name), t))
+        .collect();
+    if a.peer.is_some() {
+        rows.push(("peer (llama.cpp)".into(), &peer));
+    }
+    for (name, t) in rows {
+        println!(
+            "{name:<24} {:>6.3} {:>6.3} {:>10.0} {:>6}",
+            mean(&t.f1),
+            mean(&t.em),
+            mean(&t.ttft_ms),
+            t.empty
+        );
+    }
+    Ok(())
+}
+
+/// Asks `limit` queries of a BEIR queries.jsonl: (refused by the relevance floor, asked, best
+/// chunk's cosine of each).
+fn off_topic(
+    kb: &engram_kb::KnowledgeBase,
+    collection: &str,
+    path: &Path,
+    limit: usize,
+) -> Result<(usize, usize, Vec<f64>)> {
+    #[derive(Deserialize)]
+    struct Query {
+        text: String,
+    }
+    let queries: Vec<Query> = crate::eval::read_jsonl(path)?;
+    let (mut refused, mut dense) = (0, Vec::new());
+    for q in queries.iter().take(limit) {
+        let hits = kb.search(&SearchRequest::new(collection, &q.text))?.hits;
+        let best = hits.iter().filter_map(|h| h.dense).reduce(f32::max);
+        dense.push(best.unwrap_or(0.0) as f64);
+        refused += usize::from(!relevant(&q.text, best));
+    }
+    Ok((refused, queries.len().min(limit), dense))
+}
+
+/// p10, median and p90 of `v`, as JSON.
+fn percentiles(v: &[f64]) -> serde_json::Value {
+    let mut s = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    let at = |q: f64| {
+        if s.is_empty() {
+            0.0
+        } else {
+            s[((s.len() - 1) as f64 * q).round() as usize]
+        }
+    };
+    serde_json::json!({"p10": at(0.1), "p50": at(0.5), "p90": at(0.9)})
+}
+
+/// The best score of `answer` over the gold answers.
+fn best_score(answer: &str, gold: &[String], chinese: bool) -> Score {
+    gold.iter()
+        .map(|g| {
+            let (p, r) = if chinese {
+                (char_tokens(answer), char_tokens(g))
+            } else {
+                (squad_tokens(answer), squad_tokens(g))
+            };
+            Score {
+                f1: overlap_f1(&p, &r),
+                em: f64::from(u8::from(p == r)),
+            }
+        })
+        .fold(Score::default(), |best, s| Score {
+            f1: best.f1.max(s.f1),
+            em: best.em.max(s.em),
+        })
+}
+
+/// SQuAD's normalisation (evaluate-v1.1.py): lower case, punctuation and the articles a, an
+/// and the removed, split on white space.
+pub fn squad_tokens(s: &str) -> Vec<String> {
+    let lowered: String = s
+        .to_lowercase()
+        .chars()
+        .map(|c| if c.is_ascii_punctuation() { ' ' } else { c })
+        .collect();
+    lowered
+        .split_whitespace()
+        .filter(|w| !matches!(*w, "a" | "an" | "the"))
+        .map(str::to_owned)
+        .collect()
+}
+
+/// CMRC2018's segmentation (cmrc2018_evaluate.py): every CJK character and every other
+/// non-space, non-punctuation character is its own token after lower-casing, except runs of
+/// ASCII letters and digits, which stay whole words.
+pub fn char_tokens(s: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut word = String::new();
+    for c in s.to_lowercase().chars() {
+        if c.is_ascii_alphanumeric() {
+            word.push(c);
+            continue;
+        }
+        if !word.is_empty() {
+            out.push(std::mem::take(&mut word));
+        }
+        if !(c.is_whitespace() || c.is_ascii_punctuation() || is_cjk_punctuation(c)) {
+            out.push(c.to_string());
+        }
+    }
+    if !word.is_empty() {
+        out.push(word);
+    }
+    out
+}
+
+fn is_cjk_punctuation(c: char) -> bool {
+    matches!(
+        c,
+        '，' | '。'
+            | '、'
+            | '；'
+            | '：'
+            | '？'
+            | '！'
+            | '“'
+            | '”'
+            | '‘'
+            | '’'
+            | '（'
+            | '）'
+            | '《'
+            | '》'
+            | '「'
+            | '」'
+            | '『'
+            | '』'
+            | '【'
+            | '】'
+            | '—'
+            | '…'
+            | '·'
+            | '～'
+            | '〈'
+            | '〉'
+    )
+}
+
+/// F1 of the tokens two texts share (counted with multiplicity); 1 when both are empty.
+pub fn overlap_f1(p: &[String], r: &[String]) -> f64 {
+    if p.is_empty() || r.is_empty() {
+        return f64::from(u8::from(p == r));
+    }
+    let mut counts: std::collections::HashMap<&str, i64> = std::collections::HashMap::new();
+    for w in r {
+        *counts.entry(w).or_default() += 1;
+    }
+    let mut common = 0;
+    for w in p {
+        if let Some(c) = counts.get_mut(w.as_str()) {
+            if *c > 0 {
+                *c -= 1;
+                common += 1;
+            }
+        }
+    }
+    if common == 0 {
+        return 0.0;
+    }
+    let precision = common as f64 / p.len() as f64;
+    let recall = common as f64 / r.len() as f64;
+    2.0 * precision * recall / (precision + recall)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn english_scoring_follows_squad() {
+        let gold = vec!["Denver Broncos".to_owned()];
+        let s = best_score("the Denver Broncos.", &gold, false);
+        assert_eq!((s.f1, s.em), (1.0, 1.0));
+        let s = best_score("Denver", &gold, false);
+        assert!((s.f1 - 2.0 / 3.0).abs() < 1e-9 && s.em == 0.0);
+        assert_eq!(best_score("Carolina", &gold, false).f1, 0.0);
+    }
+
+    #[test]
+    fn chinese_scoring_is_by_character() {
+        assert_eq!(
+            char_tokens("1994年NBA总冠军，"),
+            ["1994", "年", "nba", "总", "冠", "军"]
+        );
+        let gold = vec!["北京大学".to_owned(), "北大".to_owned()];
+        let s = best_score("北京大学。", &gold, true);
+        assert_eq!((s.f1, s.em), (1.0, 1.0));
+        let s = best_score("北京", &gold, true);
+        // Against 北京大学: precision 1, recall 1/2; against 北大: 1/2 and 1/2.
+        assert!((s.f1 - 2.0 / 3.0).abs() < 1e-9 && s.em == 0.0);
+    }
+}

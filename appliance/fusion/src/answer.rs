@@ -1,0 +1,238 @@
+//! What comes back from the model as an answer: where generation stops, and the text cleaned of
+//! what a small model tends to put before the answer (a label, the question again).
+
+use crate::prompt::is_chinese;
+
+/// Stop strings of a RAG answer: a blank line (the answer is one paragraph), or the model
+/// starting another question or passage.
+pub const ANSWER_STOPS: [&str; 4] = ["\n\n", "\nQuestion:", "\nPassages:", "\n问题："];
+
+/// Cosine similarity (all-MiniLM-L6-v2) the best retrieved chunk must reach for an English
+/// question to be answered from the chunks: below it nothing retrieved is about the question,
+/// and a small model given unrelated passages invents an answer. Calibrated with `engram eval
+/// qa --off-topic` (docs/bench/2026-11-26-qa.md): answerable XQuAD questions' best chunk
+/// scores well above it, off-topic questions' below.
+pub const DENSE_FLOOR: f32 = 0.2;
+
+/// Whether chunks whose best cosine similarity to the question is `best_dense` are worth
+/// answering from. Only a question written mostly in ASCII letters is judged by the score
+/// (the English embedder cannot read Chinese, say), and only when the question was embedded.
+pub fn relevant(question: &str, best_dense: Option<f32>) -> bool {
+    let (ascii, letters) = question
+        .chars()
+        .filter(|c| c.is_alphabetic())
+        .fold((0usize, 0usize), |(a, l), c| {
+            (a + usize::from(c.is_ascii()), l + 1)
+        });
+    let judged = letters > 0 && ascii * 4 >= letters * 3;
+    !judged || best_dense.is_none_or(|d| d >= DENSE_FLOOR)
+}
+
+/// The answer given when no retrieved passage is relevant enough to answer from.
+pub fn no_answer(question: &str) -> &'static str {
+    if is_chinese(question) {
+        "我不知道：知识库中没有与这个问题相关的内容。"
+    } else {
+        "I don't know: nothing in the knowledge base is relevant to this question."
+    }
+}
+
+/// Labels a model may start its answer with (compared folded: case, spaces and punctuation
+/// aside).
+const LABELS: [&str; 8] = [
+    "answer:",
+    "a:",
+    "the answer is:",
+    "the answer to the question is:",
+    "答案：",
+    "回答：",
+    "question:",
+    "问题：",
+];
+
+/// Lower case, letters and digits only: what two texts are compared by when deciding whether
+/// one repeats the other or starts with a label.
+fn folded(s: &str) -> String {
+    s.chars()
+        .filter(|c| c.is_alphanumeric())
+        .flat_map(char::to_lowercase)
+        .collect()
+}
+
+/// The answer without what comes before it: leading labels ("Answer:"), and the question
+/// repeated (with or without a "Question:" label). An answer that is nothing but the question
+/// becomes empty.
+pub fn clean_answer(answer: &str, question: &str) -> String {
+    strip_lead(answer, &folded(question)).trim().to_owned()
+}
+
+/// `answer` from where its answer starts (see [`clean_answer`]); trailing text as it is.
+fn strip_lead<'a>(answer: &'a str, folded_question: &str) -> &'a str {
+    let mut rest = answer.trim_start();
+    loop {
+        let before = rest.len();
+        for l in LABELS {
+            if let Some(end) = folded_prefix(rest, &folded(l)) {
+                // A label is only a label when its colon follows.
+                let tail = rest[end..].trim_start();
+                if let Some(t) = tail.strip_prefix([':', '：']) {
+                    rest = t.trim_start();
+                }
+            }
+        }
+        if !folded_question.is_empty() {
+            if let Some(end) = folded_prefix(rest, folded_question) {
+                rest = rest[end..].trim_start_matches(|c: char| {
+                    c.is_whitespace() || matches!(c, '?' | '？' | ':' | '：' | '.' | '。')
+                });
+            }
+        }
+        if rest.len() == before {
+            return rest;
+        }
+    }
+}
+
+/// When `text` starts with `folded` (compared folded), the byte length of that start.
+fn folded_prefix(text: &str, folded: &str) -> Option<usize> {
+    let mut seen = String::new();
+    for (i, c) in text.char_indices() {
+        if c.is_alphanumeric() {
+            seen.extend(c.to_lowercase());
+            if !folded.starts_with(&seen) {
+                return None;
+            }
+            if seen.len() == folded.len() {
+                return Some(i + c.len_utf8());
+            }
+        }
+    }
+    None
+}
+
+/// [`clean_answer`] for streamed text: holds the start of the answer back while it could
+/// still be a label or the question repeated, then passes everything through.
+#[derive(Debug)]
+pub struct AnswerStart {
+    question: String,
+    held: String,
+    open: bool,
+}
+
+impl AnswerStart {
+    pub fn new(question: &str) -> AnswerStart {
+        AnswerStart {
+            question: folded(question),
+            held: String::new(),
+            open: false,
+        }
+    }
+
+    /// Adds a piece of the answer; returns what can go out now.
+    pub fn push(&mut self, piece: &str) -> String {
+        if self.open {
+            return piece.to_owned();
+        }
+        self.held.push_str(piece);
+        let rest = strip_lead(&self.held, &self.question);
+        let f = folded(rest);
+        let undecided = f.is_empty()
+            || LABELS.iter().any(|l| folded(l).starts_with(&f))
+            || (!self.question.is_empty() && self.question.starts_with(&f));
+        if undecided {
+            return String::new();
+        }
+        self.open = true;
+        let out = rest.to_owned();
+        self.held.clear();
+        out
+    }
+
+    /// The end of the answer: what is still held, cleaned.
+    pub fn finish(&mut self) -> String {
+        if self.open {
+            return String::new();
+        }
+        self.open = true;
+        let out = strip_lead(&self.held, &self.question).trim_end().to_owned();
+        self.held.clear();
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn labels_and_echoed_questions_go() {
+        let q = "How many days of paid leave do employees get?";
+        assert_eq!(clean_answer(" Answer: 25 days", q), "25 days");
+        assert_eq!(
+            clean_answer(
+                "How many days of paid leave do employees get?\n\n25 days",
+                q
+            ),
+            "25 days"
+        );
+        assert_eq!(
+            clean_answer(
+                "Question: how many days of paid leave do employees get? 25",
+                q
+            ),
+            "25"
+        );
+        assert_eq!(clean_answer(q, q), "");
+        // A start that only looks like the question stays.
+        assert_eq!(clean_answer("How many? Ten.", q), "How many? Ten.");
+        assert_eq!(clean_answer("答案：25天", "员工有几天带薪假？"), "25天");
+        assert_eq!(
+            clean_answer("员工有几天带薪假？25天", "员工有几天带薪假？"),
+            "25天"
+        );
+        assert_eq!(
+            clean_answer("The answer to the question is: Virgin Media", "What?"),
+            "Virgin Media"
+        );
+        // Without its colon, a label's words are the answer.
+        assert_eq!(clean_answer("A cat.", "What?"), "A cat.");
+    }
+
+    #[test]
+    fn streamed_answers_are_cleaned_as_whole_ones() {
+        let q = "How many days of paid leave do employees get?";
+        for pieces in [
+            &[
+                "How",
+                " many",
+                " days of paid leave do employees get",
+                "?",
+                " 25",
+                " days",
+            ][..],
+            &["Answer", ":", " 25", " days", " a", " year"][..],
+            &["25", " days"][..],
+            &["How", " many"][..],
+            &["How", " much", " leave"][..],
+        ] {
+            let mut s = AnswerStart::new(q);
+            let mut out: String = pieces.iter().map(|p| s.push(p)).collect();
+            out.push_str(&s.finish());
+            assert_eq!(out.trim(), clean_answer(&pieces.concat(), q), "{pieces:?}");
+        }
+    }
+
+    #[test]
+    fn only_english_questions_are_judged_by_the_score() {
+        assert!(relevant("How long is the password?", Some(0.5)));
+        assert!(!relevant("How long is the password?", Some(0.05)));
+        assert!(relevant("How long is the password?", None));
+        assert!(relevant("新密码至少需要几个字符？", Some(0.05)));
+    }
+
+    #[test]
+    fn chinese_questions_get_a_chinese_refusal() {
+        assert!(no_answer("新密码至少需要几个字符？").starts_with("我不知道"));
+        assert!(no_answer("How long is the password?").starts_with("I don't know"));
+    }
+}
