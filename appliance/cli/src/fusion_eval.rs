@@ -15,7 +15,7 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use engram_fusion::{
     bos_frame, chunk_tokens, fused_prefill, kl_divergence, rag_frame, rag_prefix_frame, rag_prompt,
-    ChunkStore, FuseStats, Policy, PrefixCache, DEFAULT_SYSTEM,
+    AnswerStart, ChunkStore, FuseStats, Policy, PrefixCache, ANSWER_STOPS, DEFAULT_SYSTEM,
 };
 use engram_kvstore::{DramTier, IoMode, KvDtype, KvStore, NvmeOptions, NvmeTier};
 use engram_model::{argmax, Logits};
@@ -74,12 +74,18 @@ struct Ctx {
     text: String,
 }
 
+/// What `full` gave for a question: its first token, its answer's tokens with the logits each
+/// was chosen from, and its answer.
+type Reference = (u32, Vec<u32>, Vec<Vec<f32>>, String);
+
 /// Accumulated results of one policy.
 #[derive(Default)]
 struct Tally {
     first_token_agree: usize,
     first_token_flags: Vec<bool>,
     answer_f1: Vec<f64>,
+    answer_em: Vec<f64>,
+    tf_kl: Vec<f64>,
     kl: Vec<f64>,
     gold_f1: Vec<f64>,
     recompute_fraction: Vec<f64>,
@@ -144,6 +150,7 @@ pub fn run(a: FusionArgs) -> Result<()> {
     let prefixes = PrefixCache::new(256 << 20);
 
     let mut tallies: BTreeMap<String, Tally> = BTreeMap::new();
+    let mut skipped = 0usize;
     let order: Vec<String> = policies.iter().map(Policy::name).collect();
     for (qi, ex) in examples.iter().enumerate() {
         let chunk_ids: Vec<Vec<u32>> = ex
@@ -158,10 +165,6 @@ pub fn run(a: FusionArgs) -> Result<()> {
                 chunk_tokens(tokenizer, &t)
             })
             .collect::<engram_tokenizer::Result<_>>()?;
-        // Ingestion: every chunk's KV computed and stored (not part of TTFT).
-        for c in &chunk_ids {
-            chunks.ensure(model, c)?;
-        }
         let prompt = rag_prompt(
             tokenizer,
             loaded.template.as_ref(),
@@ -169,32 +172,82 @@ pub fn run(a: FusionArgs) -> Result<()> {
             chunk_ids.clone(),
             &ex.question,
         )?;
+        if prompt.len() + a.answer_tokens + 1 > model.config().context_length {
+            eprintln!(
+                "[{}/{}] skipped: {} prompt tokens do not fit the context of {}",
+                qi + 1,
+                examples.len(),
+                prompt.len(),
+                model.config().context_length
+            );
+            skipped += 1;
+            continue;
+        }
+        // Ingestion: every chunk's KV computed and stored (not part of TTFT).
+        for c in &chunk_ids {
+            chunks.ensure(model, c)?;
+        }
         let mut kv = model.new_cache(prompt.len() + a.answer_tokens + 1);
-        let mut reference: Option<(u32, Vec<f32>, String)> = None;
+        let mut reference: Option<Reference> = None;
         for &policy in &policies {
             let done = fused_prefill(model, &chunks, Some(&prefixes), &prompt, policy, &mut kv)?;
+            let base = kv.len();
             let first = argmax(&done.logits);
-            let answer = greedy_answer(
+            let (ids, steps) = decode(
                 &loaded,
                 &mut kv,
                 done.logits.clone(),
                 done.next_position,
                 a.answer_tokens,
+                None,
             )?;
+            let (answer, answer_len) = answer_of(&loaded, &ids, &ex.question);
             let t = tallies.entry(policy.name()).or_default();
-            let (ref_first, ref_logits, ref_answer) = reference
-                .get_or_insert_with(|| (first, done.logits.clone(), answer.clone()))
-                .clone();
+            let tf_kl = match &reference {
+                None => 0.0,
+                Some((_, ref_ids, ref_steps, _)) => {
+                    // Teacher-forced: this policy's cache fed full's answer tokens.
+                    kv.truncate(base);
+                    let (_, forced) = decode(
+                        &loaded,
+                        &mut kv,
+                        done.logits.clone(),
+                        done.next_position,
+                        ref_ids.len(),
+                        Some(ref_ids),
+                    )?;
+                    mean(
+                        &ref_steps
+                            .iter()
+                            .zip(&forced)
+                            .map(|(r, f)| kl_divergence(r, f))
+                            .collect::<Vec<_>>(),
+                    )
+                }
+            };
+            let (ref_first, _, ref_steps, ref_answer) = reference.get_or_insert_with(|| {
+                // The answer's tokens (at least the first, even when it ends the answer).
+                let n = answer_len.max(1).min(steps.len());
+                let forced: Vec<u32> = if ids.is_empty() {
+                    vec![first]
+                } else {
+                    ids[..n].to_vec()
+                };
+                (first, forced, steps[..n.max(1)].to_vec(), answer.clone())
+            });
             t.n += 1;
-            t.first_token_agree += usize::from(first == ref_first);
-            t.first_token_flags.push(first == ref_first);
-            t.kl.push(kl_divergence(&ref_logits, &done.logits));
-            t.answer_f1.push(token_f1(&answer, &ref_answer));
-            let short = answer.lines().next().unwrap_or("").to_owned();
+            t.first_token_agree += usize::from(first == *ref_first);
+            t.first_token_flags.push(first == *ref_first);
+            t.kl.push(kl_divergence(&ref_steps[0], &done.logits));
+            t.tf_kl.push(tf_kl);
+            t.answer_f1.push(token_f1(&answer, ref_answer));
+            t.answer_em.push(f64::from(u8::from(
+                normalize(&answer) == normalize(ref_answer),
+            )));
             t.gold_f1.push(
                 ex.answers
                     .iter()
-                    .map(|g| token_f1(&short, g))
+                    .map(|g| token_f1(&answer, g))
                     .fold(0.0, f64::max),
             );
             let s: &FuseStats = &done.stats;
@@ -231,16 +284,31 @@ pub fn run(a: FusionArgs) -> Result<()> {
         let _ = std::fs::remove_dir_all(&tmp_dir);
     }
 
+    if tallies.is_empty() {
+        bail!("every question was skipped (none fits the model's context)");
+    }
     let full_ttft = median(&tallies["full"].ttft_ms);
+    let full_gold = tallies["full"].gold_f1.clone();
     let mut out = serde_json::Map::new();
     for name in &order {
         let t = &tallies[name];
         let ttft = median(&t.ttft_ms);
+        let delta: Vec<f64> = t
+            .gold_f1
+            .iter()
+            .zip(&full_gold)
+            .map(|(p, f)| p - f)
+            .collect();
         out.insert(
             name.clone(),
             serde_json::json!({
                 "first_token_agreement": t.first_token_agree as f64 / t.n as f64,
                 "answer_f1_vs_full": mean(&t.answer_f1),
+                "answer_em_vs_full": mean(&t.answer_em),
+                "tf_kl_mean": mean(&t.tf_kl),
+                "tf_kl_median": median(&t.tf_kl),
+                "tf_kl_p90": quantile(&t.tf_kl, 0.9),
+                "gold_f1_delta_ci95": bootstrap_ci95(&delta),
                 "kl_mean": mean(&t.kl),
                 "kl_median": median(&t.kl),
                 "kl_max": t.kl.iter().copied().fold(0.0, f64::max),
@@ -255,6 +323,7 @@ pub fn run(a: FusionArgs) -> Result<()> {
                 "per_question": {
                     "kl": t.kl,
                     "answer_f1_vs_full": t.answer_f1,
+                    "tf_kl": t.tf_kl,
                     "first_token_agree": t.first_token_flags,
                     "ttft_ms": t.ttft_ms,
                 },
@@ -265,7 +334,8 @@ pub fn run(a: FusionArgs) -> Result<()> {
         "policies": out,
         "config": {
             "data": a.data.display().to_string(),
-            "questions": examples.len(),
+            "questions": examples.len() - skipped,
+            "skipped_too_long": skipped,
             "tier": a.tier,
             "kv_dtype": a.kv_dtype,
             "frame": a.frame,
@@ -278,21 +348,24 @@ pub fn run(a: FusionArgs) -> Result<()> {
         return Ok(());
     }
     println!(
-        "{} questions, KV from {} ({}), frame {}, {} threads",
-        examples.len(),
+        "{} questions ({skipped} skipped as too long), KV from {} ({}), frame {}, {} threads",
+        examples.len() - skipped,
         a.tier,
         a.kv_dtype,
         a.frame,
         model.threads()
     );
     println!(
-        "{:<16} {:>8} {:>8} {:>9} {:>9} {:>8} {:>9} {:>10} {:>8} {:>9}",
+        "{:<16} {:>8} {:>8} {:>8} {:>9} {:>9} {:>8} {:>8} {:>17} {:>9} {:>10} {:>8} {:>9}",
         "policy",
         "1st-tok",
         "F1/full",
+        "EM/full",
         "KL mean",
-        "KL median",
+        "TF-KL",
+        "TF-p90",
         "gold F1",
+        "delta CI95",
         "recomp",
         "TTFT ms",
         "speedup",
@@ -301,13 +374,20 @@ pub fn run(a: FusionArgs) -> Result<()> {
     for name in &order {
         let v = &report["policies"][name];
         println!(
-            "{:<16} {:>8.3} {:>8.3} {:>9.4} {:>9.4} {:>8.3} {:>9.3} {:>10.1} {:>7.1}x {:>9.1}",
+            "{:<16} {:>8.3} {:>8.3} {:>8.3} {:>9.4} {:>9.4} {:>8.4} {:>8.3} {:>17} {:>9.3} {:>10.1} {:>7.1}x {:>9.1}",
             name,
             v["first_token_agreement"].as_f64().unwrap_or(0.0),
             v["answer_f1_vs_full"].as_f64().unwrap_or(0.0),
+            v["answer_em_vs_full"].as_f64().unwrap_or(0.0),
             v["kl_mean"].as_f64().unwrap_or(0.0),
-            v["kl_median"].as_f64().unwrap_or(0.0),
+            v["tf_kl_mean"].as_f64().unwrap_or(0.0),
+            v["tf_kl_p90"].as_f64().unwrap_or(0.0),
             v["gold_f1"].as_f64().unwrap_or(0.0),
+            format!(
+                "[{:+.3}, {:+.3}]",
+                v["gold_f1_delta_ci95"][0].as_f64().unwrap_or(0.0),
+                v["gold_f1_delta_ci95"][1].as_f64().unwrap_or(0.0)
+            ),
             v["recompute_fraction"].as_f64().unwrap_or(0.0),
             v["ttft_ms_median"].as_f64().unwrap_or(0.0),
             v["ttft_speedup_vs_full"].as_f64().unwrap_or(0.0),
@@ -317,27 +397,97 @@ pub fn run(a: FusionArgs) -> Result<()> {
     Ok(())
 }
 
-/// Greedy answer text of up to `n` tokens, stopping at an end-of-generation token.
-fn greedy_answer(
+/// Greedy decoding of up to `n` tokens (stopping at an end-of-generation token), or the
+/// `forced` tokens fed one by one: the tokens, and the logits each was chosen from.
+fn decode(
     loaded: &crate::Loaded,
     kv: &mut engram_model::KvCache,
     mut logits: Vec<f32>,
     mut pos: i32,
     n: usize,
-) -> Result<String> {
+    forced: Option<&[u32]>,
+) -> Result<(Vec<u32>, Vec<Vec<f32>>)> {
     let mut ids = Vec::with_capacity(n);
+    let mut steps = Vec::with_capacity(n);
     for i in 0..n {
-        let id = argmax(&logits);
-        if loaded.tokenizer.is_eog(id) {
+        let id = forced.map_or_else(|| argmax(&logits), |f| f[i]);
+        if forced.is_none() && loaded.tokenizer.is_eog(id) {
+            steps.push(logits);
             break;
         }
         ids.push(id);
         if i + 1 < n {
-            logits = loaded.model.forward(&[id], &[pos], kv, Logits::Last)?;
+            let next = loaded.model.forward(&[id], &[pos], kv, Logits::Last)?;
+            steps.push(std::mem::replace(&mut logits, next));
             pos += 1;
+        } else {
+            steps.push(std::mem::take(&mut logits));
         }
     }
-    Ok(loaded.tokenizer.decode(&ids, true))
+    Ok((ids, steps))
+}
+
+/// The answer in `ids` as engramd sends it (up to a stop string of [`ANSWER_STOPS`], without a
+/// leading label or the question repeated), and how many of the tokens it took.
+fn answer_of(loaded: &crate::Loaded, ids: &[u32], question: &str) -> (String, usize) {
+    let mut used = ids.len();
+    for n in 1..=ids.len() {
+        let text = clean_start(&loaded.tokenizer.decode(&ids[..n], true), question);
+        if ANSWER_STOPS.iter().any(|s| text.contains(s)) {
+            used = n;
+            break;
+        }
+    }
+    let text = clean_start(&loaded.tokenizer.decode(&ids[..used], true), question);
+    let cut = ANSWER_STOPS
+        .iter()
+        .filter_map(|s| text.find(s))
+        .min()
+        .unwrap_or(text.len());
+    (text[..cut].trim().to_owned(), used)
+}
+
+/// `text` from where its answer starts, trailing text kept (see [`AnswerStart`]).
+fn clean_start(text: &str, question: &str) -> String {
+    let mut lead = AnswerStart::new(question);
+    let mut out = lead.push(text);
+    out.push_str(&lead.finish());
+    out
+}
+
+/// The 2.5 % and 97.5 % points of the mean of `v` over 2,000 bootstrap resamples (a fixed
+/// seed, so a run is reproducible).
+fn bootstrap_ci95(v: &[f64]) -> [f64; 2] {
+    if v.is_empty() {
+        return [0.0, 0.0];
+    }
+    let mut state: u64 = 0x9E37_79B9_7F4A_7C15;
+    let mut next = || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state
+    };
+    let mut means: Vec<f64> = (0..2000)
+        .map(|_| {
+            (0..v.len())
+                .map(|_| v[(next() % v.len() as u64) as usize])
+                .sum::<f64>()
+                / v.len() as f64
+        })
+        .collect();
+    means.sort_by(f64::total_cmp);
+    [quantile(&means, 0.025), quantile(&means, 0.975)]
+}
+
+/// The `q` quantile of `v` (nearest rank).
+fn quantile(v: &[f64], q: f64) -> f64 {
+    if v.is_empty() {
+        return 0.0;
+    }
+    let mut s = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    s[((s.len() - 1) as f64 * q).round() as usize]
 }
 
 fn ms(d: Duration) -> f64 {
