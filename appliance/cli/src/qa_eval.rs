@@ -119,6 +119,7 @@ struct Score {
 struct Tally {
     f1: Vec<f64>,
     em: Vec<f64>,
+    /// Retrieval to first token (Engram), retrieval to whole answer (the peer).
     ttft_ms: Vec<f64>,
     empty: usize,
 }
@@ -131,11 +132,13 @@ impl Tally {
         self.empty += usize::from(empty);
     }
 
-    fn json(&self) -> serde_json::Value {
+    /// `time`: what the times are (`ttft_ms_mean` for Engram, `answer_ms_mean` for the peer,
+    /// which is asked without streaming).
+    fn json(&self, time: &str) -> serde_json::Value {
         serde_json::json!({
             "f1": mean(&self.f1),
             "em": mean(&self.em),
-            "ttft_ms_mean": mean(&self.ttft_ms),
+            time: mean(&self.ttft_ms),
             "empty_answers": self.empty,
         })
     }
@@ -404,10 +407,13 @@ pub fn run(a: QaArgs) -> Result<()> {
     };
     let mut systems = serde_json::Map::new();
     for (layout, tally) in layouts.iter().zip(&tallies) {
-        systems.insert(format!("engram:{}", layout.name), tally.json());
+        systems.insert(
+            format!("engram:{}", layout.name),
+            tally.json("ttft_ms_mean"),
+        );
     }
     if a.peer.is_some() {
-        systems.insert("peer".into(), peer.json());
+        systems.insert("peer".into(), peer.json("answer_ms_mean"));
     }
     let out = serde_json::json!({
         "set": a.set,
@@ -447,6 +453,16 @@ pub fn run(a: QaArgs) -> Result<()> {
             "off-topic questions answered \"I don't know\": {refused}/{n}; best chunk's cosine {}",
             percentiles(dense)
         );
+        // What other floors would refuse, for the floor's calibration.
+        let below =
+            |v: &[f64], f: f64| v.iter().filter(|&&d| d < f).count() as f64 / v.len() as f64;
+        for floor in [0.15, 0.2, 0.25, 0.3, 0.35, 0.4] {
+            println!(
+                "floor {floor:.2}: refuses {:.3} of the set's questions, {:.3} of the off-topic ones",
+                below(&best_dense, floor),
+                below(dense, floor)
+            );
+        }
     }
     println!(
         "{:<24} {:>6} {:>6} {:>10} {:>6}",
@@ -506,7 +522,7 @@ fn percentiles(v: &[f64]) -> serde_json::Value {
             s[((s.len() - 1) as f64 * q).round() as usize]
         }
     };
-    serde_json::json!({"p10": at(0.1), "p50": at(0.5), "p90": at(0.9)})
+    serde_json::json!({"p2": at(0.02), "p5": at(0.05), "p10": at(0.1), "p50": at(0.5), "p90": at(0.9)})
 }
 
 /// The best score of `answer` over the gold answers.
