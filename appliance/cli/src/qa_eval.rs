@@ -326,6 +326,10 @@ pub fn run(a: QaArgs) -> Result<()> {
             .iter()
             .map(|p| chunk_tokens(&llm.tokenizer, p))
             .collect::<engram_tokenizer::Result<_>>()?;
+        // As after ingestion: the chunks' KV is stored before the question (not part of TTFT).
+        for c in &chunks {
+            store.ensure(&llm.model, c)?;
+        }
         let mut line = vec![format!(
             "[{}/{}] {} {} | gold {:?} | retrieved gold: {hit_gold}",
             qi + 1,
