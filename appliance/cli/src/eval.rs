@@ -64,13 +64,14 @@ struct RetrievalArgs {
     kb: KbArgs,
 }
 
+/// A BEIR corpus line (also the QA sets' paragraph files).
 #[derive(Deserialize)]
-struct CorpusDoc {
+pub struct CorpusDoc {
     #[serde(rename = "_id")]
-    id: String,
+    pub id: String,
     #[serde(default)]
-    title: String,
-    text: String,
+    pub title: String,
+    pub text: String,
 }
 
 #[derive(Deserialize)]

@@ -515,51 +515,14 @@ fn median(v: &[f64]) -> f64 {
     }
 }
 
-/// SQuAD's answer normalisation: lower case, no punctuation, no articles, single spaces.
+/// SQuAD's answer tokens (see [`crate::qa_eval::squad_tokens`]).
 fn normalize(s: &str) -> Vec<String> {
-    let lowered: String = s
-        .to_lowercase()
-        .chars()
-        .map(|c| {
-            if c.is_alphanumeric() || c.is_whitespace() {
-                c
-            } else {
-                ' '
-            }
-        })
-        .collect();
-    lowered
-        .split_whitespace()
-        .filter(|w| !matches!(*w, "a" | "an" | "the"))
-        .map(str::to_owned)
-        .collect()
+    crate::qa_eval::squad_tokens(s)
 }
 
 /// SQuAD token F1 between a prediction and a reference (1 when both are empty).
 pub fn token_f1(prediction: &str, reference: &str) -> f64 {
-    let (p, r) = (normalize(prediction), normalize(reference));
-    if p.is_empty() || r.is_empty() {
-        return f64::from(u8::from(p == r));
-    }
-    let mut counts: std::collections::HashMap<&str, i64> = std::collections::HashMap::new();
-    for w in &r {
-        *counts.entry(w).or_default() += 1;
-    }
-    let mut common = 0;
-    for w in &p {
-        if let Some(c) = counts.get_mut(w.as_str()) {
-            if *c > 0 {
-                *c -= 1;
-                common += 1;
-            }
-        }
-    }
-    if common == 0 {
-        return 0.0;
-    }
-    let precision = common as f64 / p.len() as f64;
-    let recall = common as f64 / r.len() as f64;
-    2.0 * precision * recall / (precision + recall)
+    crate::qa_eval::overlap_f1(&normalize(prediction), &normalize(reference))
 }
 
 #[cfg(test)]

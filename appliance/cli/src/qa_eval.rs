@@ -77,15 +77,6 @@ struct QaItem {
     context_id: String,
 }
 
-#[derive(Deserialize)]
-struct Paragraph {
-    #[serde(rename = "_id")]
-    id: String,
-    #[serde(default)]
-    title: String,
-    text: String,
-}
-
 /// The files of a set: (questions, paragraphs, scored as Chinese).
 fn set_files(root: &Path, set: &str) -> Result<(PathBuf, PathBuf, bool)> {
     Ok(match set {
@@ -233,7 +224,7 @@ fn dechunk(mut s: &str) -> Result<String> {
 pub fn run(a: QaArgs) -> Result<()> {
     let (qa_path, ctx_path, chinese) = set_files(&a.root, &a.set)?;
     let mut items: Vec<QaItem> = crate::eval::read_jsonl(&qa_path)?;
-    let paragraphs: Vec<Paragraph> = crate::eval::read_jsonl(&ctx_path)?;
+    let paragraphs: Vec<crate::eval::CorpusDoc> = crate::eval::read_jsonl(&ctx_path)?;
     if a.limit > 0 && items.len() > a.limit {
         // Evenly spread: the sets list questions article by article.
         let n = items.len();
