@@ -10,8 +10,8 @@ use std::time::Instant;
 use anyhow::{Context, Result};
 use clap::Args;
 use engram_fusion::{
-    chunk_tokens, fused_prefill, rag_frame, rag_prompt, AnswerStart, ChunkStore, GateLimits,
-    Policy, ANSWER_STOPS, DEFAULT_POLICY, DEFAULT_SYSTEM,
+    chunk_tokens, fused_prefill, rag_frame, rag_prompt, repeating, AnswerStart, ChunkStore,
+    GateLimits, Policy, ANSWER_STOPS, DEFAULT_POLICY, DEFAULT_SYSTEM,
 };
 use engram_kb::{KnowledgeBase, SearchRequest};
 use engram_kvstore::{DramTier, IoMode, KvDtype, KvStore, NvmeOptions, NvmeTier};
@@ -352,7 +352,7 @@ pub fn generate(
         history.push(id);
         let (out, hit) = stop.push(&lead.push(&detok.push(id)));
         on_piece(&out);
-        if hit {
+        if hit || repeating(stop.text()) {
             stopped = true;
             break;
         }

@@ -162,6 +162,30 @@ impl AnswerStart {
     }
 }
 
+/// Whether `answer` has fallen into repeating itself: it ends with the same piece (up to 64
+/// bytes) three or more times in a row, 12 bytes or more in all ("1.1.1.1.1.1.", "the value of
+/// the value of the value of "). A small model does not come back from that; generation stops.
+pub fn repeating(answer: &str) -> bool {
+    let text = answer.trim_end();
+    let b = text.as_bytes();
+    (1..=64.min(b.len() / 2)).any(|unit| {
+        let tail = &b[b.len() - unit..];
+        let mut count = 1;
+        while (count + 1) * unit <= b.len()
+            && &b[b.len() - (count + 1) * unit..b.len() - count * unit] == tail
+        {
+            count += 1;
+        }
+        // The first time, the piece may lack the space that separates the later ones.
+        let before = &b[..b.len() - count * unit];
+        let first = tail.trim_ascii_start();
+        if count == 2 && first.len() < unit && before.ends_with(first) {
+            count += 1;
+        }
+        count >= 3 && count * unit >= 12
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -222,6 +246,19 @@ mod tests {
             out.push_str(&s.finish());
             assert_eq!(out.trim(), clean_answer(&pieces.concat(), q), "{pieces:?}");
         }
+    }
+
+    #[test]
+    fn repetition_is_noticed() {
+        assert!(repeating("1.1.1.1.1.1."));
+        assert!(repeating(
+            "the value of the value of the value of the value of"
+        ));
+        assert!(repeating("2013 年 2013 年 2013 年 "));
+        assert!(!repeating("ha ha ha"));
+        assert!(!repeating("25 days of paid leave per year."));
+        assert!(!repeating("Robert Lane and Benjamin Vail"));
+        assert!(!repeating(""));
     }
 
     #[test]

@@ -21,9 +21,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use engram_fusion::{
-    chunk_tokens, fused_prefill_interleaved, no_answer, rag_frame, rag_prompt, AnswerStart,
-    ChunkStore, FusedPrompt, GateLimits, Interleave, Policy, PrefixCache, ANSWER_STOPS,
-    DEFAULT_SYSTEM,
+    chunk_tokens, fused_prefill_interleaved, no_answer, rag_frame, rag_prompt, repeating,
+    AnswerStart, ChunkStore, FusedPrompt, GateLimits, Interleave, Policy, PrefixCache,
+    ANSWER_STOPS, DEFAULT_SYSTEM,
 };
 use engram_kvstore::{DramTier, KvDtype, KvStore, NvmeTier};
 use engram_model::{KvCache, Logits, Model, Sampler, SamplingParams, Sequence};
@@ -366,6 +366,8 @@ struct Active<'t> {
     /// A RAG answer's start, held back while it may be a label or the question repeated
     /// (before the stop strings, so that a blank line before the answer does not end it).
     lead: Option<AnswerStart>,
+    /// A RAG answer's text so far, to stop it once it repeats itself ([`repeating`]).
+    said: String,
     /// The logits the next token is sampled from.
     logits: Vec<f32>,
     /// The last sampled token, fed at `position` by the next step.
@@ -630,11 +632,17 @@ impl Engine {
             text = lead.push(&text);
         }
         let (piece, stopped) = a.stop.push(&text);
+        if a.lead.is_some() {
+            a.said.push_str(&piece);
+        }
         if !piece.is_empty() && a.job.events.try_send(Event::Token(piece)).is_err() {
             // Closed: the client left (the channel has room for every event of the job).
             return Advance::Cancelled;
         }
         if stopped {
+            return Advance::Finished("stop");
+        }
+        if a.lead.is_some() && repeating(&a.said) {
             return Advance::Finished("stop");
         }
         if a.generated >= a.max_tokens {
@@ -870,6 +878,7 @@ impl Engine {
                 ..StopMatcher::default()
             },
             lead,
+            said: String::new(),
             logits: done.logits,
             pending: 0,
             position: done.next_position,
