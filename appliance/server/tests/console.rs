@@ -18,8 +18,7 @@
 
 mod common;
 
-use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpStream};
+use std::net::SocketAddr;
 use std::sync::OnceLock;
 use std::time::Duration;
 
@@ -118,76 +117,24 @@ fn request_raw(
     extra: &[(&str, &str)],
     body: Option<(String, Vec<u8>)>,
 ) -> Resp {
-    let mut s = TcpStream::connect(server().addr).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(300))).unwrap();
-    let mut head = format!("{method} {path} HTTP/1.1\r\nHost: test\r\nConnection: close\r\n");
+    let mut headers: Vec<(&str, &str)> = Vec::new();
     if !cookies.is_empty() {
-        head.push_str(&format!("Cookie: {cookies}\r\n"));
+        headers.push(("Cookie", cookies));
     }
-    for (k, v) in extra {
-        head.push_str(&format!("{k}: {v}\r\n"));
-    }
-    let body = match body {
-        Some((ct, b)) => {
-            head.push_str(&format!(
-                "Content-Type: {ct}\r\nContent-Length: {}\r\n",
-                b.len()
-            ));
-            b
-        }
-        None => Vec::new(),
-    };
-    head.push_str("\r\n");
-    s.write_all(head.as_bytes()).unwrap();
-    s.write_all(&body).unwrap();
-    let mut raw = Vec::new();
-    let _ = s.read_to_end(&mut raw);
-    let split = raw
-        .windows(4)
-        .position(|w| w == b"\r\n\r\n")
-        .expect("a response head");
-    let head = String::from_utf8_lossy(&raw[..split]).into_owned();
-    let mut lines = head.lines();
-    let status = lines
-        .next()
-        .unwrap()
-        .split(' ')
-        .nth(1)
-        .unwrap()
-        .parse()
-        .unwrap();
-    let headers: Vec<(String, String)> = lines
-        .filter_map(|l| l.split_once(':'))
-        .map(|(k, v)| (k.trim().to_owned(), v.trim().to_owned()))
-        .collect();
-    let mut body = raw[split + 4..].to_vec();
-    let chunked = headers.iter().any(|(k, v)| {
-        k.eq_ignore_ascii_case("transfer-encoding") && v.eq_ignore_ascii_case("chunked")
-    });
-    if chunked {
-        body = dechunk(&body);
-    }
+    headers.extend_from_slice(extra);
+    let (ct, bytes) = body.map_or((String::new(), None), |(ct, b)| (ct, Some(b)));
+    let r = common::send(
+        server().addr,
+        method,
+        path,
+        &headers,
+        bytes.map(|b| (ct.as_str(), b)),
+    );
     Resp {
-        status,
-        headers,
-        body: String::from_utf8_lossy(&body).into_owned(),
-        bytes: body,
-    }
-}
-
-fn dechunk(mut b: &[u8]) -> Vec<u8> {
-    let mut out = Vec::new();
-    loop {
-        let Some(eol) = b.windows(2).position(|w| w == b"\r\n") else {
-            return out;
-        };
-        let size =
-            usize::from_str_radix(std::str::from_utf8(&b[..eol]).unwrap().trim(), 16).unwrap_or(0);
-        if size == 0 {
-            return out;
-        }
-        out.extend_from_slice(&b[eol + 2..eol + 2 + size]);
-        b = &b[eol + 2 + size + 2..];
+        status: r.status,
+        headers: r.headers,
+        body: String::from_utf8_lossy(&r.body).into_owned(),
+        bytes: r.body,
     }
 }
 

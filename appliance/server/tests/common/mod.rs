@@ -84,11 +84,24 @@ pub fn request(
     key: Option<&str>,
     body: Option<(&str, Vec<u8>)>,
 ) -> Resp {
+    let auth = key.map(|k| format!("Bearer {k}"));
+    let headers: Vec<(&str, &str)> = auth.iter().map(|a| ("Authorization", a.as_str())).collect();
+    send(addr, method, path, &headers, body)
+}
+
+/// [`request`] with any request headers (a `Cookie`, a CSRF token, `Accept-Language`).
+pub fn send(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: Option<(&str, Vec<u8>)>,
+) -> Resp {
     let mut s = std::net::TcpStream::connect(addr).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(300))).unwrap();
     let mut head = format!("{method} {path} HTTP/1.1\r\nHost: test\r\nConnection: close\r\n");
-    if let Some(k) = key {
-        head.push_str(&format!("Authorization: Bearer {k}\r\n"));
+    for (k, v) in headers {
+        head.push_str(&format!("{k}: {v}\r\n"));
     }
     let bytes = match body {
         Some((ct, b)) => {
