@@ -10,12 +10,12 @@ use std::time::Instant;
 use anyhow::{Context, Result};
 use clap::Args;
 use engram_fusion::{
-    chunk_tokens, fused_prefill, rag_frame, rag_prompt, repeating, AnswerStart, ChunkStore,
-    GateLimits, Policy, ANSWER_STOPS, DEFAULT_POLICY, DEFAULT_SYSTEM,
+    chunk_tokens, fused_prefill, rag_frame, rag_prompt, ChunkStore, GateLimits, OutputText, Policy,
+    DEFAULT_POLICY, DEFAULT_SYSTEM,
 };
 use engram_kb::{KnowledgeBase, SearchRequest};
 use engram_kvstore::{DramTier, IoMode, KvDtype, KvStore, NvmeOptions, NvmeTier};
-use engram_model::{Logits, Model, Sampler, SamplingParams, StopMatcher};
+use engram_model::{Logits, Model, Sampler, SamplingParams};
 use engram_tokenizer::{ChatTemplate, Detokenizer, Tokenizer};
 
 use crate::kb::KbArgs;
@@ -311,9 +311,9 @@ pub struct Generated {
 }
 
 /// Prefills `prompt` (asking `question`) under `policy` and decodes an answer (greedy at
-/// temperature 0) until the end-of-generation token, a stop string of [`ANSWER_STOPS`] or
-/// `max_tokens`; `on_piece` gets the text as it becomes final, without a leading label or the
-/// question repeated ([`AnswerStart`]), as `engramd` sends it.
+/// temperature 0) until the end-of-generation token, the end of the answer ([`OutputText`]:
+/// a stop string, the answer repeating itself) or `max_tokens`; `on_piece` gets the text as it
+/// becomes final, as `engramd` sends it.
 #[allow(clippy::too_many_arguments)]
 pub fn generate(
     llm: &Llm,
@@ -332,9 +332,7 @@ pub fn generate(
         temperature,
         ..SamplingParams::default()
     })?;
-    let stops: Vec<String> = ANSWER_STOPS.iter().map(|s| s.to_string()).collect();
-    let mut stop = StopMatcher::new(&stops);
-    let mut lead = AnswerStart::new(question);
+    let mut text = OutputText::answer(question, &[]);
     let mut history = prompt.tokens();
     let mut detok = Detokenizer::new(&llm.tokenizer, true);
     let mut logits = done.logits;
@@ -350,9 +348,9 @@ pub fn generate(
         }
         generated += 1;
         history.push(id);
-        let (out, hit) = stop.push(&lead.push(&detok.push(id)));
+        let (out, ended) = text.push(&detok.push(id));
         on_piece(&out);
-        if hit || repeating(stop.text()) {
+        if ended {
             stopped = true;
             break;
         }
@@ -361,14 +359,10 @@ pub fn generate(
         }
     }
     if !stopped {
-        let mut tail = lead.push(&detok.finish());
-        tail.push_str(&lead.finish());
-        let (out, _) = stop.push(&tail);
-        on_piece(&out);
-        on_piece(&stop.flush());
+        on_piece(&text.finish(&detok.finish()).0);
     }
     Ok(Generated {
-        text: stop.text().to_owned(),
+        text: text.text().to_owned(),
         prefilled: done.stats,
         first_token: first_token.unwrap_or_default(),
         decode: decode_start.elapsed(),

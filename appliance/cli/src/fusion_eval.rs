@@ -15,10 +15,11 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use engram_fusion::{
     bos_frame, chunk_tokens, fused_prefill, kl_divergence, rag_frame, rag_prefix_frame, rag_prompt,
-    AnswerStart, ChunkStore, FuseStats, Policy, PrefixCache, ANSWER_STOPS, DEFAULT_SYSTEM,
+    ChunkStore, FuseStats, OutputText, Policy, PrefixCache, DEFAULT_SYSTEM,
 };
 use engram_kvstore::{DramTier, IoMode, KvDtype, KvStore, NvmeOptions, NvmeTier};
 use engram_model::{argmax, Logits};
+use engram_tokenizer::Detokenizer;
 use serde::Deserialize;
 
 use crate::ModelArgs;
@@ -427,32 +428,19 @@ fn decode(
     Ok((ids, steps))
 }
 
-/// The answer in `ids` as engramd sends it (up to a stop string of [`ANSWER_STOPS`], without a
-/// leading label or the question repeated), and how many of the tokens it took.
+/// The answer in `ids` as engramd sends it ([`OutputText`]: up to a stop string or the answer
+/// repeating itself, without a leading label or the question repeated), and how many of the
+/// tokens it took.
 fn answer_of(loaded: &crate::Loaded, ids: &[u32], question: &str) -> (String, usize) {
-    let mut used = ids.len();
-    for n in 1..=ids.len() {
-        let text = clean_start(&loaded.tokenizer.decode(&ids[..n], true), question);
-        if ANSWER_STOPS.iter().any(|s| text.contains(s)) {
-            used = n;
-            break;
+    let mut text = OutputText::answer(question, &[]);
+    let mut detok = Detokenizer::new(&loaded.tokenizer, true);
+    for (i, &id) in ids.iter().enumerate() {
+        if text.push(&detok.push(id)).1 {
+            return (text.text().trim().to_owned(), i + 1);
         }
     }
-    let text = clean_start(&loaded.tokenizer.decode(&ids[..used], true), question);
-    let cut = ANSWER_STOPS
-        .iter()
-        .filter_map(|s| text.find(s))
-        .min()
-        .unwrap_or(text.len());
-    (text[..cut].trim().to_owned(), used)
-}
-
-/// `text` from where its answer starts, trailing text kept (see [`AnswerStart`]).
-fn clean_start(text: &str, question: &str) -> String {
-    let mut lead = AnswerStart::new(question);
-    let mut out = lead.push(text);
-    out.push_str(&lead.finish());
-    out
+    text.finish(&detok.finish());
+    (text.text().trim().to_owned(), ids.len())
 }
 
 /// The 2.5 % and 97.5 % points of the mean of `v` over 2,000 bootstrap resamples (a fixed
@@ -481,7 +469,7 @@ fn bootstrap_ci95(v: &[f64]) -> [f64; 2] {
 }
 
 /// The `q` quantile of `v` (nearest rank).
-fn quantile(v: &[f64], q: f64) -> f64 {
+pub(crate) fn quantile(v: &[f64], q: f64) -> f64 {
     if v.is_empty() {
         return 0.0;
     }
@@ -494,7 +482,7 @@ fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
 }
 
-fn mean(v: &[f64]) -> f64 {
+pub(crate) fn mean(v: &[f64]) -> f64 {
     if v.is_empty() {
         return 0.0;
     }

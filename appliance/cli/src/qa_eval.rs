@@ -22,6 +22,7 @@ use engram_kvstore::{DramTier, KvDtype, KvStore};
 use serde::Deserialize;
 
 use crate::ask::{generate, Llm};
+use crate::fusion_eval::{mean, quantile};
 use crate::kb::{ChunkArgs, KbArgs, StageBars};
 
 #[derive(Args)]
@@ -132,14 +133,6 @@ impl Tally {
             time: mean(&self.ttft_ms),
             "empty_answers": self.empty,
         })
-    }
-}
-
-fn mean(v: &[f64]) -> f64 {
-    if v.is_empty() {
-        0.0
-    } else {
-        v.iter().sum::<f64>() / v.len() as f64
     }
 }
 
@@ -508,15 +501,7 @@ fn off_topic(
 
 /// p10, median and p90 of `v`, as JSON.
 fn percentiles(v: &[f64]) -> serde_json::Value {
-    let mut s = v.to_vec();
-    s.sort_by(f64::total_cmp);
-    let at = |q: f64| {
-        if s.is_empty() {
-            0.0
-        } else {
-            s[((s.len() - 1) as f64 * q).round() as usize]
-        }
-    };
+    let at = |q| quantile(v, q);
     serde_json::json!({"p2": at(0.02), "p5": at(0.05), "p10": at(0.1), "p50": at(0.5), "p90": at(0.9)})
 }
 

@@ -1,6 +1,8 @@
 //! What comes back from the model as an answer: where generation stops, and the text cleaned of
 //! what a small model tends to put before the answer (a label, the question again).
 
+use engram_model::StopMatcher;
+
 use crate::prompt::is_chinese;
 
 /// Stop strings of a RAG answer: a blank line (the answer is one paragraph), or the model
@@ -61,14 +63,8 @@ fn folded(s: &str) -> String {
         .collect()
 }
 
-/// The answer without what comes before it: leading labels ("Answer:"), and the question
-/// repeated (with or without a "Question:" label). An answer that is nothing but the question
-/// becomes empty.
-pub fn clean_answer(answer: &str, question: &str) -> String {
-    strip_lead(answer, &folded(question)).trim().to_owned()
-}
-
-/// `answer` from where its answer starts (see [`clean_answer`]); trailing text as it is.
+/// `answer` from where its answer starts: without leading labels ("Answer:") and the question
+/// repeated (with or without a "Question:" label); trailing text as it is.
 fn strip_lead<'a>(answer: &'a str, folded_question: &str) -> &'a str {
     let mut rest = answer.trim_start();
     loop {
@@ -112,17 +108,17 @@ fn folded_prefix(text: &str, folded: &str) -> Option<usize> {
     None
 }
 
-/// [`clean_answer`] for streamed text: holds the start of the answer back while it could
-/// still be a label or the question repeated, then passes everything through.
+/// [`strip_lead`] for streamed text: holds the start of the answer back while it could still be
+/// a label or the question repeated, then passes everything through.
 #[derive(Debug)]
-pub struct AnswerStart {
+struct AnswerStart {
     question: String,
     held: String,
     open: bool,
 }
 
 impl AnswerStart {
-    pub fn new(question: &str) -> AnswerStart {
+    fn new(question: &str) -> AnswerStart {
         AnswerStart {
             question: folded(question),
             held: String::new(),
@@ -131,7 +127,7 @@ impl AnswerStart {
     }
 
     /// Adds a piece of the answer; returns what can go out now.
-    pub fn push(&mut self, piece: &str) -> String {
+    fn push(&mut self, piece: &str) -> String {
         if self.open {
             return piece.to_owned();
         }
@@ -151,7 +147,7 @@ impl AnswerStart {
     }
 
     /// The end of the answer: what is still held, cleaned.
-    pub fn finish(&mut self) -> String {
+    fn finish(&mut self) -> String {
         if self.open {
             return String::new();
         }
@@ -165,7 +161,7 @@ impl AnswerStart {
 /// Whether `answer` has fallen into repeating itself: it ends with the same piece (up to 64
 /// bytes) three or more times in a row, 12 bytes or more in all ("1.1.1.1.1.1.", "the value of
 /// the value of the value of "). A small model does not come back from that; generation stops.
-pub fn repeating(answer: &str) -> bool {
+fn repeating(answer: &str) -> bool {
     let text = answer.trim_end();
     let b = text.as_bytes();
     (1..=64.min(b.len() / 2)).any(|unit| {
@@ -186,9 +182,80 @@ pub fn repeating(answer: &str) -> bool {
     })
 }
 
+/// Generated text on its way out, as `engramd` sends it: cut at the first stop string and,
+/// for a RAG answer, its start cleaned ([`AnswerStart`], before the stop strings, so a blank
+/// line before the answer does not end it), [`ANSWER_STOPS`] added to the stop strings, and
+/// ended once it repeats itself ([`repeating`]).
+#[derive(Debug)]
+pub struct OutputText {
+    lead: Option<AnswerStart>,
+    stop: StopMatcher,
+}
+
+impl OutputText {
+    /// A RAG answer to `question`, also cut at `stops`.
+    pub fn answer(question: &str, stops: &[String]) -> OutputText {
+        let mut all = stops.to_vec();
+        all.extend(ANSWER_STOPS.iter().map(|s| s.to_string()));
+        OutputText {
+            lead: Some(AnswerStart::new(question)),
+            stop: StopMatcher::new(&all),
+        }
+    }
+
+    /// Other text (a chat, a completion): cut at `stops` only.
+    pub fn plain(stops: &[String]) -> OutputText {
+        OutputText {
+            lead: None,
+            stop: StopMatcher::new(stops),
+        }
+    }
+
+    /// Adds a piece of decoded text: what can go out now, and whether the text has ended (a
+    /// stop string, or an answer repeating itself).
+    pub fn push(&mut self, piece: &str) -> (String, bool) {
+        let (out, hit) = match &mut self.lead {
+            Some(lead) => self.stop.push(&lead.push(piece)),
+            None => self.stop.push(piece),
+        };
+        let looping = self.lead.is_some() && repeating(self.stop.text());
+        (out, hit || looping)
+    }
+
+    /// The end of generation, with the decoder's last `tail`: what is still held back, and
+    /// whether a stop string turned up in it. Nothing after a stop string.
+    pub fn finish(&mut self, tail: &str) -> (String, bool) {
+        if self.stop.stopped() {
+            return (String::new(), false);
+        }
+        let mut text = tail.to_owned();
+        if let Some(lead) = &mut self.lead {
+            text = lead.push(&text);
+            text.push_str(&lead.finish());
+        }
+        let (mut out, hit) = self.stop.push(&text);
+        if !hit {
+            out.push_str(&self.stop.flush());
+        }
+        (out, hit)
+    }
+
+    /// All the text accepted so far (up to a stop string).
+    pub fn text(&self) -> &str {
+        self.stop.text()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The answer without what comes before it: leading labels ("Answer:"), and the question
+    /// repeated (with or without a "Question:" label). An answer that is nothing but the question
+    /// becomes empty.
+    fn clean_answer(answer: &str, question: &str) -> String {
+        strip_lead(answer, &folded(question)).trim().to_owned()
+    }
 
     #[test]
     fn labels_and_echoed_questions_go() {

@@ -18,9 +18,7 @@ mod policy;
 mod prefix;
 mod prompt;
 
-pub use answer::{
-    clean_answer, no_answer, relevant, repeating, AnswerStart, ANSWER_STOPS, DENSE_FLOOR,
-};
+pub use answer::{no_answer, relevant, OutputText, ANSWER_STOPS, DENSE_FLOOR};
 pub use chunks::{
     bos_frame, precompute, ChunkCounters, ChunkCounts, ChunkStore, FetchTimes, Fetched, Reject,
     Source, FINGERPRINT_RECORD,

@@ -183,12 +183,15 @@ pub fn generate(
 }
 
 /// Finds stop strings in streamed text, holding back any tail that could still become one.
+#[derive(Debug)]
 pub struct StopMatcher {
     stops: Vec<String>,
     /// Text accepted so far (never contains a stop string).
     text: String,
     /// Bytes of `text` already handed out.
     emitted: usize,
+    /// A stop string was reached: `text` ends before it.
+    stopped: bool,
 }
 
 impl StopMatcher {
@@ -198,6 +201,7 @@ impl StopMatcher {
             stops: stops.iter().filter(|s| !s.is_empty()).cloned().collect(),
             text: String::new(),
             emitted: 0,
+            stopped: false,
         }
     }
 
@@ -216,6 +220,7 @@ impl StopMatcher {
             })
             .min();
         if let Some(cut) = hit {
+            self.stopped = true;
             self.text.truncate(cut);
             return (self.take(self.text.len()), true);
         }
@@ -233,6 +238,11 @@ impl StopMatcher {
     /// Releases any held-back text (generation ended without a stop string).
     pub fn flush(&mut self) -> String {
         self.take(self.text.len())
+    }
+
+    /// Whether a stop string was reached.
+    pub fn stopped(&self) -> bool {
+        self.stopped
     }
 
     /// All accepted text.

@@ -21,9 +21,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use engram_fusion::{
-    chunk_tokens, fused_prefill_interleaved, no_answer, rag_frame, rag_prompt, repeating,
-    AnswerStart, ChunkStore, FusedPrompt, GateLimits, Interleave, Policy, PrefixCache,
-    ANSWER_STOPS, DEFAULT_SYSTEM,
+    chunk_tokens, fused_prefill_interleaved, no_answer, rag_frame, rag_prompt, ChunkStore,
+    FusedPrompt, GateLimits, Interleave, OutputText, Policy, PrefixCache, DEFAULT_SYSTEM,
 };
 use engram_kvstore::{DramTier, KvDtype, KvStore, NvmeTier};
 use engram_model::{KvCache, Logits, Model, Sampler, SamplingParams, Sequence};
@@ -121,62 +120,6 @@ impl Sampling {
             stops: Vec::new(),
         }
     }
-}
-
-/// Cuts generated text at the first stop string. Text that could still be the start of one
-/// is held back until it is not (or the answer ends).
-#[derive(Debug, Default)]
-struct StopMatcher {
-    stops: Vec<String>,
-    held: String,
-    /// A stop string was reached: nothing more goes out.
-    hit: bool,
-}
-
-impl StopMatcher {
-    /// Adds a piece of text: what can be sent now, and whether a stop string was reached
-    /// (the text before it is then all there is).
-    fn push(&mut self, piece: &str) -> (String, bool) {
-        if self.stops.is_empty() {
-            return (piece.to_owned(), false);
-        }
-        self.held.push_str(piece);
-        if let Some(at) = self
-            .stops
-            .iter()
-            .filter_map(|s| self.held.find(s.as_str()))
-            .min()
-        {
-            self.held.truncate(at);
-            self.hit = true;
-            return (std::mem::take(&mut self.held), true);
-        }
-        let keep = self
-            .stops
-            .iter()
-            .map(|s| partial_suffix(&self.held, s))
-            .max()
-            .unwrap_or(0);
-        let rest = self.held.split_off(self.held.len() - keep);
-        (std::mem::replace(&mut self.held, rest), false)
-    }
-
-    /// What was held back, once the answer ends without a stop string.
-    fn flush(&mut self) -> String {
-        std::mem::take(&mut self.held)
-    }
-}
-
-/// The length of the longest suffix of `text` that is a proper prefix of `stop`.
-fn partial_suffix(text: &str, stop: &str) -> usize {
-    (1..stop.len().min(text.len() + 1))
-        .rev()
-        .find(|&n| {
-            text.is_char_boundary(text.len() - n)
-                && stop.is_char_boundary(n)
-                && text.ends_with(&stop[..n])
-        })
-        .unwrap_or(0)
 }
 
 /// The end of a job.
@@ -362,12 +305,9 @@ struct Active<'t> {
     /// Prompt and generated tokens (the repetition penalty looks at them).
     history: Vec<u32>,
     detok: Detokenizer<'t>,
-    stop: StopMatcher,
-    /// A RAG answer's start, held back while it may be a label or the question repeated
-    /// (before the stop strings, so that a blank line before the answer does not end it).
-    lead: Option<AnswerStart>,
-    /// A RAG answer's text so far, to stop it once it repeats itself ([`repeating`]).
-    said: String,
+    /// The text on its way out: stop strings, and for a RAG answer its cleaned start and the
+    /// repetition stop.
+    out: OutputText,
     /// The logits the next token is sampled from.
     logits: Vec<f32>,
     /// The last sampled token, fed at `position` by the next step.
@@ -627,22 +567,12 @@ impl Engine {
         }
         a.generated += 1;
         a.history.push(id);
-        let mut text = a.detok.push(id);
-        if let Some(lead) = &mut a.lead {
-            text = lead.push(&text);
-        }
-        let (piece, stopped) = a.stop.push(&text);
-        if a.lead.is_some() {
-            a.said.push_str(&piece);
-        }
+        let (piece, ended) = a.out.push(&a.detok.push(id));
         if !piece.is_empty() && a.job.events.try_send(Event::Token(piece)).is_err() {
             // Closed: the client left (the channel has room for every event of the job).
             return Advance::Cancelled;
         }
-        if stopped {
-            return Advance::Finished("stop");
-        }
-        if a.lead.is_some() && repeating(&a.said) {
+        if ended {
             return Advance::Finished("stop");
         }
         if a.generated >= a.max_tokens {
@@ -656,22 +586,10 @@ impl Engine {
     fn finish(&self, mut a: Active<'_>, mut finish_reason: &'static str) {
         // After a stop string nothing more goes out; else the detokenizer's and the stop
         // matcher's held text (which may still end at a stop string).
-        let tail = if a.stop.hit {
-            String::new()
-        } else {
-            let mut text = a.detok.finish();
-            if let Some(lead) = &mut a.lead {
-                text = lead.push(&text);
-                text.push_str(&lead.finish());
-            }
-            let (mut tail, stopped) = a.stop.push(&text);
-            if stopped {
-                finish_reason = "stop";
-            } else {
-                tail.push_str(&a.stop.flush());
-            }
-            tail
-        };
+        let (tail, stopped) = a.out.finish(&a.detok.finish());
+        if stopped {
+            finish_reason = "stop";
+        }
         if !tail.is_empty() && a.job.events.try_send(Event::Token(tail)).is_err() {
             return;
         }
@@ -809,12 +727,12 @@ impl Engine {
         batch: &mut Vec<Active<'t>>,
     ) -> std::result::Result<Active<'t>, ApiError> {
         let started = Instant::now();
-        let mut stops = job.sampling.stops.clone();
-        let mut lead = None;
+        let out = match &job.prompt {
+            Prompt::Rag { question, .. } => OutputText::answer(question, &job.sampling.stops),
+            _ => OutputText::plain(&job.sampling.stops),
+        };
         let (prompt, policy, fusion_disabled) = match &job.prompt {
             Prompt::Rag { question, passages } => {
-                stops.extend(ANSWER_STOPS.iter().map(|s| s.to_string()));
-                lead = Some(AnswerStart::new(question));
                 let (policy, off) = self.gated(job.policy.unwrap_or(self.opts.policy))?;
                 let chunks = passages
                     .iter()
@@ -873,12 +791,7 @@ impl Engine {
             sampler,
             history: prompt.tokens(),
             detok: Detokenizer::new(&self.tokenizer, true),
-            stop: StopMatcher {
-                stops,
-                ..StopMatcher::default()
-            },
-            lead,
-            said: String::new(),
+            out,
             logits: done.logits,
             pending: 0,
             position: done.next_position,
@@ -898,13 +811,12 @@ impl Engine {
 
 #[cfg(test)]
 mod tests {
-    use super::StopMatcher;
+    use engram_fusion::OutputText;
 
+    /// A chat's or completion's text through the engine's output with `stops`.
     fn run(stops: &[&str], pieces: &[&str]) -> (String, bool) {
-        let mut m = StopMatcher {
-            stops: stops.iter().map(|s| s.to_string()).collect(),
-            ..StopMatcher::default()
-        };
+        let stops: Vec<String> = stops.iter().map(|s| s.to_string()).collect();
+        let mut m = OutputText::plain(&stops);
         let mut out = String::new();
         for p in pieces {
             let (emit, hit) = m.push(p);
@@ -913,7 +825,7 @@ mod tests {
                 return (out, true);
             }
         }
-        out.push_str(&m.flush());
+        out.push_str(&m.finish("").0);
         (out, false)
     }
 
