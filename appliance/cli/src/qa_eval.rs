@@ -310,9 +310,30 @@ pub fn run(a: QaArgs) -> Result<()> {
             .iter()
             .map(|p| chunk_tokens(&llm.tokenizer, p))
             .collect::<engram_tokenizer::Result<_>>()?;
-        // As after ingestion: the chunks' KV is stored before the question (not part of TTFT).
-        for c in &chunks {
-            store.ensure(&llm.model, c)?;
+        let prompts = layouts
+            .iter()
+            .map(|l| {
+                rag_prompt_with(
+                    *l,
+                    &llm.tokenizer,
+                    llm.template.as_ref(),
+                    DEFAULT_SYSTEM,
+                    chunks.clone(),
+                    &item.question,
+                )
+            })
+            .collect::<engram_tokenizer::Result<Vec<_>>>()?;
+        let context = llm.model.config().context_length;
+        if grounded && prompts.iter().any(|p| p.len() + a.max_tokens >= context) {
+            skipped += 1;
+            continue;
+        }
+        if grounded {
+            // As after ingestion: the chunks' KV is stored before the question (not part of
+            // TTFT).
+            for c in &chunks {
+                store.ensure(&llm.model, c)?;
+            }
         }
         let mut line = vec![format!(
             "[{}/{}] {} {} | gold {:?} | retrieved gold: {hit_gold}",
@@ -322,8 +343,7 @@ pub fn run(a: QaArgs) -> Result<()> {
             item.question,
             item.answers.first().map(String::as_str).unwrap_or("")
         )];
-        let mut fits = true;
-        for (layout, tally) in layouts.iter().zip(tallies.iter_mut()) {
+        for ((layout, tally), prompt) in layouts.iter().zip(tallies.iter_mut()).zip(&prompts) {
             if !grounded {
                 let answer = no_answer(&item.question);
                 tally.add(
@@ -334,22 +354,10 @@ pub fn run(a: QaArgs) -> Result<()> {
                 line.push(format!("  {}: {answer:?}", layout.name));
                 continue;
             }
-            let prompt = rag_prompt_with(
-                *layout,
-                &llm.tokenizer,
-                llm.template.as_ref(),
-                DEFAULT_SYSTEM,
-                chunks.clone(),
-                &item.question,
-            )?;
-            if prompt.len() + a.max_tokens >= llm.model.config().context_length {
-                fits = false;
-                break;
-            }
             let g = generate(
                 &llm,
                 &store,
-                &prompt,
+                prompt,
                 &item.question,
                 policy,
                 a.max_tokens,
@@ -367,10 +375,6 @@ pub fn run(a: QaArgs) -> Result<()> {
                 "  {} (f1 {:.2}): {answer:?}",
                 layout.name, score.f1
             ));
-        }
-        if !fits {
-            skipped += 1;
-            continue;
         }
         if let Some(url) = &a.peer {
             let (text, ms) = ask_peer(
