@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The API checks CI runs against a real daemon: the official OpenAI Python client
-# (tests/python/test_openai_client.py), then a bounded schemathesis pass over the served
+# The API checks CI runs against a real daemon: the official OpenAI Python client and
+# LangChain's ChatOpenAI (tests/python/test_openai_client.py), then a bounded schemathesis pass over the served
 # OpenAPI document (no 5xx, no response that breaks its schema). Starts a throwaway engramd
 # (temporary data directory, a fresh admin key, a free port) and stops it at the end.
 #
@@ -9,15 +9,17 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-OPENAI_VERSION=1.109.1
+OPENAI_VERSION=3.57.0
+LANGCHAIN_OPENAI_VERSION=1.7.4
 SCHEMATHESIS_VERSION=4.32.5
 VENV=target/py-venv
-STAMP="$VENV/.pins-openai-$OPENAI_VERSION-schemathesis-$SCHEMATHESIS_VERSION"
+STAMP="$VENV/.pins-openai-$OPENAI_VERSION-langchain-openai-$LANGCHAIN_OPENAI_VERSION-schemathesis-$SCHEMATHESIS_VERSION"
 if [[ ! -f $STAMP ]]; then
     rm -rf "$VENV"
     python3 -m venv "$VENV"
     "$VENV/bin/pip" install --quiet --disable-pip-version-check \
-        "openai==$OPENAI_VERSION" "schemathesis==$SCHEMATHESIS_VERSION"
+        "openai==$OPENAI_VERSION" "langchain-openai==$LANGCHAIN_OPENAI_VERSION" \
+        "schemathesis==$SCHEMATHESIS_VERSION"
     touch "$STAMP"
 fi
 
@@ -36,7 +38,8 @@ cleanup() {
 }
 trap cleanup EXIT
 
-# Small limits keep generations (and the fuzzer's requests) short.
+# Small limits keep generations (and the fuzzer's requests) short; 96 tokens fit the
+# structured-output answers.
 cat >"$WORK/engramd.toml" <<'TOML'
 [models]
 threads = 2
@@ -44,7 +47,7 @@ threads = 2
 dram_mib = 64
 nvme_gib = 1
 [limits]
-max_tokens = 16
+max_tokens = 96
 max_upload_bytes = 1048576
 [auth]
 failures_per_minute = 100000
@@ -68,7 +71,7 @@ for _ in $(seq 600); do
 done
 curl -fs "$URL/healthz" >/dev/null || { cat "$WORK/engramd.log" >&2; exit 1; }
 
-echo "test-api: OpenAI Python client $OPENAI_VERSION against $URL"
+echo "test-api: OpenAI Python client $OPENAI_VERSION, langchain-openai $LANGCHAIN_OPENAI_VERSION against $URL"
 ENGRAM_URL=$URL ENGRAM_KEY=$KEY "$VENV/bin/python" tests/python/test_openai_client.py
 
 echo "test-api: schemathesis $SCHEMATHESIS_VERSION against $URL/api/v1/openapi.json"

@@ -14,7 +14,7 @@
 //! chunks (the chunk KV stage of ingestion), one chunk at a time, so a job waits behind at most
 //! one chunk's prefill.
 
-use std::cell::RefCell;
+use std::cell::{OnceCell, RefCell};
 use std::collections::{HashMap, VecDeque};
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -24,6 +24,7 @@ use engram_fusion::{
     chunk_tokens, fused_prefill_interleaved, no_answer, rag_frame, rag_prompt, ChunkStore,
     FusedPrompt, GateLimits, Interleave, OutputText, Policy, PrefixCache, DEFAULT_SYSTEM,
 };
+use engram_grammar::{Constrained, Grammar, TokenTrie};
 use engram_kvstore::{DramTier, KvDtype, KvStore, NvmeTier};
 use engram_model::{KvCache, Logits, Model, Sampler, SamplingParams, Sequence};
 use engram_tokenizer::{ChatTemplate, Detokenizer, Message, Tokenizer};
@@ -102,13 +103,15 @@ pub enum Event {
 
 /// How a job picks its tokens and when it ends early: greedy at temperature 0, else sampled
 /// (nucleus `top_p`, 1 disables) from a generator seeded with `seed`; the answer ends before
-/// the first of `stops` that appears in its text.
+/// the first of `stops` that appears in its text. With a `grammar`, only tokens that keep the
+/// output inside it are sampled, and the answer ends when the grammar is complete.
 #[derive(Clone, Debug)]
 pub struct Sampling {
     pub temperature: f32,
     pub top_p: f32,
     pub seed: u64,
     pub stops: Vec<String>,
+    pub grammar: Option<Arc<Grammar>>,
 }
 
 impl Sampling {
@@ -118,6 +121,7 @@ impl Sampling {
             top_p: 1.0,
             seed,
             stops: Vec::new(),
+            grammar: None,
         }
     }
 }
@@ -295,6 +299,8 @@ struct Engine {
     /// Policy asked -> policy used, and why fusion is off when the gate failed.
     gates: RefCell<HashMap<String, (Policy, Option<String>)>>,
     last_kv: RefCell<(engram_kvstore::StoreMetrics, engram_fusion::ChunkCounts)>,
+    /// The vocabulary's bytes as a trie, built at the first constrained job.
+    trie: OnceCell<Arc<TokenTrie>>,
 }
 
 /// A job in the decode batch: its own cache, sampler and output state.
@@ -308,6 +314,8 @@ struct Active<'t> {
     /// The text on its way out: stop strings, and for a RAG answer its cleaned start and the
     /// repetition stop.
     out: OutputText,
+    /// The grammar the output is held to, if the job has one.
+    constrained: Option<Constrained>,
     /// The logits the next token is sampled from.
     logits: Vec<f32>,
     /// The last sampled token, fed at `position` by the next step.
@@ -359,7 +367,23 @@ impl Engine {
             metrics,
             gates: RefCell::new(HashMap::new()),
             last_kv: Default::default(),
+            trie: OnceCell::new(),
         })
+    }
+
+    /// The vocabulary trie constrained jobs are masked with (control tokens never allowed;
+    /// the end-of-generation ones once the output is complete).
+    fn trie(&self) -> Arc<TokenTrie> {
+        self.trie
+            .get_or_init(|| {
+                let t = &self.tokenizer;
+                let n = t.vocab_size() as u32;
+                let tokens = (0..n)
+                    .filter(|&id| !t.is_special(id) && !t.is_eog(id))
+                    .map(|id| (id, t.token_piece(id)));
+                Arc::new(TokenTrie::new(tokens, t.eog_ids(), t.vocab_size()))
+            })
+            .clone()
     }
 
     fn info(&self) -> EngineInfo {
@@ -552,8 +576,16 @@ impl Engine {
         *batch = rest;
     }
 
-    /// Samples a sequence's next token from its logits and sends its text.
+    /// Samples a sequence's next token from its logits (among those its grammar allows) and
+    /// sends its text.
     fn advance(&self, a: &mut Active<'_>) -> Advance {
+        if let Some(c) = &mut a.constrained {
+            if !c.mask(&mut a.logits) {
+                // Cannot happen for a grammar that is not complete; ends it rather than loop.
+                tracing::warn!("constrained generation has no allowed token");
+                return Advance::Finished("stop");
+            }
+        }
         let id = a.sampler.sample(&a.logits, &a.history);
         if a.first_token.is_none() {
             a.first_token = Some(a.started.elapsed());
@@ -567,12 +599,18 @@ impl Engine {
         }
         a.generated += 1;
         a.history.push(id);
+        let mut finished = false;
+        if let Some(c) = &mut a.constrained {
+            let followed = c.accept(self.tokenizer.token_piece(id));
+            debug_assert!(followed, "the mask allowed token {id}");
+            finished = c.is_finished();
+        }
         let (piece, ended) = a.out.push(&a.detok.push(id));
         if !piece.is_empty() && a.job.events.try_send(Event::Token(piece)).is_err() {
             // Closed: the client left (the channel has room for every event of the job).
             return Advance::Cancelled;
         }
-        if ended {
+        if ended || finished {
             return Advance::Finished("stop");
         }
         if a.generated >= a.max_tokens {
@@ -727,10 +765,18 @@ impl Engine {
         batch: &mut Vec<Active<'t>>,
     ) -> std::result::Result<Active<'t>, ApiError> {
         let started = Instant::now();
+        // Structured output is taken as the grammar gives it: no answer clean-up.
         let out = match &job.prompt {
-            Prompt::Rag { question, .. } => OutputText::answer(question, &job.sampling.stops),
+            Prompt::Rag { question, .. } if job.sampling.grammar.is_none() => {
+                OutputText::answer(question, &job.sampling.stops)
+            }
             _ => OutputText::plain(&job.sampling.stops),
         };
+        let constrained = job
+            .sampling
+            .grammar
+            .clone()
+            .map(|g| Constrained::new(g, self.trie()));
         let (prompt, policy, fusion_disabled) = match &job.prompt {
             Prompt::Rag { question, passages } => {
                 let (policy, off) = self.gated(job.policy.unwrap_or(self.opts.policy))?;
@@ -792,6 +838,7 @@ impl Engine {
             history: prompt.tokens(),
             detok: Detokenizer::new(&self.tokenizer, true),
             out,
+            constrained,
             logits: done.logits,
             pending: 0,
             position: done.next_position,

@@ -3,6 +3,7 @@
 //! `citations`), `/v1/completions` (text continued as it is), `/v1/embeddings`.
 
 use std::convert::Infallible;
+use std::sync::Arc;
 use std::time::{Instant, SystemTime};
 
 use axum::extract::State;
@@ -82,9 +83,12 @@ pub struct ChatRequest {
     pub presence_penalty: Option<f32>,
     /// Only 0.
     pub frequency_penalty: Option<f32>,
-    /// Only `{"type": "text"}`.
+    /// `{"type": "text"}` (the default), `{"type": "json_object"}` or `{"type": "json_schema",
+    /// "json_schema": {"name": ..., "schema": {...}}}`: the answer is held to the JSON (by
+    /// constrained decoding), so it always parses and validates. A schema keyword that cannot
+    /// be enforced is refused with a 400 naming it.
     #[schema(value_type = Object)]
-    pub response_format: Option<serde_json::Value>,
+    pub response_format: Option<engram_grammar::Json>,
     /// Only none (an empty list).
     #[schema(value_type = Object)]
     pub tools: Option<serde_json::Value>,
@@ -163,14 +167,6 @@ fn refuse_unsupported(b: &ChatRequest) -> Result<(), ApiError> {
         };
         return no(p, "log probabilities are not returned");
     }
-    if let Some(f) = &b.response_format {
-        if f["type"] != "text" {
-            return no(
-                "response_format",
-                "structured output (json_object, json_schema) is not implemented: only {\"type\": \"text\"}",
-            );
-        }
-    }
     if b.tools
         .as_ref()
         .is_some_and(|t| !t.is_null() && t.as_array().is_none_or(|a| !a.is_empty()))
@@ -183,6 +179,61 @@ fn refuse_unsupported(b: &ChatRequest) -> Result<(), ApiError> {
         }
     }
     Ok(())
+}
+
+/// The grammar and the instruction for the model that `response_format` asks for; `None` for
+/// plain text.
+fn structured_output(
+    format: Option<&engram_grammar::Json>,
+) -> Result<Option<(Arc<engram_grammar::Grammar>, String)>, ApiError> {
+    use engram_grammar::Json;
+    let Some(format) = format else {
+        return Ok(None);
+    };
+    let bad = |field: &str, why: String| ApiError::invalid(field, why);
+    match format.get("type").and_then(Json::as_str) {
+        Some("text") => Ok(None),
+        Some("json_object") => Ok(Some((
+            Arc::new(engram_grammar::json_object()),
+            "Respond only with a JSON object.".to_owned(),
+        ))),
+        Some("json_schema") => {
+            let spec = format.get("json_schema").ok_or_else(|| {
+                bad(
+                    "response_format.json_schema",
+                    "missing: {\"name\": ..., \"schema\": {...}}".to_owned(),
+                )
+            })?;
+            let schema = spec.get("schema").cloned().unwrap_or(Json::Bool(true));
+            let grammar = engram_grammar::compile(&schema)
+                .map_err(|e| bad("response_format.json_schema.schema", e.to_string()))?;
+            Ok(Some((
+                Arc::new(grammar),
+                format!(
+                    "Respond only with JSON that matches this JSON schema: {}",
+                    schema.to_json_string()
+                ),
+            )))
+        }
+        other => Err(bad(
+            "response_format",
+            format!(
+                "type {} is not text, json_object or json_schema",
+                other.map_or("(missing)".to_owned(), |t| format!("`{t}`"))
+            ),
+        )),
+    }
+}
+
+/// Puts `instruction` in the system message (a new first one when there is none).
+fn instruct(messages: &mut Vec<(String, String)>, instruction: String) {
+    match messages.first_mut() {
+        Some((role, content)) if role == "system" => {
+            content.push_str("\n\n");
+            content.push_str(&instruction);
+        }
+        _ => messages.insert(0, ("system".to_owned(), instruction)),
+    }
 }
 
 /// The parameters chat and text completions share the rules of.
@@ -315,6 +366,17 @@ pub async fn chat(
         }
         messages.push((m.role.replace("developer", "system"), text_of(&m.content)?));
     }
+    let structured = structured_output(b.response_format.as_ref())?;
+    if structured.is_some() && b.engram.is_some() {
+        return Err(ApiError::invalid(
+            "response_format",
+            "structured output with engram retrieval is not supported (the grounded answer is text)",
+        ));
+    }
+    let grammar = structured.map(|(grammar, instruction)| {
+        instruct(&mut messages, instruction);
+        grammar
+    });
     let model = b
         .model
         .clone()
@@ -364,6 +426,7 @@ pub async fn chat(
             top_p: b.top_p.unwrap_or(1.0),
             seed: b.seed.unwrap_or(0),
             stops,
+            grammar,
         },
         policy,
     )?;
@@ -601,6 +664,7 @@ pub async fn completions(
             top_p: b.top_p.unwrap_or(1.0),
             seed: b.seed.unwrap_or(0),
             stops: stop_strings(b.stop.as_ref())?,
+            grammar: None,
         },
         None,
     )?;
