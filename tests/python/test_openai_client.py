@@ -195,7 +195,7 @@ def test_parameters(model):
         "logprobs": {"logprobs": True},
         "presence_penalty": {"presence_penalty": 0.5},
         "response_format": {"response_format": {"type": "xml"}},
-        "tools": {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
+        "tools": {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string", "format": "date"}}}]},
         "foo": {"extra_body": {"foo": 1}},
     }
     for param, extra in refused.items():
@@ -353,6 +353,57 @@ def test_langchain(model):
     assert isinstance(as_dict, dict), as_dict
 
 
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 30}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+def test_tools(model):
+    """Tool calls: arguments that parse and validate, streamed too, and the loop back."""
+    ask = dict(model=model, messages=[{"role": "user", "content": "What is the weather in Paris?"}], max_tokens=64, temperature=0, tools=[WEATHER])
+    r = client.chat.completions.create(**ask, tool_choice="required")
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls", c
+    call = c.message.tool_calls[0]
+    assert call.function.name == "get_weather"
+    args = json.loads(call.function.arguments)
+    assert jsonschema_rs.validator_for(WEATHER["function"]["parameters"]).is_valid(args), args
+    # Streamed, the client's accumulation gives the same call.
+    deltas = [ch.choices[0].delta for ch in client.chat.completions.create(**ask, tool_choice="required", stream=True) if ch.choices]
+    streamed = [t for d in deltas for t in (d.tool_calls or [])]
+    assert streamed and streamed[0].function.name == "get_weather", deltas
+    # The tool's result goes back; the model answers.
+    follow = client.chat.completions.create(
+        **{**ask, "messages": ask["messages"] + [c.message.model_dump(exclude_none=True), {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 21 C"}]},
+    )
+    assert follow.choices[0].finish_reason in ("stop", "length", "tool_calls"), follow
+
+
+def test_langchain_tools(model):
+    """LangChain: bind_tools with a forced tool, and with_structured_output by function calling."""
+    llm = ChatOpenAI(base_url=BASE + "/v1", api_key=KEY, model=model, temperature=0, max_tokens=96, max_retries=0, timeout=300)
+
+    def get_weather(city: str) -> str:
+        """Current weather in a city."""
+        return "sunny"
+
+    msg = llm.bind_tools([get_weather], tool_choice="get_weather").invoke("Weather in Rome?")
+    assert msg.tool_calls and msg.tool_calls[0]["name"] == "get_weather", msg
+    assert isinstance(msg.tool_calls[0]["args"].get("city"), str), msg.tool_calls
+    contact = llm.with_structured_output(Contact, method="function_calling").invoke("Ada Lovelace is 36.")
+    assert isinstance(contact, Contact), contact
+
+
 def test_completions(model):
     r = client.completions.create(model=model, prompt="The capital of France is", max_tokens=6, temperature=0)
     assert r.object == "text_completion", r
@@ -374,6 +425,8 @@ def main():
         ("structured output", lambda: test_structured_output(llm)),
         ("client parse", lambda: test_client_parse(llm)),
         ("langchain", lambda: test_langchain("engram")),
+        ("tools", lambda: test_tools(llm)),
+        ("langchain tools", lambda: test_langchain_tools("engram")),
         ("chat with retrieval", lambda: test_chat_with_retrieval(llm)),
         ("embeddings", lambda: test_embeddings(embedder)),
         ("errors", lambda: test_errors(llm)),

@@ -21,4 +21,6 @@ pub use error::{GrammarError, Result};
 pub use grammar::{ByteSet, Elem, Grammar, Matcher, RuleId};
 pub use json::Json;
 pub use mask::{Constrained, StateId, States, TokenTrie};
-pub use schema::{compile, json_object, MAX_ITEMS_BOUND, MAX_LENGTH_BOUND, MAX_RULES, MAX_WS};
+pub use schema::{
+    compile, json_object, tool_call, MAX_ITEMS_BOUND, MAX_LENGTH_BOUND, MAX_RULES, MAX_WS,
+};

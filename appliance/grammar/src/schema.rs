@@ -79,6 +79,42 @@ pub fn compile(schema: &Json) -> Result<Grammar> {
     Ok(c.g)
 }
 
+/// A grammar for one call of one of `tools` (each a name and the JSON Schema of its
+/// arguments): `{"name": "<name>", "arguments": <arguments>}`. With `or_text`, plain text that
+/// does not start with `{` or whitespace is allowed instead (the model chooses: OpenAI's
+/// `tool_choice: auto`). Each tool's schema is its own document for `$ref`.
+pub fn tool_call(tools: &[(&str, &Json)], or_text: bool) -> Result<Grammar> {
+    let Some((_, first)) = tools.first() else {
+        return Err(bad("#", "no tools"));
+    };
+    let mut c = Compiler::new(first);
+    let ws = c.ws();
+    let colon = c.colon();
+    let mut alts = Vec::new();
+    for (i, (name, parameters)) in tools.iter().enumerate() {
+        c.doc = parameters;
+        c.refs.clear();
+        let arguments = c.node(parameters, &format!("tools[{i}].function.parameters#"))?;
+        let mut call = vec![set(ByteSet::byte(b'{')), ws];
+        call.extend(lit(br#""name""#));
+        call.push(colon);
+        call.extend(lit(Json::String((*name).to_owned())
+            .to_json_string()
+            .as_bytes()));
+        call.extend([set(ByteSet::byte(b',')), ws]);
+        call.extend(lit(br#""arguments""#));
+        call.extend([colon, Elem::Rule(arguments), ws, set(ByteSet::byte(b'}'))]);
+        alts.push(call);
+    }
+    if or_text {
+        let text = c.text();
+        alts.push(vec![Elem::Rule(text)]);
+    }
+    let root = c.rule(alts)?;
+    c.g.set_root(root);
+    Ok(c.g)
+}
+
 struct Compiler<'a> {
     g: Grammar,
     doc: &'a Json,
@@ -196,6 +232,55 @@ impl<'a> Compiler<'a> {
                 ],
             ])
         })
+    }
+
+    /// Free text: well-formed UTF-8 (tabs and line breaks but no other controls), its first
+    /// character neither `{` nor whitespace.
+    fn text(&mut self) -> RuleId {
+        let cont = set(ByteSet::range(0x80, 0xbf));
+        let multibyte = |first: ByteSet| vec![set(first), cont];
+        let mut printable = ByteSet::range(0x20, 0x7e);
+        for b in [b'\t', b'\n', b'\r'] {
+            printable.insert(b);
+        }
+        let opening = printable.minus(ByteSet::of(b"{ \t\n\r"));
+        // Any character: ASCII from `ascii`, or the same multi-byte forms as in strings.
+        let char_of = |c: &mut Self, ascii: ByteSet| {
+            let mut alts = vec![vec![set(ascii)]];
+            alts.push(multibyte(ByteSet::range(0xc2, 0xdf)));
+            alts.push(vec![
+                set(ByteSet::byte(0xe0)),
+                set(ByteSet::range(0xa0, 0xbf)),
+                cont,
+            ]);
+            alts.push(vec![set(ByteSet::range(0xe1, 0xec)), cont, cont]);
+            alts.push(vec![
+                set(ByteSet::byte(0xed)),
+                set(ByteSet::range(0x80, 0x9f)),
+                cont,
+            ]);
+            alts.push(vec![set(ByteSet::range(0xee, 0xef)), cont, cont]);
+            alts.push(vec![
+                set(ByteSet::byte(0xf0)),
+                set(ByteSet::range(0x90, 0xbf)),
+                cont,
+                cont,
+            ]);
+            alts.push(vec![set(ByteSet::range(0xf1, 0xf3)), cont, cont, cont]);
+            alts.push(vec![
+                set(ByteSet::byte(0xf4)),
+                set(ByteSet::range(0x80, 0x8f)),
+                cont,
+                cont,
+            ]);
+            c.g.rule(alts)
+        };
+        let first = char_of(self, opening);
+        let any = char_of(self, printable);
+        let rest = self.g.declare();
+        self.g
+            .set_rule(rest, vec![vec![], vec![Elem::Rule(any), Elem::Rule(rest)]]);
+        self.g.rule(vec![vec![Elem::Rule(first), Elem::Rule(rest)]])
     }
 
     /// The rest of a string after its opening quote: any characters, then `"`.

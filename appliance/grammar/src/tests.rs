@@ -494,3 +494,47 @@ fn constrained_masks_logits_and_finishes() {
     assert!(c.accept(b"{}"));
     assert!(c.is_complete() && c.is_finished());
 }
+
+#[test]
+fn tool_calls_name_a_tool_and_follow_its_parameters() {
+    let weather = serde_json::from_str::<Json>(
+        r#"{"type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}},
+            "required": ["city"]}"#,
+    )
+    .unwrap();
+    let time = serde_json::from_str::<Json>(
+        r##"{"$defs": {"Zone": {"type": "string", "maxLength": 8}}, "type": "object",
+            "properties": {"zone": {"$ref": "#/$defs/Zone"}}, "required": ["zone"]}"##,
+    )
+    .unwrap();
+    let tools = [("get_weather", &weather), ("get_time", &time)];
+    let g = tool_call(&tools, false).unwrap();
+    assert!(matches(
+        &g,
+        r#"{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}"#
+    ));
+    assert!(matches(
+        &g,
+        r#"{"name":"get_time","arguments":{"zone":"UTC"}}"#
+    ));
+    assert!(!matches(
+        &g,
+        r#"{"name": "get_time", "arguments": {"city": "Paris"}}"#
+    ));
+    assert!(!matches(&g, r#"{"name": "launch", "arguments": {}}"#));
+    assert!(!matches(&g, "It is sunny."));
+    let g = tool_call(&tools, true).unwrap();
+    assert!(matches(&g, "It is sunny.\nIn Paris too: 東京 ✓"));
+    assert!(matches(
+        &g,
+        r#"{"name": "get_time", "arguments": {"zone": "CET"}}"#
+    ));
+    assert!(!matches(&g, " leading space"));
+    assert!(!matches(&g, "{not a call}"));
+    let bad = serde_json::from_str::<Json>(r#"{"type": "string", "format": "date"}"#).unwrap();
+    let e = tool_call(&[("f", &bad)], false).unwrap_err();
+    assert!(
+        e.to_string().contains("tools[0].function.parameters#"),
+        "{e}"
+    );
+}

@@ -1239,10 +1239,7 @@ fn openai_chat_parameters_are_honoured_or_refused_by_name() {
         ("presence_penalty", json!(0.5)),
         ("frequency_penalty", json!(-1)),
         ("response_format", json!({"type": "xml"})),
-        (
-            "tools",
-            json!([{"type": "function", "function": {"name": "f"}}]),
-        ),
+        ("tools", json!({"type": "function"})),
         ("tool_choice", json!("required")),
         ("top_p", json!(0)),
         ("stop", json!(["a", "b", "c", "d", "e"])),
@@ -1396,6 +1393,124 @@ fn openai_structured_output_parses_and_validates() {
     );
     assert_eq!(r.status, 400, "{}", r.text());
     assert!(r.text().contains("`response_format`"), "{}", r.text());
+}
+
+/// `tools`: a call is generated under the grammar of the tools' parameters (its arguments parse
+/// and validate), named or required or left to the model; the conversation goes on with the
+/// tool's answer.
+#[test]
+fn openai_tool_calls() {
+    let s = server();
+    let tools = json!([{"type": "function", "function": {"name": "get_weather",
+        "description": "Current weather in a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30}},
+            "required": ["city"], "additionalProperties": false}}}]);
+    let chat = |extra: Value| {
+        let mut body = json!({"messages": [{"role": "user", "content": "What is the weather in Paris?"}],
+            "max_tokens": 64, "temperature": 0, "tools": tools});
+        for (k, v) in extra.as_object().unwrap() {
+            body[k] = v.clone();
+        }
+        s.call("POST", "/v1/chat/completions", Some(&s.admin), Some(body))
+    };
+    for choice in [
+        json!("required"),
+        json!({"type": "function", "function": {"name": "get_weather"}}),
+    ] {
+        let r = chat(json!({"tool_choice": choice}));
+        assert_eq!(r.status, 200, "{}", r.text());
+        let v = r.json();
+        let c = &v["choices"][0];
+        assert_eq!(c["finish_reason"], "tool_calls", "{v}");
+        assert!(c["message"]["content"].is_null(), "{v}");
+        let call = &c["message"]["tool_calls"][0];
+        assert_eq!(call["type"], "function");
+        assert!(call["id"].as_str().unwrap().starts_with("call_"));
+        assert_eq!(call["function"]["name"], "get_weather");
+        let args: Value =
+            serde_json::from_str(call["function"]["arguments"].as_str().unwrap()).unwrap();
+        assert!(
+            args["city"]
+                .as_str()
+                .is_some_and(|c| c.chars().count() <= 30),
+            "{args}"
+        );
+        assert_eq!(args.as_object().unwrap().len(), 1, "{args}");
+    }
+    // Streamed: the call in one delta, then finish_reason tool_calls.
+    let r = chat(json!({"tool_choice": "required", "stream": true}));
+    let events: Vec<Value> = r
+        .text()
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter(|d| *d != "[DONE]")
+        .map(|d| serde_json::from_str(d).unwrap())
+        .collect();
+    let call = events
+        .iter()
+        .find_map(|e| e["choices"][0]["delta"]["tool_calls"].get(0).cloned())
+        .expect("a tool_calls delta");
+    assert_eq!(
+        (call["index"].clone(), call["function"]["name"].clone()),
+        (json!(0), json!("get_weather"))
+    );
+    assert_eq!(
+        events.last().unwrap()["choices"][0]["finish_reason"],
+        "tool_calls"
+    );
+    // The tool's answer goes back in: the model answers (in text, or with another call).
+    let r = chat(json!({"messages": [
+        {"role": "user", "content": "What is the weather in Paris?"},
+        {"role": "assistant", "content": null, "tool_calls": [{"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 21 C"}]}));
+    assert_eq!(r.status, 200, "{}", r.text());
+    let finish = r.json()["choices"][0]["finish_reason"].clone();
+    assert!(
+        ["stop", "length", "tool_calls"].contains(&finish.as_str().unwrap()),
+        "{}",
+        r.text()
+    );
+    // tool_choice none: plain text, the tools not offered.
+    let r = chat(json!({"tool_choice": "none"}));
+    assert!(
+        r.json()["choices"][0]["message"]["content"].is_string(),
+        "{}",
+        r.text()
+    );
+    // Refused by name.
+    for (extra, field) in [
+        (
+            json!({"tools": [{"type": "function", "function": {"name": "get weather!"}}]}),
+            "tools[0].function.name",
+        ),
+        (
+            json!({"tools": [{"type": "code_interpreter"}]}),
+            "tools[0].type",
+        ),
+        (
+            json!({"tool_choice": {"type": "function", "function": {"name": "launch"}}}),
+            "tool_choice",
+        ),
+        (
+            json!({"tools": [{"type": "function", "function": {"name": "f",
+            "parameters": {"type": "string", "pattern": "x"}}}]}),
+            "tools",
+        ),
+        (
+            json!({"response_format": {"type": "json_object"}}),
+            "response_format",
+        ),
+        (json!({"engram": {"collections": ["a"]}}), "tools"),
+    ] {
+        let r = chat(extra.clone());
+        assert_eq!(r.status, 400, "{extra}: {}", r.text());
+        assert!(
+            r.text().contains(&format!("`{field}`")),
+            "{extra}: {}",
+            r.text()
+        );
+    }
 }
 
 #[test]

@@ -28,10 +28,17 @@ pub const MAX_EMBED_INPUTS: usize = 256;
 
 #[derive(Debug, Deserialize, ToSchema)]
 pub struct ChatMessage {
+    /// `system`, `developer`, `user`, `assistant` or `tool`.
     pub role: String,
-    /// A string, or an array of `{"type": "text", "text": ...}` parts.
+    /// A string, or an array of `{"type": "text", "text": ...}` parts (null for an assistant
+    /// message that only calls tools).
     #[schema(value_type = Object)]
+    #[serde(default)]
     pub content: serde_json::Value,
+    /// An assistant's earlier tool calls, shown to the model again as the JSON it wrote. (A
+    /// `tool` message's `tool_call_id` is not needed: an answer makes one call at most.)
+    #[schema(value_type = Object)]
+    pub tool_calls: Option<serde_json::Value>,
 }
 
 /// Engram's extension: retrieval before the answer.
@@ -89,12 +96,19 @@ pub struct ChatRequest {
     /// be enforced is refused with a 400 naming it.
     #[schema(value_type = Object)]
     pub response_format: Option<engram_grammar::Json>,
-    /// Only none (an empty list).
+    /// Functions the model may call: `[{"type": "function", "function": {"name": ...,
+    /// "description": ..., "parameters": {JSON Schema}}}]`. A call is generated under the
+    /// grammar of the tools' parameters (as structured output), so its arguments always parse
+    /// and validate.
     #[schema(value_type = Object)]
-    pub tools: Option<serde_json::Value>,
-    /// Only `none` or `auto` with no tools.
+    pub tools: Option<engram_grammar::Json>,
+    /// `auto` (the default with tools: a call or a text answer, the model chooses), `none`,
+    /// `required` (one call of any tool) or `{"type": "function", "function": {"name": ...}}`.
     #[schema(value_type = Object)]
     pub tool_choice: Option<serde_json::Value>,
+    /// Accepted: an answer makes one call at most, which either value allows.
+    #[allow(dead_code)]
+    pub parallel_tool_calls: Option<bool>,
     /// The end user: logged with the request, for the caller's audits (it changes nothing, as
     /// at OpenAI).
     pub user: Option<String>,
@@ -167,17 +181,6 @@ fn refuse_unsupported(b: &ChatRequest) -> Result<(), ApiError> {
         };
         return no(p, "log probabilities are not returned");
     }
-    if b.tools
-        .as_ref()
-        .is_some_and(|t| !t.is_null() && t.as_array().is_none_or(|a| !a.is_empty()))
-    {
-        return no("tools", "tool calls are not implemented");
-    }
-    if let Some(c) = &b.tool_choice {
-        if !(c.is_null() || c == "none" || c == "auto") {
-            return no("tool_choice", "tool calls are not implemented");
-        }
-    }
     Ok(())
 }
 
@@ -223,6 +226,149 @@ fn structured_output(
             ),
         )),
     }
+}
+
+/// The grammar and the instruction for the model that `tools` and `tool_choice` ask for;
+/// `None` when no tool may be called.
+fn tool_use(b: &ChatRequest) -> Result<Option<(Arc<engram_grammar::Grammar>, String)>, ApiError> {
+    use engram_grammar::Json;
+    let listed: &[Json] = match &b.tools {
+        None | Some(Json::Null) => &[],
+        Some(Json::Array(t)) => t,
+        Some(_) => return Err(ApiError::invalid("tools", "expected an array of tools")),
+    };
+    let mut tools = Vec::with_capacity(listed.len());
+    for (i, t) in listed.iter().enumerate() {
+        let field = |f: &str| format!("tools[{i}].{f}");
+        if t.get("type").and_then(Json::as_str) != Some("function") {
+            return Err(ApiError::invalid(
+                field("type"),
+                "only `function` tools exist",
+            ));
+        }
+        let f = t
+            .get("function")
+            .ok_or_else(|| ApiError::invalid(field("function"), "missing"))?;
+        let name = f
+            .get("name")
+            .and_then(Json::as_str)
+            .filter(|n| {
+                !n.is_empty()
+                    && n.len() <= 64
+                    && n.bytes()
+                        .all(|c| c.is_ascii_alphanumeric() || c == b'_' || c == b'-')
+            })
+            .ok_or_else(|| {
+                ApiError::invalid(
+                    field("function.name"),
+                    "1 to 64 letters, digits, underscores or dashes",
+                )
+            })?;
+        let parameters = f.get("parameters").cloned().unwrap_or_else(|| {
+            Json::Object(vec![
+                ("type".into(), Json::String("object".into())),
+                ("properties".into(), Json::Object(Vec::new())),
+            ])
+        });
+        let description = f.get("description").and_then(Json::as_str).unwrap_or("");
+        tools.push((name.to_owned(), description.to_owned(), parameters));
+    }
+    let choice = match &b.tool_choice {
+        None | Some(serde_json::Value::Null) => "auto".to_owned(),
+        Some(serde_json::Value::String(c)) if ["none", "auto", "required"].contains(&c.as_str()) => {
+            c.clone()
+        }
+        Some(c) => match c["function"]["name"].as_str() {
+            Some(n) if c["type"] == "function" => {
+                if !tools.iter().any(|t| t.0 == n) {
+                    return Err(ApiError::invalid(
+                        "tool_choice",
+                        format!("`{n}` is not one of the tools"),
+                    ));
+                }
+                n.to_owned()
+            }
+            _ => {
+                return Err(ApiError::invalid(
+                    "tool_choice",
+                    "expected none, auto, required or {\"type\": \"function\", \"function\": {\"name\": ...}}",
+                ))
+            }
+        },
+    };
+    if tools.is_empty() {
+        return match choice.as_str() {
+            "none" | "auto" => Ok(None),
+            _ => Err(ApiError::invalid(
+                "tool_choice",
+                "there are no tools to call",
+            )),
+        };
+    }
+    if choice == "none" {
+        return Ok(None);
+    }
+    let callable: Vec<_> = match choice.as_str() {
+        "auto" | "required" => tools.iter().collect(),
+        named => tools.iter().filter(|t| t.0 == named).collect(),
+    };
+    let grammar = engram_grammar::tool_call(
+        &callable
+            .iter()
+            .map(|(n, _, p)| (n.as_str(), p))
+            .collect::<Vec<_>>(),
+        choice == "auto",
+    )
+    .map_err(|e| ApiError::invalid("tools", e.to_string()))?;
+    let mut instruction = String::from("You can call these tools:\n");
+    for (name, description, parameters) in &callable {
+        instruction.push_str(&format!(
+            "- {name}: {description} Arguments (JSON schema): {}\n",
+            parameters.to_json_string()
+        ));
+    }
+    instruction.push_str(
+        "To call a tool, answer only with JSON: {\"name\": <tool name>, \"arguments\": <arguments>}.",
+    );
+    if choice == "auto" {
+        instruction.push_str(" If no tool is needed, answer in plain text.");
+    }
+    Ok(Some((Arc::new(grammar), instruction)))
+}
+
+/// An answer generated under a tool grammar that is a call (it starts with `{` and parses):
+/// OpenAI's `tool_calls` entry, the arguments as a JSON string.
+fn tool_call_of(answer: &str) -> Option<serde_json::Value> {
+    let text = answer.trim();
+    if !text.starts_with('{') {
+        return None;
+    }
+    let call: serde_json::Value = serde_json::from_str(text).ok()?;
+    let name = call["name"].as_str()?;
+    Some(serde_json::json!({
+        "id": format!("call_{:024x}", rand::random::<u128>() >> 32),
+        "type": "function",
+        "function": {"name": name, "arguments": call["arguments"].to_string()},
+    }))
+}
+
+/// An assistant's earlier tool calls as the JSON the model writes for one (one per line).
+fn calls_text(calls: &serde_json::Value) -> Result<String, ApiError> {
+    let bad = || {
+        ApiError::invalid(
+            "messages[].tool_calls",
+            "expected [{\"type\": \"function\", \"function\": {\"name\": ..., \"arguments\": \"{...}\"}}]",
+        )
+    };
+    let mut lines = Vec::new();
+    for c in calls.as_array().ok_or_else(bad)? {
+        let name = c["function"]["name"].as_str().ok_or_else(bad)?;
+        let args = c["function"]["arguments"].as_str().ok_or_else(bad)?;
+        let args: serde_json::Value =
+            serde_json::from_str(args).unwrap_or_else(|_| serde_json::Value::String(args.into()));
+        lines.push(serde_json::json!({"name": name, "arguments": args}).to_string());
+    }
+    Ok(lines.join("\n"))
 }
 
 /// Puts `instruction` in the system message (a new first one when there is none).
@@ -357,23 +503,43 @@ pub async fn chat(
     for m in &b.messages {
         if !matches!(
             m.role.as_str(),
-            "system" | "user" | "assistant" | "developer"
+            "system" | "user" | "assistant" | "developer" | "tool"
         ) {
             return Err(ApiError::invalid(
                 "messages[].role",
-                format!("`{}` is not system, user or assistant", m.role),
+                format!("`{}` is not system, user, assistant or tool", m.role),
             ));
         }
-        messages.push((m.role.replace("developer", "system"), text_of(&m.content)?));
+        let mut text = text_of(&m.content)?;
+        if let Some(calls) = m.tool_calls.as_ref().filter(|c| !c.is_null()) {
+            if !text.is_empty() {
+                text.push('\n');
+            }
+            text.push_str(&calls_text(calls)?);
+        }
+        messages.push((m.role.replace("developer", "system"), text));
     }
     let structured = structured_output(b.response_format.as_ref())?;
-    if structured.is_some() && b.engram.is_some() {
+    let tools = tool_use(&b)?;
+    if structured.is_some() && tools.is_some() {
         return Err(ApiError::invalid(
             "response_format",
-            "structured output with engram retrieval is not supported (the grounded answer is text)",
+            "structured output together with tools is not supported (set tool_choice to none)",
         ));
     }
-    let grammar = structured.map(|(grammar, instruction)| {
+    let calls_tools = tools.is_some();
+    if let (Some(_), Some(_)) = (&b.engram, structured.as_ref().or(tools.as_ref())) {
+        let param = if calls_tools {
+            "tools"
+        } else {
+            "response_format"
+        };
+        return Err(ApiError::invalid(
+            param,
+            "not supported with engram retrieval (the grounded answer is text)",
+        ));
+    }
+    let grammar = structured.or(tools).map(|(grammar, instruction)| {
         instruct(&mut messages, instruction);
         grammar
     });
@@ -432,6 +598,74 @@ pub async fn chat(
     )?;
     let id = format!("chatcmpl-{:016x}", rand::random::<u64>());
     let created = unix_now();
+    if calls_tools {
+        // A call is known to be one only once it parses: it is answered whole, also when
+        // streamed.
+        let (answer, sum) = crate::engine::collect(rx).await?;
+        let call = (sum.finish_reason == "stop")
+            .then(|| tool_call_of(&answer))
+            .flatten();
+        let (message, finish) = match call {
+            Some(c) => (
+                serde_json::json!({"role": "assistant", "content": null, "tool_calls": [c]}),
+                "tool_calls",
+            ),
+            None => (
+                serde_json::json!({"role": "assistant", "content": answer.trim()}),
+                sum.finish_reason,
+            ),
+        };
+        if !b.stream {
+            return Ok(axum::Json(serde_json::json!({
+                "id": id,
+                "object": "chat.completion",
+                "created": created,
+                "model": model,
+                "choices": [{"index": 0, "message": message, "finish_reason": finish}],
+                "usage": usage_of(&sum),
+            }))
+            .into_response());
+        }
+        let chunk = |delta: serde_json::Value, finish: Option<&str>| {
+            data(&serde_json::json!({
+                "id": id,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": model,
+                "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+            }))
+        };
+        let delta = match message.get("tool_calls") {
+            Some(calls) => {
+                let mut calls = calls.clone();
+                calls[0]["index"] = 0.into();
+                serde_json::json!({"tool_calls": calls})
+            }
+            None => serde_json::json!({"content": message["content"]}),
+        };
+        let mut events = vec![
+            chunk(
+                serde_json::json!({"role": "assistant", "content": ""}),
+                None,
+            ),
+            chunk(delta, None),
+            chunk(serde_json::json!({}), Some(finish)),
+        ];
+        if include_usage {
+            events.push(data(&serde_json::json!({
+                "id": id,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": model,
+                "choices": [],
+                "usage": usage_of(&sum),
+            })));
+        }
+        events.push(SseEvent::default().data("[DONE]"));
+        return Ok(
+            Sse::new(stream::iter(events.into_iter().map(Ok::<_, Infallible>))).into_response(),
+        );
+    }
     if !b.stream {
         let (answer, sum) = crate::engine::collect(rx).await?;
         let mut body = serde_json::json!({
