@@ -404,6 +404,24 @@ def test_langchain_tools(model):
     assert isinstance(contact, Contact), contact
 
 
+def test_conversation(model):
+    """Five turns: each one's cached_tokens covers the history (earlier prompts and answers)."""
+    messages = [{"role": "system", "content": "You are a helpful assistant."}]
+    questions = ["What is the capital of France?", "And of Italy?", "Which one is bigger?", "Name a dish from each.", "Summarize our chat."]
+    before = 0
+    for turn, q in enumerate(questions):
+        messages.append({"role": "user", "content": q})
+        r = client.chat.completions.create(model=model, messages=messages, max_tokens=16, temperature=0)
+        u = r.usage
+        cached = u.prompt_tokens_details.cached_tokens
+        if turn > 0:
+            assert cached + 4 >= before, (turn, u, before)
+        assert cached < u.prompt_tokens, u
+        before = u.total_tokens
+        messages.append({"role": "assistant", "content": r.choices[0].message.content})
+    print(f"    turn 5: {u.prompt_tokens} prompt tokens, {cached} cached")
+
+
 def test_completions(model):
     r = client.completions.create(model=model, prompt="The capital of France is", max_tokens=6, temperature=0)
     assert r.object == "text_completion", r
@@ -426,6 +444,7 @@ def main():
         ("client parse", lambda: test_client_parse(llm)),
         ("langchain", lambda: test_langchain("engram")),
         ("tools", lambda: test_tools(llm)),
+        ("conversation", lambda: test_conversation(llm)),
         ("langchain tools", lambda: test_langchain_tools("engram")),
         ("chat with retrieval", lambda: test_chat_with_retrieval(llm)),
         ("embeddings", lambda: test_embeddings(embedder)),

@@ -13,13 +13,16 @@
 //!     --key "$KEY" --pid "$(pgrep -n engramd)" [--collection handbook]
 //! ```
 
-use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
+use std::net::{SocketAddr, ToSocketAddrs};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
+
+#[path = "support/http.rs"]
+mod http;
+use http::post;
 
 struct Args {
     addr: SocketAddr,
@@ -66,38 +69,6 @@ fn args() -> Args {
         }
     }
     a
-}
-
-/// One POST with `Connection: close`: `Err` on a connection failure, else (status, body).
-fn post(addr: SocketAddr, key: &str, path: &str, body: &Value) -> Result<(u16, Value), String> {
-    let mut s =
-        TcpStream::connect_timeout(&addr, Duration::from_secs(10)).map_err(|e| e.to_string())?;
-    s.set_read_timeout(Some(Duration::from_secs(600)))
-        .map_err(|e| e.to_string())?;
-    let body = serde_json::to_vec(body).unwrap();
-    let head = format!(
-        "POST {path} HTTP/1.1\r\nHost: load\r\nConnection: close\r\nAuthorization: Bearer {key}\r\n\
-         Content-Type: application/json\r\nContent-Length: {}\r\n\r\n",
-        body.len()
-    );
-    s.write_all(head.as_bytes()).map_err(|e| e.to_string())?;
-    s.write_all(&body).map_err(|e| e.to_string())?;
-    let mut raw = Vec::new();
-    s.read_to_end(&mut raw).map_err(|e| e.to_string())?;
-    let split = raw
-        .windows(4)
-        .position(|w| w == b"\r\n\r\n")
-        .ok_or("no response head")?;
-    let head = String::from_utf8_lossy(&raw[..split]);
-    let status = head
-        .split(' ')
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .ok_or("bad status line")?;
-    Ok((
-        status,
-        serde_json::from_slice(&raw[split + 4..]).unwrap_or(Value::Null),
-    ))
 }
 
 fn chat_body(a: &Args, i: usize) -> Value {

@@ -132,6 +132,8 @@ pub struct Summary {
     pub policy: String,
     pub fusion_disabled: Option<String>,
     pub prompt_tokens: usize,
+    /// Prompt tokens whose KV came from the prefix cache (OpenAI's `cached_tokens`).
+    pub cached_tokens: usize,
     pub generated_tokens: usize,
     /// `stop` (end of generation) or `length` (max_tokens or the context reached).
     pub finish_reason: &'static str,
@@ -231,6 +233,7 @@ impl EngineHandle {
                     policy: Policy::Full.name(),
                     fusion_disabled: None,
                     prompt_tokens: 0,
+                    cached_tokens: 0,
                     generated_tokens: 0,
                     finish_reason: "stop",
                     timings: serde_json::json!({"no_relevant_passages": true}),
@@ -651,10 +654,30 @@ impl Engine {
             policy: a.policy.name(),
             fusion_disabled: a.fusion_disabled,
             prompt_tokens: a.prompt_tokens,
+            cached_tokens: a.stats.prefix_cached_tokens,
             generated_tokens: a.generated,
             finish_reason,
             timings: serde_json::Value::Object(timings),
         }));
+        if a.generated > 0 {
+            self.keep_conversation(&a.job.prompt, &a.kv, &a.history);
+        }
+    }
+
+    /// Keeps a finished chat's KV (prompt and answer) in the prefix cache, so the next turn of
+    /// the conversation, which starts with this one, prefills only what is new. Only exact KV
+    /// is kept: a RAG prompt's fused chunks are approximate.
+    fn keep_conversation(&self, prompt: &Prompt, kv: &KvCache, history: &[u32]) {
+        if matches!(prompt, Prompt::Rag { .. }) {
+            return;
+        }
+        // The cache holds the prompt and every answer token fed back (all but the last).
+        let n = kv.len().min(history.len());
+        let mut own = self.model.new_cache(n);
+        match own.append_from(kv, 0..n) {
+            Ok(_) => self.prefixes.insert(&history[..n], own),
+            Err(e) => tracing::warn!("conversation KV not kept: {e}"),
+        }
     }
 
     /// The chunk KV stage for one chunk: computes and stores its KV unless a tier holds it
@@ -825,6 +848,16 @@ impl Engine {
                 between: &mut between,
             }),
         )?;
+        let cached = done.stats.prefix_cached_tokens;
+        let prefix = prompt.prefix.len();
+        self.metrics
+            .prefix_tokens
+            .with_label_values(&["hit"])
+            .inc_by(cached as u64);
+        self.metrics
+            .prefix_tokens
+            .with_label_values(&["miss"])
+            .inc_by(prefix.saturating_sub(cached) as u64);
         let sampler = Sampler::new(SamplingParams {
             temperature: job.sampling.temperature,
             top_p: job.sampling.top_p,

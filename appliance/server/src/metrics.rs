@@ -47,6 +47,9 @@ pub struct Metrics {
     pub kv_rejected: IntCounterVec,
     pub kv_bytes_read: IntCounterVec,
     pub generated_tokens: IntCounterVec,
+    /// Prompt prefix tokens whose KV came from the prefix cache (`hit`: a system prompt or an
+    /// earlier turn of the conversation) or was computed (`miss`).
+    pub prefix_tokens: IntCounterVec,
     /// Documents accepted and not yet done (`documents`), chunks waiting for their KV
     /// (`chunk_kv`).
     pub ingest_pending: IntGaugeVec,
@@ -179,8 +182,17 @@ impl Metrics {
             "1 while the data directory's disk is short of its reserve (uploads and ingestion paused)",
         )
         .expect("valid metric");
+        let prefix_tokens = IntCounterVec::new(
+            Opts::new(
+                "engram_prefix_cache_tokens_total",
+                "Prompt prefix tokens served from the prefix cache (hit) or computed (miss)",
+            ),
+            &["result"],
+        )
+        .expect("valid metric");
         for c in [
             Box::new(requests.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(prefix_tokens.clone()),
             Box::new(storage_available.clone()),
             Box::new(storage_read_only.clone()),
             Box::new(ingest_chunks.clone()),
@@ -214,6 +226,7 @@ impl Metrics {
             kv_rejected,
             kv_bytes_read,
             generated_tokens,
+            prefix_tokens,
             ingest_pending,
             ingested,
             ingest_chunks,

@@ -1513,6 +1513,62 @@ fn openai_tool_calls() {
     }
 }
 
+/// A conversation continued with its history does not prefill the history again: each turn's
+/// `cached_tokens` covers the previous turn's prompt and answer.
+#[test]
+fn conversation_turns_reuse_the_history_kv() {
+    let s = server();
+    let mut messages =
+        vec![json!({"role": "system", "content": "You are a terse geography tutor."})];
+    let mut previous_total = 0;
+    for (turn, q) in [
+        "What is the capital of Peru?",
+        "And of Chile?",
+        "Which is further south?",
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        messages.push(json!({"role": "user", "content": q}));
+        let r = s.call(
+            "POST",
+            "/v1/chat/completions",
+            Some(&s.admin),
+            Some(json!({"messages": messages, "max_tokens": 12, "temperature": 0})),
+        );
+        assert_eq!(r.status, 200, "{}", r.text());
+        let v = r.json();
+        let usage = &v["usage"];
+        let cached = usage["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap();
+        let prompt = usage["prompt_tokens"].as_u64().unwrap();
+        assert!(cached < prompt, "{usage}");
+        if turn > 0 {
+            // The previous turn's prompt and answer, less what re-tokenizing the answer and
+            // the template's end of turn may change.
+            assert!(
+                cached + 4 >= previous_total,
+                "turn {turn}: {usage}, before {previous_total}"
+            );
+        }
+        previous_total = usage["total_tokens"].as_u64().unwrap();
+        let answer = v["choices"][0]["message"]["content"]
+            .as_str()
+            .unwrap()
+            .to_owned();
+        messages.push(json!({"role": "assistant", "content": answer}));
+    }
+    let metrics = s.call("GET", "/metrics", Some(&s.admin), None).text();
+    let hits: f64 = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("engram_prefix_cache_tokens_total{result=\"hit\"} "))
+        .expect("the prefix cache's hit counter")
+        .parse()
+        .unwrap();
+    assert!(hits > 0.0, "{metrics}");
+}
+
 #[test]
 fn openai_text_completions() {
     let s = server();

@@ -697,12 +697,14 @@ pub async fn chat(
     )
 }
 
-/// OpenAI's `usage`.
+/// OpenAI's `usage`; `cached_tokens`: prompt tokens whose KV came from the prefix cache (the
+/// system prompt, an earlier turn of the conversation).
 fn usage_of(sum: &crate::engine::Summary) -> serde_json::Value {
     serde_json::json!({
         "prompt_tokens": sum.prompt_tokens,
         "completion_tokens": sum.generated_tokens,
         "total_tokens": sum.prompt_tokens + sum.generated_tokens,
+        "prompt_tokens_details": {"cached_tokens": sum.cached_tokens},
     })
 }
 
