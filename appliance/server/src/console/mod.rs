@@ -56,6 +56,7 @@ pub struct Facts {
     pub queue_depth: usize,
     pub kv_dram_mib: u64,
     pub kv_nvme_gib: u64,
+    pub prefix_cache_mib: u64,
     pub kv_dtype: String,
     pub policy: String,
     /// The configuration as loaded: (key, value).
@@ -128,6 +129,7 @@ impl Facts {
             queue_depth,
             kv_dram_mib,
             kv_nvme_gib,
+            prefix_cache_mib: config.prefix_cache_mib,
             kv_dtype: config.kv_dtype.to_string(),
             policy: config.policy.to_string(),
             config: config_rows,

@@ -140,14 +140,23 @@ pub async fn page(
                 budget: bytes(budget),
                 hits,
                 misses,
-                hit_rate: if hits + misses == 0 {
-                    "–".into()
-                } else {
-                    format!("{:.1} %", hits as f64 * 100.0 / (hits + misses) as f64)
-                },
+                hit_rate: rate(hits, misses),
                 read: bytes(counter_of(&m.kv_bytes_read, name)),
             }
         })
+        .chain(std::iter::once({
+            // The prefix cache, counted in prompt tokens (system prompts, earlier turns).
+            let hits = counter_of(&m.prefix_tokens, "hit");
+            let misses = counter_of(&m.prefix_tokens, "miss");
+            Tier {
+                name: "prefix",
+                budget: bytes(f.prefix_cache_mib << 20),
+                hits,
+                misses,
+                hit_rate: rate(hits, misses),
+                read: "–".into(),
+            }
+        }))
         .collect();
     // QPS over the last minute (6 samples back), TTFT and TPOT percentiles (the engine's
     // histograms: API and console traffic alike) over the hour kept.
@@ -282,4 +291,13 @@ fn charts(hist: &[Sample], t: &Catalog) -> Vec<Chart> {
             svg: chart::line(&cpu, 100.0, t.get("dashboard.chart_cpu")),
         },
     ]
+}
+
+/// `hits` over all, as a percentage; a dash before the first.
+fn rate(hits: u64, misses: u64) -> String {
+    if hits + misses == 0 {
+        "–".into()
+    } else {
+        format!("{:.1} %", hits as f64 * 100.0 / (hits + misses) as f64)
+    }
 }
