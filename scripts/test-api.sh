@@ -71,6 +71,14 @@ for _ in $(seq 600); do
 done
 curl -fs "$URL/healthz" >/dev/null || { cat "$WORK/engramd.log" >&2; exit 1; }
 
+# tiktoken (OpenAIEmbeddings tokenizes with it) downloads cl100k_base at run time; it reads
+# this cache first (named by the SHA-1 of the download URL, checked against its SHA-256).
+export TIKTOKEN_CACHE_DIR="$WORK/tiktoken"
+mkdir -p "$TIKTOKEN_CACHE_DIR"
+cl100k_url=https://openaipublic.blob.core.windows.net/encodings/cl100k_base.tiktoken
+cp "$ENGRAM_MODELS_DIR/cl100k_base.tiktoken" \
+    "$TIKTOKEN_CACHE_DIR/$(printf %s "$cl100k_url" | sha1sum | cut -d' ' -f1)"
+
 echo "test-api: OpenAI Python client $OPENAI_VERSION, langchain-openai $LANGCHAIN_OPENAI_VERSION against $URL"
 ENGRAM_URL=$URL ENGRAM_KEY=$KEY "$VENV/bin/python" tests/python/test_openai_client.py
 

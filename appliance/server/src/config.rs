@@ -17,6 +17,8 @@ pub const DEFAULT_LISTEN: &str = "127.0.0.1:8080";
 pub const DEFAULT_LLM: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
 /// The default embedding model folder inside the models folder.
 pub const DEFAULT_EMBEDDER: &str = "all-MiniLM-L6-v2";
+/// In the models folder: OpenAI's cl100k_base vocabulary (scripts/fetch-models.sh).
+pub const DEFAULT_TOKEN_VOCAB: &str = "cl100k_base.tiktoken";
 /// Largest upload (one multipart request or one JSON body): 64 MiB holds any office document
 /// we parse while keeping a single request from filling memory.
 pub const DEFAULT_MAX_UPLOAD_BYTES: usize = 64 << 20;
@@ -77,6 +79,8 @@ pub struct RawModels {
     pub dir: Option<PathBuf>,
     pub llm: Option<PathBuf>,
     pub embedder: Option<PathBuf>,
+    /// The tiktoken vocabulary token-id embedding inputs are read with.
+    pub token_vocab: Option<PathBuf>,
     pub threads: Option<usize>,
 }
 
@@ -146,6 +150,9 @@ pub struct Config {
     pub profiles_dir: Option<PathBuf>,
     pub llm: PathBuf,
     pub embedder: PathBuf,
+    /// `cl100k_base.tiktoken`: the ids OpenAI's embedding clients send are read with it (token
+    /// arrays are refused when it is absent).
+    pub token_vocab: PathBuf,
     pub threads: Option<usize>,
     pub kv_dir: PathBuf,
     pub kv_dram_mib: Option<u64>,
@@ -256,6 +263,10 @@ impl RawConfig {
             .models
             .embedder
             .unwrap_or_else(|| models_dir.join(DEFAULT_EMBEDDER));
+        let token_vocab = self
+            .models
+            .token_vocab
+            .unwrap_or_else(|| models_dir.join(DEFAULT_TOKEN_VOCAB));
         if let Some(0) = self.models.threads {
             return Err(ServerError::config("models.threads", "must be at least 1"));
         }
@@ -362,6 +373,7 @@ impl RawConfig {
             profiles_dir: self.profiles_dir,
             llm,
             embedder,
+            token_vocab,
             threads: self.models.threads,
             kv_dram_mib: self.kv.dram_mib,
             kv_nvme_gib: self.kv.nvme_gib,

@@ -233,6 +233,7 @@ impl Daemon {
             console,
             data_dir: config.data_dir.clone(),
             kv_dir: (kv_nvme_gib > 0).then(|| config.kv_dir.clone()),
+            token_vocab: token_vocab(&config.token_vocab),
         };
         Ok(Daemon {
             listener,
@@ -286,5 +287,25 @@ impl Daemon {
         .ok();
         tracing::info!("stopped");
         Ok(())
+    }
+}
+
+/// The tiktoken vocabulary token-id embedding inputs are read with, when its file is there
+/// (one log line either way; a damaged file is logged and left out rather than stopping the
+/// daemon: only token-array inputs need it).
+fn token_vocab(path: &std::path::Path) -> Option<Arc<engram_tokenizer::TiktokenVocab>> {
+    if !path.exists() {
+        tracing::info!(path = %path.display(), "no token vocabulary: token-id embedding inputs are refused");
+        return None;
+    }
+    match engram_tokenizer::TiktokenVocab::load(path) {
+        Ok(v) => {
+            tracing::info!(path = %path.display(), tokens = v.len(), "token vocabulary for token-id embedding inputs");
+            Some(Arc::new(v))
+        }
+        Err(e) => {
+            tracing::warn!("{e}; token-id embedding inputs are refused");
+            None
+        }
     }
 }

@@ -518,6 +518,41 @@ fn openai_models_and_embeddings() {
     let v = r.json();
     assert_eq!(v["data"].as_array().unwrap().len(), 2);
     assert_eq!(v["data"][0]["embedding"].as_array().unwrap().len(), 384);
+    // cl100k_base token ids (what OpenAI's clients send): read back as text, so the same vector
+    // as the text. tiktoken: "hello world" = [15339, 1917], "hello" = [15339].
+    let embed = |input: Value| {
+        let r = s.call(
+            "POST",
+            "/v1/embeddings",
+            Some(&s.search_only),
+            Some(json!({"input": input})),
+        );
+        assert_eq!(r.status, 200, "{}", r.text());
+        r.json()["data"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|d| d["embedding"].clone())
+            .collect::<Vec<_>>()
+    };
+    let text = embed(json!(["hello world", "hello"]));
+    assert_eq!(embed(json!([[15339, 1917], [15339]])), text);
+    assert_eq!(embed(json!([15339, 1917])), text[..1]);
+    for bad in [
+        json!([[15339, 999_999]]),
+        json!([[1.5]]),
+        json!([[]]),
+        json!([]),
+    ] {
+        let r = s.call(
+            "POST",
+            "/v1/embeddings",
+            Some(&s.search_only),
+            Some(json!({"input": bad})),
+        );
+        assert_eq!(r.status, 400, "{bad}: {}", r.text());
+        assert!(r.text().contains("`input`"), "{}", r.text());
+    }
 }
 
 #[test]

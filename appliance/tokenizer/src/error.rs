@@ -4,6 +4,10 @@
 /// rendering a chat template.
 #[derive(Debug, thiserror::Error)]
 pub enum TokenizerError {
+    /// A tiktoken vocabulary file (`*.tiktoken`) is unreadable or malformed.
+    #[error("tiktoken vocabulary {path}: {reason}")]
+    Tiktoken { path: String, reason: String },
+
     /// A metadata key is missing or has the wrong type.
     #[error(transparent)]
     Metadata(#[from] engram_gguf::GgufError),

@@ -35,11 +35,13 @@ mod byte_level;
 mod error;
 mod pretok;
 mod template;
+mod tiktoken;
 mod tokenizer;
 mod vocab;
 
 pub use error::{Result, TokenizerError};
 pub use template::{ChatTemplate, Message, KEY_CHAT_TEMPLATE};
+pub use tiktoken::TiktokenVocab;
 pub use tokenizer::{Detokenizer, Tokenizer};
 pub use vocab::{ModelKind, TokenKind};
 

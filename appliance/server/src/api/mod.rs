@@ -86,6 +86,8 @@ pub struct AppState {
     pub data_dir: std::path::PathBuf,
     /// The NVMe chunk KV tier's folder, when the tier is on (backups with `kv=true`).
     pub kv_dir: Option<std::path::PathBuf>,
+    /// cl100k_base, to read token-id embedding inputs; `None` when its file is absent.
+    pub token_vocab: Option<Arc<engram_tokenizer::TiktokenVocab>>,
 }
 
 /// The whole router.

@@ -940,7 +940,8 @@ pub async fn completions(
 /// OpenAI's embeddings request.
 #[derive(Debug, Deserialize, ToSchema)]
 pub struct EmbeddingsRequest {
-    /// A string or an array of strings.
+    /// A string, an array of strings, an array of cl100k_base token ids (what OpenAI's
+    /// clients send), or an array of such arrays.
     #[schema(value_type = Object)]
     pub input: serde_json::Value,
     pub model: Option<String>,
@@ -980,25 +981,7 @@ pub async fn embeddings(
             format!("the embedder's vectors have {dim} dimensions; no other size is served"),
         ));
     }
-    let inputs: Vec<String> = match b.input {
-        serde_json::Value::String(s) => vec![s],
-        serde_json::Value::Array(a) => a
-            .into_iter()
-            .map(|v| match v {
-                serde_json::Value::String(s) => Ok(s),
-                _ => Err(ApiError::invalid(
-                    "input",
-                    "expected strings (token arrays are not supported)",
-                )),
-            })
-            .collect::<Result<_, _>>()?,
-        _ => {
-            return Err(ApiError::invalid(
-                "input",
-                "expected a string or an array of strings",
-            ))
-        }
-    };
+    let inputs = embedding_inputs(b.input, s.token_vocab.as_deref())?;
     let base64 = match b.encoding_format.as_deref() {
         None | Some("float") => false,
         Some("base64") => true,
@@ -1040,6 +1023,60 @@ pub async fn embeddings(
         "model": b.model.unwrap_or_else(|| s.kb.embed_model.to_string()),
         "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
     })))
+}
+
+/// The texts of an embeddings `input`: a string, an array of strings, an array of token ids or
+/// an array of such arrays. Token ids are OpenAI's cl100k_base ids (what its embedding clients
+/// compute, LangChain's `OpenAIEmbeddings` by default), decoded back to text with `vocab`.
+fn embedding_inputs(
+    input: serde_json::Value,
+    vocab: Option<&engram_tokenizer::TiktokenVocab>,
+) -> Result<Vec<String>, ApiError> {
+    use serde_json::Value;
+    let tokens = |ids: &[Value]| -> Result<String, ApiError> {
+        let vocab = vocab.ok_or_else(|| {
+            ApiError::invalid(
+                "input",
+                "token arrays need the cl100k_base vocabulary (models/cl100k_base.tiktoken, \
+                 from scripts/fetch-models.sh); send text instead",
+            )
+        })?;
+        let ids: Vec<i64> = ids
+            .iter()
+            .map(|v| {
+                v.as_i64()
+                    .ok_or_else(|| ApiError::invalid("input", "token ids are integers"))
+            })
+            .collect::<Result<_, _>>()?;
+        vocab.decode(&ids).map_err(|id| {
+            ApiError::invalid(
+                "input",
+                format!(
+                    "token id {id} is not in cl100k_base ({} tokens)",
+                    vocab.len()
+                ),
+            )
+        })
+    };
+    match input {
+        Value::String(s) => Ok(vec![s]),
+        Value::Array(a) if !a.is_empty() && a.iter().all(Value::is_number) => Ok(vec![tokens(&a)?]),
+        Value::Array(a) => a
+            .into_iter()
+            .map(|v| match v {
+                Value::String(s) => Ok(s),
+                Value::Array(ids) if !ids.is_empty() => tokens(&ids),
+                _ => Err(ApiError::invalid(
+                    "input",
+                    "expected strings or non-empty arrays of token ids",
+                )),
+            })
+            .collect(),
+        _ => Err(ApiError::invalid(
+            "input",
+            "expected a string, an array of strings, or token ids",
+        )),
+    }
 }
 
 /// Standard base64 (with padding) of the vector's little-endian f32 bytes: OpenAI's
