@@ -27,6 +27,16 @@ pub const SECRET_LEN: usize = 32;
 pub const KEY_FILE_VERSION: u32 = 1;
 /// The key file inside the data directory.
 pub const KEY_FILE: &str = "keys.json";
+/// When each key was last used, beside the key file: written apart (at most every
+/// [`USE_FLUSH_INTERVAL`]) so that recording a use neither rewrites `keys.json` nor, by
+/// changing it, drops every key's verification from the cache.
+pub const KEY_USE_FILE: &str = "keys-used.json";
+/// Version of `keys-used.json`.
+pub const KEY_USE_FILE_VERSION: u32 = 1;
+/// How often recorded key uses are written out (and at shutdown).
+pub const USE_FLUSH_INTERVAL: Duration = Duration::from_secs(30);
+/// Characters a key's name may have.
+pub const MAX_KEY_NAME_CHARS: usize = 64;
 
 const BASE62: &[u8] = b"0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz";
 
@@ -88,19 +98,46 @@ pub struct KeyRecord {
     /// `None`: every collection.
     pub collections: Option<Vec<String>>,
     pub created_ms: u64,
+    /// What the key is for ("Dify production", "nightly eval"), given at creation. Absent in
+    /// files written before names existed (readers of version 1 ignore it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
 }
 
 impl KeyRecord {
     /// What `keys list` shows: the key's visible prefix, never the hash.
-    pub fn public_json(&self) -> serde_json::Value {
+    pub fn public_json(&self, last_used_ms: Option<u64>) -> serde_json::Value {
         serde_json::json!({
             "id": self.id,
+            "name": self.name,
             "prefix": format!("{KEY_PREFIX}{}_", self.id),
             "scopes": self.scopes,
             "collections": self.collections,
             "created_ms": self.created_ms,
+            "last_used_ms": last_used_ms,
         })
     }
+}
+
+/// A key's name, trimmed: 1 to [`MAX_KEY_NAME_CHARS`] characters, no control characters.
+pub fn key_name(name: &str) -> Result<String> {
+    let name = name.trim();
+    if name.is_empty()
+        || name.chars().count() > MAX_KEY_NAME_CHARS
+        || name.chars().any(char::is_control)
+    {
+        return Err(ServerError::Keys(format!(
+            "a key's name has 1 to {MAX_KEY_NAME_CHARS} characters and no control characters"
+        )));
+    }
+    Ok(name.to_owned())
+}
+
+#[derive(Debug, Default, Serialize, Deserialize)]
+struct KeyUseFile {
+    version: u32,
+    /// Key id -> when it last authenticated a request (Unix ms).
+    last_used_ms: HashMap<String, u64>,
 }
 
 #[derive(Debug, Default, Serialize, Deserialize)]
@@ -193,10 +230,22 @@ impl KeyStore {
         scopes: Vec<Scope>,
         collections: Option<Vec<String>>,
     ) -> Result<(KeyRecord, String)> {
+        self.create_named(None, scopes, collections)
+    }
+
+    /// [`KeyStore::create`] with a name (checked by [`key_name`]).
+    pub fn create_named(
+        &self,
+        name: Option<&str>,
+        scopes: Vec<Scope>,
+        collections: Option<Vec<String>>,
+    ) -> Result<(KeyRecord, String)> {
+        let name = name.map(key_name).transpose()?;
         let mut key = String::new();
         let rec = locked_update(&self.path, || -> Result<KeyRecord> {
             let mut f = self.read()?;
-            let (rec, k) = new_key(&f, scopes, collections)?;
+            let (mut rec, k) = new_key(&f, scopes, collections)?;
+            rec.name = name.clone();
             f.keys.push(rec.clone());
             self.write(&f)?;
             key = k;
@@ -207,6 +256,48 @@ impl KeyStore {
 
     pub fn list(&self) -> Result<Vec<KeyRecord>> {
         Ok(self.read()?.keys)
+    }
+
+    fn use_path(&self) -> PathBuf {
+        self.path.with_file_name(KEY_USE_FILE)
+    }
+
+    /// When each key last authenticated a request, as of the daemon's last write (at most
+    /// [`USE_FLUSH_INTERVAL`] old while it runs). A missing or unreadable file is no uses:
+    /// the record is informative, never a reason to refuse anything.
+    pub fn last_used(&self) -> HashMap<String, u64> {
+        let path = self.use_path();
+        let Ok(bytes) = std::fs::read(&path) else {
+            return HashMap::new();
+        };
+        match serde_json::from_slice::<KeyUseFile>(&bytes) {
+            Ok(f) if f.version == KEY_USE_FILE_VERSION => f.last_used_ms,
+            Ok(f) => {
+                tracing::warn!(path = %path.display(), version = f.version, "key use file of another version ignored");
+                HashMap::new()
+            }
+            Err(e) => {
+                tracing::warn!(path = %path.display(), "key use file ignored: {e}");
+                HashMap::new()
+            }
+        }
+    }
+
+    /// Merges `uses` (newer wins) into the key use file, crash-safely.
+    fn record_uses(&self, uses: &HashMap<String, u64>) -> Result<()> {
+        let path = self.use_path();
+        locked_update(&path, || -> Result<()> {
+            let mut all = self.last_used();
+            for (id, &ms) in uses {
+                let at = all.entry(id.clone()).or_insert(0);
+                *at = (*at).max(ms);
+            }
+            let f = KeyUseFile {
+                version: KEY_USE_FILE_VERSION,
+                last_used_ms: all,
+            };
+            write_atomic(&path, &serde_json::to_vec(&f).expect("key uses serialize"))
+        })
     }
 
     /// Removes a key by id (or by the key's visible prefix).
@@ -252,6 +343,7 @@ fn new_key(
         scopes,
         collections,
         created_ms: now_ms(),
+        name: None,
     };
     Ok((rec, key))
 }
@@ -369,6 +461,8 @@ pub struct Authenticator {
     // Short critical sections only (no argon2 under the lock); not engine state.
     loaded: Mutex<Loaded>,
     limiter: Mutex<FailureLimiter>,
+    /// Key id -> last successful use (Unix ms) not yet written to the key use file.
+    uses: Mutex<HashMap<String, u64>>,
 }
 
 impl Authenticator {
@@ -384,9 +478,28 @@ impl Authenticator {
                 verified: HashMap::new(),
             }),
             limiter: Mutex::new(FailureLimiter::new(failures_per_minute)),
+            uses: Mutex::new(HashMap::new()),
         };
         a.reload_if_changed()?;
         Ok(a)
+    }
+
+    /// Writes the key uses recorded since the last call (blocking: a small file and an
+    /// fsync; the daemon calls it every [`USE_FLUSH_INTERVAL`] off the async threads and at
+    /// shutdown). Failures are logged; the uses are kept for the next call.
+    pub fn flush_uses(&self) {
+        let uses = std::mem::take(&mut *self.uses.lock().expect("uses lock"));
+        if uses.is_empty() {
+            return;
+        }
+        if let Err(e) = self.store.record_uses(&uses) {
+            tracing::warn!("recording key uses: {e}");
+            let mut pending = self.uses.lock().expect("uses lock");
+            for (id, ms) in uses {
+                let at = pending.entry(id).or_insert(0);
+                *at = (*at).max(ms);
+            }
+        }
     }
 
     /// Number of keys known.
@@ -458,6 +571,8 @@ impl Authenticator {
             let rec = l.records.get(id).cloned().ok_or("invalid API key")?;
             if let Some(&(h, until)) = l.verified.get(id) {
                 if h == fast && Instant::now() < until {
+                    drop(l);
+                    self.used(id);
                     return Ok(principal(&rec));
                 }
             }
@@ -480,7 +595,17 @@ impl Authenticator {
             .expect("auth lock")
             .verified
             .insert(rec.id.clone(), (fast, Instant::now() + self.cache_ttl));
+        self.used(&rec.id);
         Ok(principal(&rec))
+    }
+}
+
+impl Authenticator {
+    fn used(&self, id: &str) {
+        self.uses
+            .lock()
+            .expect("uses lock")
+            .insert(id.to_owned(), now_ms());
     }
 }
 
@@ -504,6 +629,29 @@ mod tests {
         assert_eq!(key_id("egk_short_x"), None);
         assert_eq!(key_id(&key.replace("egk_", "sk_")), None);
         assert_eq!(random_base62(SECRET_LEN).len(), SECRET_LEN);
+    }
+
+    #[test]
+    fn names_are_checked_and_kept() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = KeyStore::new(dir.path());
+        let (rec, _) = store
+            .create_named(Some("  Dify production "), vec![Scope::Search], None)
+            .unwrap();
+        assert_eq!(rec.name.as_deref(), Some("Dify production"));
+        assert_eq!(store.list().unwrap()[0].name, rec.name);
+        for bad in ["", "   ", "a\u{7}b", &"x".repeat(MAX_KEY_NAME_CHARS + 1)] {
+            assert!(
+                store
+                    .create_named(Some(bad), vec![Scope::Qa], None)
+                    .is_err(),
+                "{bad:?}"
+            );
+        }
+        // A file written before names existed still reads.
+        let old = r#"{"version": 1, "keys": [{"id": "AbCd1234", "hash": "h", "scopes": ["qa"], "collections": null, "created_ms": 1}]}"#;
+        std::fs::write(store.path(), old).unwrap();
+        assert_eq!(store.list().unwrap()[0].name, None);
     }
 
     #[test]
@@ -565,6 +713,13 @@ mod tests {
             .authenticate(Some(&format!("Bearer {wrong}")), ip)
             .await
             .is_err());
+        // Uses are recorded in memory and written apart from the key file.
+        assert!(store.last_used().is_empty());
+        let before = std::fs::read(store.path()).unwrap();
+        auth.flush_uses();
+        let used = store.last_used();
+        assert!(used[&rec.id] > 0, "{used:?}");
+        assert_eq!(std::fs::read(store.path()).unwrap(), before);
         store.revoke(&rec.id).unwrap();
         // A different size guarantees the stamp changes even within one mtime tick.
         assert!(auth

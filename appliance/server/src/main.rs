@@ -74,6 +74,9 @@ enum KeysCommand {
         /// Comma-separated collections the key may use [default: all].
         #[arg(long)]
         collections: Option<String>,
+        /// What the key is for, shown in `keys list` and the console (up to 64 characters).
+        #[arg(long)]
+        name: Option<String>,
     },
     /// List keys (ids and scopes, never secrets).
     List,
@@ -163,6 +166,7 @@ fn main() -> Result<()> {
                 KeysCommand::Create {
                     scopes,
                     collections,
+                    name,
                 } => {
                     let scopes = Scope::parse_list(&scopes)?;
                     let collections = collections.map(|c| {
@@ -172,7 +176,7 @@ fn main() -> Result<()> {
                             .map(str::to_owned)
                             .collect()
                     });
-                    let (rec, key) = store.create(scopes, collections)?;
+                    let (rec, key) = store.create_named(name.as_deref(), scopes, collections)?;
                     eprintln!(
                         "created key {} in {}; it is shown once, store it now:",
                         rec.id,
@@ -181,7 +185,12 @@ fn main() -> Result<()> {
                     println!("{key}");
                 }
                 KeysCommand::List => {
-                    let keys: Vec<_> = store.list()?.iter().map(|k| k.public_json()).collect();
+                    let used = store.last_used();
+                    let keys: Vec<_> = store
+                        .list()?
+                        .iter()
+                        .map(|k| k.public_json(used.get(&k.id).copied()))
+                        .collect();
                     println!("{}", serde_json::to_string_pretty(&keys)?);
                 }
                 KeysCommand::Revoke { id } => {

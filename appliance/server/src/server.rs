@@ -258,6 +258,19 @@ impl Daemon {
         shutdown: impl std::future::Future<Output = ()> + Send + 'static,
     ) -> Result<()> {
         let addr = self.local_addr();
+        // Key uses are written every USE_FLUSH_INTERVAL off the async threads, and at the end.
+        let auth = self.state.auth.clone();
+        let flusher = tokio::spawn({
+            let auth = auth.clone();
+            async move {
+                let mut every = tokio::time::interval(crate::auth::USE_FLUSH_INTERVAL);
+                loop {
+                    every.tick().await;
+                    let a = auth.clone();
+                    let _ = tokio::task::spawn_blocking(move || a.flush_uses()).await;
+                }
+            }
+        });
         let app = api::router(self.state);
         let served = match self.tls {
             Some(tls) => {
@@ -276,6 +289,8 @@ impl Daemon {
                 .await
             }
         };
+        flusher.abort();
+        let _ = tokio::task::spawn_blocking(move || auth.flush_uses()).await;
         served.map_err(|e| ServerError::io("serving", addr.to_string(), e))?;
         let threads = self.threads;
         tokio::task::spawn_blocking(move || {

@@ -453,12 +453,34 @@ fn operators_cannot_change_keys_or_settings() {
     }
     // An admin may: the key is shown once, and a revocation removes it.
     let admin = sign_in("root", ADMIN_PW);
+    // A refused form comes back as the form, its message on it and the name as typed.
+    let refused = request(
+        "POST",
+        "/console/keys",
+        &admin.cookie,
+        &[],
+        Some(&form_encode(&[
+            ("name", "nightly eval"),
+            ("csrf", &admin.csrf),
+        ])),
+    );
+    assert_eq!(refused.status, 422, "{}", refused.body);
+    let form = &refused.body[refused.body.find("id=\"key-form\"").expect("the form")..];
+    assert!(
+        form.contains("form-error") && form.contains("Choose at least one scope"),
+        "{form}"
+    );
+    assert!(form.contains("value=\"nightly eval\""), "{form}");
     let r = request(
         "POST",
         "/console/keys",
         &admin.cookie,
         &[],
-        Some(&form_encode(&[("scopes", "search"), ("csrf", &admin.csrf)])),
+        Some(&form_encode(&[
+            ("name", "nightly eval"),
+            ("scopes", "search"),
+            ("csrf", &admin.csrf),
+        ])),
     );
     // Post/redirect/get: the key is kept in the session and shown by the next page, once,
     // so reloading that page creates no second key and shows the secret no more.
@@ -493,6 +515,28 @@ fn operators_cannot_change_keys_or_settings() {
     assert!(!again.body.contains(&key), "the secret is shown once");
     assert!(!again.body.contains("new-key-value"));
     let id = id.as_str();
+    // Its row: the name, and "never" until the key is used; then when it was.
+    let row = |body: &str| {
+        let at = body
+            .find(&format!("data-key=\"{id}\""))
+            .expect("the key's row");
+        body[at..body[at..].find("</tr>").unwrap() + at].to_owned()
+    };
+    let listed = row(&again.body);
+    assert!(
+        listed.contains("nightly eval") && listed.contains("never"),
+        "{listed}"
+    );
+    let used = request(
+        "GET",
+        "/api/v1/collections",
+        "",
+        &[("Authorization", &format!("Bearer {key}"))],
+        None,
+    );
+    assert_eq!(used.status, 200, "{}", used.body);
+    let listed = row(&request("GET", "/console/keys", &admin.cookie, &[], None).body);
+    assert!(!listed.contains("never"), "{listed}");
     let revoke = request(
         "POST",
         &format!("/console/keys/{id}/revoke"),
@@ -609,6 +653,72 @@ fn chinese_for_accept_language_zh_cn() {
         None,
     );
     assert!(r.body.contains("Dashboard") && !r.body.contains("仪表盘"));
+}
+
+/// A refused form comes back as the page with the form, its message on it (from the catalog,
+/// in the viewer's language) and what was typed, with 422: no dead-end error page.
+#[test]
+fn refused_forms_stay_on_the_form_in_the_viewers_language() {
+    let s = sign_in("root", ADMIN_PW);
+    let kb = |lang: &str, pairs: &[(&str, &str)]| {
+        let mut pairs = pairs.to_vec();
+        pairs.push(("csrf", &s.csrf));
+        request(
+            "POST",
+            "/console/kb",
+            &format!("{}; engram_lang={lang}", s.cookie),
+            &[],
+            Some(&form_encode(&pairs)),
+        )
+    };
+    let form_of = |body: &str| {
+        let at = body.find("form-error").expect("a message on the form");
+        body[at..].to_owned()
+    };
+    let r = kb("en", &[("name", ".hidden"), ("chunk_tokens", "300")]);
+    assert_eq!(r.status, 422, "{}", r.body);
+    let form = form_of(&r.body);
+    assert!(form.contains("does not start with"), "{form}");
+    assert!(
+        form.contains("value=\".hidden\"") && form.contains("value=\"300\""),
+        "{form}"
+    );
+    let r = kb("zh-CN", &[("name", ".hidden")]);
+    assert_eq!(r.status, 422);
+    assert!(form_of(&r.body).contains("知识库名称"), "{}", r.body);
+    let r = kb("zh-CN", &[("name", "big-chunks"), ("chunk_tokens", "9000")]);
+    assert_eq!(r.status, 422);
+    assert!(form_of(&r.body).contains("16–8192"), "{}", r.body);
+    // A name taken already.
+    assert_eq!(kb("en", &[("name", "twice")]).status, 303);
+    let r = kb("en", &[("name", "twice")]);
+    assert_eq!(r.status, 422);
+    assert!(
+        form_of(&r.body).contains("“twice” already exists"),
+        "{}",
+        r.body
+    );
+    // Users: a short password, in Chinese; the name typed is kept (the password never is).
+    let r = request(
+        "POST",
+        "/console/users",
+        &format!("{}; engram_lang=zh-CN", s.cookie),
+        &[],
+        Some(&form_encode(&[
+            ("name", "newbie"),
+            ("role", "admin"),
+            ("password", "short"),
+            ("csrf", &s.csrf),
+        ])),
+    );
+    assert_eq!(r.status, 422, "{}", r.body);
+    let form = form_of(&r.body);
+    assert!(form.contains("密码至少需要"), "{form}");
+    assert!(
+        form.contains("value=\"newbie\"") && form.contains("selected"),
+        "{form}"
+    );
+    assert!(!r.body.contains("value=\"short\""));
 }
 
 /// A multipart body with a `csrf` field and one file.

@@ -11,7 +11,7 @@ use serde::Deserialize;
 use super::dashboard::FlashQuery;
 use crate::api::AppState;
 use crate::console::users::{Role, UserError, MIN_PASSWORD_CHARS};
-use crate::console::view::{datetime, enc, html, see_other, Chrome, Failure, Viewer};
+use crate::console::view::{datetime, enc, html, html_status, see_other, Chrome, Failure, Viewer};
 
 pub struct UserRow {
     pub name: String,
@@ -27,7 +27,11 @@ pub struct UsersPage {
     pub c: Chrome,
     pub users: Vec<UserRow>,
     pub min_password: usize,
+    /// Why the create form was refused (from the catalog), shown on the form.
     pub error: Option<String>,
+    /// What was typed into the refused form (never the password).
+    pub name: String,
+    pub role: String,
 }
 
 fn users_page(s: &AppState, v: &Viewer, flash: Option<&str>) -> Result<UsersPage, Failure> {
@@ -51,6 +55,8 @@ fn users_page(s: &AppState, v: &Viewer, flash: Option<&str>) -> Result<UsersPage
         users,
         min_password: MIN_PASSWORD_CHARS,
         error: None,
+        name: String::new(),
+        role: "operator".into(),
     })
 }
 
@@ -81,6 +87,7 @@ pub async fn create(
 ) -> Result<Response, Failure> {
     let console = s.console.clone();
     let name = f.name.trim().to_owned();
+    let role = f.role.clone();
     let n = name.clone();
     let r = tokio::task::spawn_blocking(move || {
         let role = Role::parse(&f.role)?;
@@ -100,10 +107,24 @@ pub async fn create(
         }
         Err(e) => {
             let mut page = users_page(&s, &v, None)?;
-            page.error = Some(e.to_string());
-            let mut res = html(&page);
-            *res.status_mut() = StatusCode::BAD_REQUEST;
-            Ok(res)
+            let t = page.c.t;
+            page.error = Some(match &e {
+                UserError::Exists { name } => t.fmt("users.err_exists", name),
+                UserError::Invalid { field: "name", .. } => t.get("users.err_name").to_owned(),
+                UserError::Invalid { field: "role", .. } => t.get("users.err_role").to_owned(),
+                UserError::Invalid {
+                    field: "password", ..
+                } => t.fmt("users.password_rule", MIN_PASSWORD_CHARS),
+                _ => {
+                    return Err(Failure::new(
+                        StatusCode::INTERNAL_SERVER_ERROR,
+                        e.to_string(),
+                    ))
+                }
+            });
+            page.name = name;
+            page.role = role;
+            Ok(html_status(StatusCode::UNPROCESSABLE_ENTITY, &page))
         }
     }
 }

@@ -6,13 +6,18 @@ use axum::extract::{Form, Path, Query, State};
 use axum::http::StatusCode;
 use axum::response::Response;
 use axum::Extension;
-use engram_kb::{ChunkConfig, Collection, DEFAULT_CHUNK_TOKENS, DEFAULT_OVERLAP_TOKENS};
+use engram_kb::{
+    ChunkConfig, Collection, KbError, DEFAULT_CHUNK_TOKENS, DEFAULT_OVERLAP_TOKENS,
+    MAX_CHUNK_TOKENS, MIN_CHUNK_TOKENS,
+};
 use serde::Deserialize;
 
 use super::dashboard::FlashQuery;
 use super::documents::DocRow;
 use crate::api::AppState;
-use crate::console::view::{datetime, enc, html, see_other, Chrome, Failure, Pager, Viewer};
+use crate::console::view::{
+    datetime, enc, html, html_status, see_other, Chrome, Failure, Pager, Viewer,
+};
 
 pub struct KbRow {
     pub name: String,
@@ -43,8 +48,12 @@ impl From<&Collection> for KbRow {
 pub struct KbListPage {
     pub c: Chrome,
     pub kbs: Vec<KbRow>,
+    /// The create form's values: the defaults, or what was typed into a refused form.
+    pub name: String,
     pub default_chunk: usize,
     pub default_overlap: usize,
+    /// Why the create form was refused (from the catalog), shown on the form.
+    pub error: Option<String>,
 }
 
 /// `GET /console/kb`.
@@ -58,8 +67,10 @@ pub async fn list(
         c: v.chrome("kb", "nav.kb", "/console/kb")
             .with_flash(q.ok.as_deref()),
         kbs: all.iter().map(KbRow::from).collect(),
+        name: String::new(),
         default_chunk: DEFAULT_CHUNK_TOKENS,
         default_overlap: DEFAULT_OVERLAP_TOKENS,
+        error: None,
     }))
 }
 
@@ -82,9 +93,41 @@ pub async fn create(
     };
     let name = f.name.trim().to_owned();
     let n = name.clone();
-    let c =
+    let created =
         s.kb.call(move |kb| kb.create_collection(&n, chunking))
-            .await??;
+            .await?;
+    let c = match created {
+        Ok(c) => c,
+        Err(e) => {
+            // A refusal the form can fix comes back on the form, in the viewer's language.
+            let t = v.lang.catalog();
+            let error = match &e {
+                KbError::CollectionExists { name } => t.fmt("kb.err_exists", name),
+                KbError::Invalid { field, .. } => match field.as_str() {
+                    "collection name" => t.get("kb.err_name").to_owned(),
+                    "chunk_tokens" => t.fmt(
+                        "kb.err_chunk_tokens",
+                        format!("{MIN_CHUNK_TOKENS}–{MAX_CHUNK_TOKENS}"),
+                    ),
+                    "overlap_tokens" => t.fmt("kb.err_overlap", chunking.max_tokens / 2),
+                    _ => return Err(e.into()),
+                },
+                _ => return Err(e.into()),
+            };
+            let all = s.kb.call(|kb| kb.collections()).await??;
+            return Ok(html_status(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                &KbListPage {
+                    c: v.chrome("kb", "nav.kb", "/console/kb"),
+                    kbs: all.iter().map(KbRow::from).collect(),
+                    name,
+                    default_chunk: chunking.max_tokens,
+                    default_overlap: chunking.overlap_tokens,
+                    error: Some(error),
+                },
+            ));
+        }
+    };
     s.console
         .audit
         .record(&v.user, "collection_created", &c.name, &v.ip);

@@ -1,5 +1,6 @@
-//! API keys: list (ids, scopes, grants; never secrets), create with scopes and collection
-//! grants (the key is shown once), revoke. The daemon notices the key file's change on the
+//! API keys: list (names, ids, scopes, grants, last use; never secrets), create with a name,
+//! scopes and collection grants (the key is shown once; a refused form comes back with its
+//! message and what was typed), revoke. The daemon notices the key file's change on the
 //! next API request.
 
 use askama::Template;
@@ -10,11 +11,15 @@ use axum::Extension;
 
 use super::dashboard::FlashQuery;
 use crate::api::AppState;
-use crate::auth::{KeyStore, Scope, KEY_PREFIX};
-use crate::console::view::{datetime, html, see_other, Chrome, Failure, Viewer};
+use crate::auth::{key_name, KeyStore, Scope, KEY_PREFIX};
+use crate::console::view::{datetime, html, html_status, see_other, Chrome, Failure, Viewer};
 
 pub struct KeyRow {
     pub id: String,
+    /// Empty when the key has none.
+    pub name: String,
+    /// When it last authenticated a request (as of the daemon's last write of the uses).
+    pub last_used: Option<String>,
     pub prefix: String,
     pub scopes: String,
     pub collections: String,
@@ -30,11 +35,17 @@ pub struct KeysPage {
     pub scopes: Vec<&'static str>,
     /// The key just created, shown once.
     pub created: Option<String>,
+    /// Why the create form was refused, shown on the form with what was typed.
     pub error: Option<String>,
+    pub name: String,
 }
 
 async fn keys_page(s: &AppState, v: &Viewer, flash: Option<&str>) -> Result<KeysPage, Failure> {
     let store = KeyStore::new(&s.console.data_dir);
+    // Uses recorded since the last periodic write are written first, so the list is current.
+    let auth = s.auth.clone();
+    let _ = tokio::task::spawn_blocking(move || auth.flush_uses()).await;
+    let used = store.last_used();
     let keys = store
         .list()
         .map_err(|e| Failure::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?
@@ -49,6 +60,8 @@ async fn keys_page(s: &AppState, v: &Viewer, flash: Option<&str>) -> Result<Keys
                 .join(", "),
             collections: k.collections.map(|c| c.join(", ")).unwrap_or_default(),
             created: datetime(k.created_ms),
+            last_used: used.get(&k.id).map(|&ms| datetime(ms)),
+            name: k.name.unwrap_or_default(),
             id: k.id,
         })
         .collect();
@@ -66,6 +79,7 @@ async fn keys_page(s: &AppState, v: &Viewer, flash: Option<&str>) -> Result<Keys
         scopes: vec!["search", "qa", "ingest", "admin"],
         created: None,
         error: None,
+        name: String::new(),
     })
 }
 
@@ -98,18 +112,31 @@ pub async fn create(
     };
     let scopes = Scope::parse_list(&field("scopes").join(","));
     let grants = field("collections");
-    let Ok(scopes) = scopes else {
+    let name = field("name").concat();
+    let refused = |key: &'static str| async {
         let mut page = keys_page(&s, &v, None).await?;
-        page.error = Some(page.c.t.get("keys.need_scope").to_owned());
-        return Ok(html(&page));
+        page.error = Some(page.c.t.get(key).to_owned());
+        page.name = name.clone();
+        Ok::<_, Failure>(html_status(StatusCode::UNPROCESSABLE_ENTITY, &page))
+    };
+    let Ok(scopes) = scopes else {
+        return refused("keys.need_scope").await;
+    };
+    let name = match name.trim() {
+        "" => None,
+        n => match key_name(n) {
+            Ok(n) => Some(n),
+            Err(_) => return refused("keys.bad_name").await,
+        },
     };
     let store = KeyStore::new(&s.console.data_dir);
     let grants = (!grants.is_empty()).then_some(grants);
     // argon2 and an fsync: off the async threads.
-    let (rec, key) = tokio::task::spawn_blocking(move || store.create(scopes, grants))
-        .await
-        .map_err(|e| Failure::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?
-        .map_err(|e| Failure::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?;
+    let (rec, key) =
+        tokio::task::spawn_blocking(move || store.create_named(name.as_deref(), scopes, grants))
+            .await
+            .map_err(|e| Failure::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?
+            .map_err(|e| Failure::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?;
     s.console
         .audit
         .record(&v.user, "key_created", &rec.id, &v.ip);
