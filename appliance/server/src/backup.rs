@@ -41,8 +41,9 @@ const MANIFEST: &str = "MANIFEST.json";
 const MANIFEST_SUM: &str = "MANIFEST.sha256";
 const DATA: &str = "data/";
 /// The daemon's own files at the top of the data directory that a backup carries.
-const SERVER_FILES: [&str; 5] = [
+const SERVER_FILES: [&str; 6] = [
     crate::auth::KEY_FILE,
+    crate::auth::KEY_USE_FILE,
     crate::versions::HISTORY_FILE,
     crate::console::users::USER_FILE,
     crate::console::settings::SETTINGS_FILE,
