@@ -110,8 +110,17 @@ impl FuseStats {
     /// report them; callers add their own stages (retrieval, queue, first token, decode).
     pub fn timings_json(&self) -> serde_json::Map<String, serde_json::Value> {
         let ms = |d: Duration| d.as_secs_f64() * 1e3;
+        // The stages add up to the total: what no stage covers (gathering slots, the logits
+        // copy) is `prefill_other_ms`.
+        let stages = self.prefix_time
+            + self.kv_load_time()
+            + self.kv_compute_time
+            + self.recompute_time
+            + self.suffix_time;
         let v = serde_json::json!({
+            "prefix_prefill_ms": ms(self.prefix_time),
             "kv_load_ms": ms(self.kv_load_time()),
+            "kv_compute_ms": ms(self.kv_compute_time),
             "kv_chunks": {
                 "dram": self.chunks_from_dram,
                 "nvme": self.chunks_from_nvme,
@@ -122,6 +131,7 @@ impl FuseStats {
             "recompute_ms": ms(self.recompute_time),
             "recomputed_tokens": self.recomputed_chunk_tokens,
             "question_prefill_ms": ms(self.suffix_time),
+            "prefill_other_ms": ms(self.total_time.saturating_sub(stages)),
             "prefill_total_ms": ms(self.total_time),
             "interleaved_decode_ms": ms(self.interleaved_time),
         });

@@ -819,6 +819,33 @@ fn documents_retrieval_and_chat_work_without_script() {
         "a citation link"
     );
     assert!(r.body.contains("data-field=\"first_token_ms\""));
+    // The prefill's rows add up to its total (each shown to 0.1 ms).
+    let ms = |field: &str| -> f64 {
+        let at = r
+            .body
+            .find(&format!("data-field=\"{field}\""))
+            .expect(field);
+        let cell = &r.body[at..];
+        let cell = &cell[cell.find("<td>").unwrap() + 4..];
+        cell[..cell
+            .find(" ms")
+            .unwrap_or_else(|| panic!("{field}: {}", &cell[..40]))]
+            .parse()
+            .unwrap()
+    };
+    let parts: f64 = [
+        "prefix_prefill_ms",
+        "kv_load_ms",
+        "kv_compute_ms",
+        "recompute_ms",
+        "question_prefill_ms",
+        "prefill_other_ms",
+    ]
+    .iter()
+    .map(|f| ms(f))
+    .sum();
+    let total = ms("prefill_total_ms");
+    assert!((parts - total).abs() <= 0.35, "{parts} vs {total}");
     // Deleting needs the name typed.
     let r = request(
         "POST",
