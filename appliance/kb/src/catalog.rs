@@ -553,6 +553,7 @@ mod tests {
             stage: Stage::Queued,
             stages: Vec::new(),
             error: None,
+            failure: None,
             revision: 0,
             progress: None,
         }

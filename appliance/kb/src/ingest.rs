@@ -650,7 +650,12 @@ impl KnowledgeBase {
             let original = match self.original(&d) {
                 Ok(b) => b,
                 Err(e) => {
-                    self.fail_doc(&coll, d, format!("the stored original cannot be read: {e}"))?;
+                    self.fail_doc(
+                        &coll,
+                        d,
+                        "original_unreadable",
+                        format!("the stored original cannot be read: {e}"),
+                    )?;
                     continue;
                 }
             };
@@ -770,7 +775,7 @@ impl KnowledgeBase {
                     let reason = format!(
                         "internal error: chunks arrived out of order (expected chunk {expected})"
                     );
-                    return self.fail_doc(&coll, d, reason);
+                    return self.fail_doc(&coll, d, "internal", reason);
                 }
                 f.next += chunks.len() as u32;
                 let next = f.next;
@@ -800,7 +805,7 @@ impl KnowledgeBase {
                     next: 0,
                 });
             }
-            Prepared::Failed { reason, .. } => return self.fail_doc(&coll, d, reason),
+            Prepared::Failed { kind, reason, .. } => return self.fail_doc(&coll, d, kind, reason),
         }
         txn.put_document(&d)?;
         self.catalog.write(txn)
@@ -828,7 +833,13 @@ impl KnowledgeBase {
     }
 
     /// Records a failed document durably with its reason, dropping any chunks it stored.
-    fn fail_doc(&mut self, coll: &Collection, mut d: Document, reason: String) -> Result<()> {
+    fn fail_doc(
+        &mut self,
+        coll: &Collection,
+        mut d: Document,
+        kind: &str,
+        reason: String,
+    ) -> Result<()> {
         if let Some(bg) = self.background.get_mut(&coll.id) {
             bg.forget(d.id);
             if let Some(j) = &mut bg.job {
@@ -837,7 +848,7 @@ impl KnowledgeBase {
         }
         let mut txn = Txn::default();
         self.remove_chunks_from(d.id, 0, &mut txn)?;
-        d.fail(reason);
+        d.fail(kind, reason);
         d.chunks = 0;
         txn.put_document(&d)?;
         self.catalog.write(txn)?;
@@ -1027,7 +1038,7 @@ impl KnowledgeBase {
             bg.forget(doc.id);
         }
         let mut next = doc.clone();
-        next.fail(CANCELLED);
+        next.fail(CANCELLED, CANCELLED);
         next.chunks = 0;
         self.unindex_document(&mut coll, &doc, &next)?;
         self.close_job_if_idle(coll.id)?;
@@ -1060,6 +1071,7 @@ impl KnowledgeBase {
         }
         let old = doc.clone();
         doc.error = None;
+        doc.failure = None;
         doc.chunks = 0;
         doc.revision += 1;
         doc.progress = None;
@@ -1218,6 +1230,7 @@ impl KnowledgeBase {
                     stage: Stage::Queued,
                     stages: Vec::new(),
                     error: None,
+                    failure: None,
                     revision: 0,
                     progress: None,
                 };
@@ -1229,6 +1242,7 @@ impl KnowledgeBase {
             self.forget_queued(coll_id, d.id);
             d.revision += 1;
             d.error = None;
+            d.failure = None;
             d.chunks = 0;
             d.hash = hash.to_hex();
             d.size = nd.bytes.len() as u64;

@@ -95,10 +95,12 @@ pub enum Prepared {
     },
     /// Every chunk was sent.
     Finished { doc: u64, revision: u32 },
-    /// Gave up; the reason says what to do.
+    /// Gave up; `kind` names the failure (a parse error's `error_type`, `no_text`,
+    /// `too_many_chunks`, `embedding`), the reason says what to do.
     Failed {
         doc: u64,
         revision: u32,
+        kind: &'static str,
         reason: String,
     },
 }
@@ -192,10 +194,11 @@ fn cut_doc(
     sink: &mut dyn FnMut(Prepared),
 ) -> Option<Cut> {
     let (doc, revision) = (d.doc, d.revision);
-    let fail = |sink: &mut dyn FnMut(Prepared), reason: String| {
+    let fail = |sink: &mut dyn FnMut(Prepared), kind: &'static str, reason: String| {
         sink(Prepared::Failed {
             doc,
             revision,
+            kind,
             reason,
         })
     };
@@ -208,7 +211,7 @@ fn cut_doc(
     let parsed = match parsed {
         Ok(p) => p,
         Err(e) => {
-            fail(sink, format!("cannot parse: {e}"));
+            fail(sink, e.error_type(), format!("cannot parse: {e}"));
             return None;
         }
     };
@@ -252,6 +255,7 @@ fn cut_doc(
     if spans.is_empty() {
         fail(
             sink,
+            "no_text",
             "no text found (a scanned PDF needs OCR before it can be ingested)".into(),
         );
         return None;
@@ -259,6 +263,7 @@ fn cut_doc(
     if spans.len() as u64 > MAX_CHUNKS_PER_DOC {
         fail(
             sink,
+            "too_many_chunks",
             format!(
                 "more than the {MAX_CHUNKS_PER_DOC} chunks a document may have: split the file or raise chunk_tokens"
             ),
@@ -360,6 +365,7 @@ fn embed_batch(
                 sink(Prepared::Failed {
                     doc: c.doc,
                     revision: c.revision,
+                    kind: "embedding",
                     reason: format!("embedding failed: {e}"),
                 });
             }

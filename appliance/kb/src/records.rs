@@ -124,6 +124,10 @@ pub struct Document {
     pub stages: Vec<StageTime>,
     /// Why it failed.
     pub error: Option<String>,
+    /// What kind of failure (`Document::fail` callers' [`Failure`] names, parse errors' own
+    /// `error_type`s): what a reader in another language is told, `error` being the detail.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub failure: Option<String>,
     /// Bumped each time the document goes back to the queue (new content under its name, a
     /// re-index): work still in flight for an earlier revision is dropped, not written.
     #[serde(default)]
@@ -156,9 +160,10 @@ impl Document {
         });
     }
 
-    /// Moves to [`Stage::Failed`] with a reason.
-    pub fn fail(&mut self, reason: impl Into<String>) {
+    /// Moves to [`Stage::Failed`] with the kind of failure and the reason in detail.
+    pub fn fail(&mut self, kind: &str, reason: impl Into<String>) {
         self.error = Some(reason.into());
+        self.failure = Some(kind.to_owned());
         self.progress = None;
         self.enter(Stage::Failed);
     }

@@ -263,6 +263,7 @@ impl Preparer {
                             let _ = tx.blocking_send(FromPreparer::Step(Prepared::Failed {
                                 doc,
                                 revision,
+                                kind: "internal",
                                 reason: "internal error while preparing the document".into(),
                             }));
                         }

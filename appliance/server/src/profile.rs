@@ -40,6 +40,9 @@ struct RawProfile {
     name: String,
     #[serde(default)]
     description: String,
+    /// The description in Chinese, for the console in zh-CN.
+    #[serde(default)]
+    description_zh: String,
     #[serde(rename = "match")]
     matches: RawMatch,
     engine: RawEngine,
@@ -75,6 +78,8 @@ struct RawKvBudget {
 pub struct Profile {
     pub name: String,
     pub description: String,
+    /// `description` in Chinese (empty: none given).
+    pub description_zh: String,
     pub min_cores: usize,
     pub min_memory_gib: u64,
     pub gpus: usize,
@@ -112,6 +117,7 @@ impl Profile {
         Ok(Profile {
             name: r.name,
             description: r.description,
+            description_zh: r.description_zh,
             min_cores: r.matches.min_cores,
             min_memory_gib: r.matches.min_memory_gib,
             gpus: r.matches.gpus,

@@ -665,6 +665,7 @@ fn uploads_are_queued_then_processed_and_can_be_cancelled_or_reindexed() {
     assert_eq!(r.status, 200, "{}", r.text());
     assert_eq!(r.json()["stage"], "failed");
     assert_eq!(r.json()["error"], "cancelled");
+    assert_eq!(r.json()["failure"], "cancelled");
     // The big one goes through visible stages; a search in between answers.
     let r = s.call(
         "POST",

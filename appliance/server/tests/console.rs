@@ -721,6 +721,52 @@ fn refused_forms_stay_on_the_form_in_the_viewers_language() {
     assert!(!r.body.contains("value=\"short\""));
 }
 
+/// A document that fails is explained in the viewer's language (the failure's kind from the
+/// catalog), with the pipeline's own message as a detail.
+#[test]
+fn a_failed_document_is_explained_in_chinese() {
+    let s = sign_in("root", ADMIN_PW);
+    let r = request(
+        "POST",
+        "/console/kb",
+        &s.cookie,
+        &[],
+        Some(&form_encode(&[("name", "broken"), ("csrf", &s.csrf)])),
+    );
+    assert_eq!(r.status, 303, "{}", r.body);
+    let r = request_raw(
+        "POST",
+        "/console/kb/broken/upload",
+        &s.cookie,
+        &[],
+        Some(multipart(&s.csrf, "scan.pdf", "%PDF-1.4 this is not a PDF")),
+    );
+    assert_eq!(r.status, 303, "{}", r.body);
+    let zh = format!("{}; engram_lang=zh-CN", s.cookie);
+    let deadline = std::time::Instant::now() + Duration::from_secs(120);
+    let page = loop {
+        let page = request("GET", "/console/kb/broken", &zh, &[], None);
+        if page.body.contains("data-stage=\"failed\"") {
+            break page.body;
+        }
+        assert!(std::time::Instant::now() < deadline, "never failed");
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    let pat = "class=\"error-text small\">";
+    let at = page.find(pat).expect("a reason") + pat.len();
+    let reason = &page[at..at + page[at..].find('<').unwrap()];
+    assert!(
+        reason
+            .chars()
+            .any(|c| ('\u{4e00}'..='\u{9fff}').contains(&c)),
+        "{reason}"
+    );
+    assert!(
+        page.contains("<summary>详情</summary><div translate=\"no\">cannot parse"),
+        "{page}"
+    );
+}
+
 /// A multipart body with a `csrf` field and one file.
 fn multipart(csrf: &str, file_name: &str, text: &str) -> (String, Vec<u8>) {
     let b = "engramtestboundary";

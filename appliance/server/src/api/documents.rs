@@ -66,7 +66,14 @@ pub struct DocumentInfo {
     /// `queued`, `parsing`, `chunking`, `embedding`, `indexing`, `done` or `failed`.
     pub stage: &'static str,
     pub stages: Vec<StageInfo>,
+    /// Why it failed, and what to do.
     pub error: Option<String>,
+    /// The kind of failure, stable for programs: the parser's (`too_large`,
+    /// `unsupported_format`, `encoding`, `no_text_layer`, `encrypted`, `malformed`,
+    /// `archive_limit`, `empty`) or the pipeline's (`no_text`, `too_many_chunks`, `embedding`,
+    /// `internal`, `original_unreadable`, `cancelled`); absent for documents that failed before
+    /// kinds were recorded.
+    pub failure: Option<String>,
     /// While the document is in the pipeline: how far each stage is.
     pub progress: Option<ProgressInfo>,
 }
@@ -111,6 +118,7 @@ impl From<&Document> for DocumentInfo {
                 })
                 .collect(),
             error: d.error.clone(),
+            failure: d.failure.clone(),
             progress: d.progress.map(|p| ProgressInfo {
                 text_bytes: p.text_bytes,
                 text_bytes_chunked: p.text_bytes_chunked,

@@ -159,4 +159,19 @@ mod tests {
             }
         }
     }
+
+    /// Every kind of document failure the console names has its sentence in both catalogs.
+    #[test]
+    fn failures_are_explained() {
+        for lang in Lang::ALL {
+            for kind in crate::console::pages::documents::FAILURES {
+                let key = format!("failure.{kind}");
+                assert!(
+                    lang.catalog().strings.contains_key(&key),
+                    "{}: {key}",
+                    lang.tag()
+                );
+            }
+        }
+    }
 }

@@ -212,7 +212,12 @@ pub async fn page(
             .unwrap_or(0),
         disks,
         profile: f.profile.name.clone(),
-        profile_description: f.profile.description.clone(),
+        profile_description: match v.lang {
+            crate::console::i18n::Lang::ZhCn if !f.profile.description_zh.is_empty() => {
+                f.profile.description_zh.clone()
+            }
+            _ => f.profile.description.clone(),
+        },
         threads: f.threads,
         queue_capacity: f.queue_depth,
         batch_size: f.profile.batch_size,

@@ -26,13 +26,45 @@ pub struct DocRow {
     pub stage: &'static str,
     pub size: String,
     pub chunks: u32,
+    /// Why it failed, in detail (the pipeline's English message, shown as a detail).
     pub error: Option<String>,
+    /// The catalog key that says why in the viewer's language (`failure.<kind>`).
+    pub failure_key: Option<String>,
     pub can_cancel: bool,
     pub can_reindex: bool,
     /// (stage key, time) of every stage reached.
     pub stages: Vec<(String, String)>,
     /// While in the pipeline: (catalog key, "done / total", percent) of the stage under way.
     pub progress: Option<(String, String, u32)>,
+}
+
+/// The kinds of failure the catalogs explain (`failure.<kind>`): the parser's error types and
+/// the pipeline's own.
+pub const FAILURES: [&str; 15] = [
+    "too_large",
+    "unsupported_format",
+    "encoding",
+    "no_text_layer",
+    "encrypted",
+    "malformed",
+    "archive_limit",
+    "empty",
+    "no_text",
+    "too_many_chunks",
+    "embedding",
+    "internal",
+    "original_unreadable",
+    "cancelled",
+    "other",
+];
+
+/// The catalog key for a failure of `kind` (`failure.other` for one failed before kinds were
+/// recorded, or of a kind the catalogs do not know).
+pub fn failure_key(kind: Option<&str>) -> String {
+    match kind {
+        Some(k) if FAILURES.contains(&k) => format!("failure.{k}"),
+        _ => "failure.other".into(),
+    }
 }
 
 /// What a document in the pipeline shows of its progress: the stage's catalog key, its
@@ -70,6 +102,7 @@ impl DocRow {
             size: bytes(d.size),
             chunks: d.chunks,
             error: d.error.clone(),
+            failure_key: (d.stage == Stage::Failed).then(|| failure_key(d.failure.as_deref())),
             can_cancel: !matches!(d.stage, Stage::Done | Stage::Failed),
             can_reindex: matches!(d.stage, Stage::Done | Stage::Failed),
             stages: d
