@@ -180,6 +180,45 @@ try {
   }
   assert.ok(await page.isVisible("tr.audit-key_revoked"), "the audit log shows the revocation");
 
+  step("a 1,000-chunk document: live progress, then its chunks a page at a time");
+  await page.goto(`${URL}/console/kb`);
+  await page.fill('#kb-create input[name="name"]', "manual");
+  await page.fill('#kb-create input[name="chunk_tokens"]', "16");
+  await page.fill('#kb-create input[name="overlap_tokens"]', "0");
+  await Promise.all([page.waitForURL(/\/console\/kb\/manual/), page.click('#kb-create button[type="submit"]')]);
+  const manual = Array.from(
+    { length: 1000 },
+    (_, i) => `Machine ${i + 1} needs a new filter every ${(i % 12) + 1} months; its log is kept in room ${i % 40}.`,
+  ).join("\n\n");
+  await page.setInputFiles("#upload-files", [{ name: "manual.md", mimeType: "text/markdown", buffer: Buffer.from(manual) }]);
+  await Promise.all([page.waitForURL(/\/console\/kb\/manual/), page.click('#upload-form button[type="submit"]')]);
+  // The list refreshes itself while the document moves through the stages: no reload here.
+  const row = 'tr[data-doc="manual.md"]';
+  const seen = new Set();
+  let bar = false;
+  for (const until = Date.now() + 240_000; ; ) {
+    const stage = await page.getAttribute(row, "data-stage");
+    seen.add(stage);
+    if (!bar && (await page.locator(`${row} progress`).count()) > 0) {
+      bar = true;
+      await shot("18-ingestion-progress");
+    }
+    if (stage === "done") break;
+    assert.notEqual(stage, "failed", await page.innerText(row));
+    assert.ok(Date.now() < until, `still ${stage}`);
+    await page.waitForTimeout(100);
+  }
+  assert.ok(seen.size > 1, `the row changed stage live (${[...seen].join(" -> ")})`);
+  step(`  stages seen live: ${[...seen].join(" -> ")}${bar ? ", with a progress bar" : ""}`);
+  await page.click(`${row} a`);
+  await page.waitForSelector("#chunk-pager");
+  const [, total] = (await page.innerText("#chunk-pager span")).match(/\/ (\d+)/);
+  assert.ok(Number(total) >= 1000, `${total} chunks`);
+  assert.equal(await page.locator("article.chunk").count(), 50, "50 chunks to a page");
+  await Promise.all([page.waitForURL(/page=2/), page.click('#chunk-pager a[rel="next"]')]);
+  assert.match(await page.innerText("#chunk-pager span"), /^51–100 \//);
+  await shot("19-chunks-page-2");
+
   step("switch to Chinese");
   await page.goto(`${URL}/console/`);
   await Promise.all([page.waitForURL(`${URL}/console/`), page.click('a[lang="zh-CN"]')]);
@@ -222,6 +261,7 @@ try {
     "/console/kb",
     `/console/kb/${KB}`,
     docHref,
+    "/console/kb/manual",
     `/console/kb/${KB}/delete`,
     `/console/retrieval?q=paid+leave&mode=hybrid&top_k=3&collections=${KB}`,
     "/console/chat",
