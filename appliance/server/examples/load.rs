@@ -13,7 +13,7 @@
 //!     --key "$KEY" --pid "$(pgrep -n engramd)" [--collection handbook]
 //! ```
 
-use std::net::{SocketAddr, ToSocketAddrs};
+use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -22,7 +22,7 @@ use serde_json::{json, Value};
 
 #[path = "support/http.rs"]
 mod http;
-use http::post;
+use http::{addr_of, post};
 
 struct Args {
     addr: SocketAddr,
@@ -52,11 +52,7 @@ fn args() -> Args {
     while let Some(flag) = it.next() {
         let mut val = || it.next().unwrap_or_else(|| panic!("{flag} needs a value"));
         match flag.as_str() {
-            "--url" => {
-                let v = val();
-                let host = v.trim_start_matches("http://").trim_end_matches('/');
-                a.addr = host.to_socket_addrs().unwrap().next().unwrap();
-            }
+            "--url" => a.addr = addr_of(&val()),
             "--key" => a.key = val(),
             "--collection" => a.collection = Some(val()),
             "--max-tokens" => a.max_tokens = val().parse().unwrap(),

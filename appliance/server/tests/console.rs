@@ -231,6 +231,34 @@ fn sign_in(name: &str, password: &str) -> Session {
     }
 }
 
+/// Creates the knowledge base `name` through the console form.
+fn create_kb(s: &Session, name: &str) {
+    let r = request(
+        "POST",
+        "/console/kb",
+        &s.cookie,
+        &[],
+        Some(&form_encode(&[("name", name), ("csrf", &s.csrf)])),
+    );
+    assert_eq!(r.status, 303, "{}", r.body);
+}
+
+/// The knowledge base's page (as `cookie` sees it) once its only document has reached `stage`
+/// (`done` or `failed`); reaching the other one fails the test.
+fn documents_when(cookie: &str, kb: &str, stage: &str) -> String {
+    let deadline = std::time::Instant::now() + Duration::from_secs(300);
+    loop {
+        let page = request("GET", &format!("/console/kb/{kb}"), cookie, &[], None).body;
+        if page.contains(&format!("data-stage=\"{stage}\"")) {
+            return page;
+        }
+        let other = if stage == "done" { "failed" } else { "done" };
+        assert!(!page.contains(&format!("data-stage=\"{other}\"")), "{page}");
+        assert!(std::time::Instant::now() < deadline, "never {stage}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
 #[test]
 fn pages_need_a_session() {
     for path in [
@@ -726,14 +754,7 @@ fn refused_forms_stay_on_the_form_in_the_viewers_language() {
 #[test]
 fn a_failed_document_is_explained_in_chinese() {
     let s = sign_in("root", ADMIN_PW);
-    let r = request(
-        "POST",
-        "/console/kb",
-        &s.cookie,
-        &[],
-        Some(&form_encode(&[("name", "broken"), ("csrf", &s.csrf)])),
-    );
-    assert_eq!(r.status, 303, "{}", r.body);
+    create_kb(&s, "broken");
     let r = request_raw(
         "POST",
         "/console/kb/broken/upload",
@@ -743,15 +764,7 @@ fn a_failed_document_is_explained_in_chinese() {
     );
     assert_eq!(r.status, 303, "{}", r.body);
     let zh = format!("{}; engram_lang=zh-CN", s.cookie);
-    let deadline = std::time::Instant::now() + Duration::from_secs(120);
-    let page = loop {
-        let page = request("GET", "/console/kb/broken", &zh, &[], None);
-        if page.body.contains("data-stage=\"failed\"") {
-            break page.body;
-        }
-        assert!(std::time::Instant::now() < deadline, "never failed");
-        std::thread::sleep(Duration::from_millis(200));
-    };
+    let page = documents_when(&zh, "broken", "failed");
     let pat = "class=\"error-text small\">";
     let at = page.find(pat).expect("a reason") + pat.len();
     let reason = &page[at..at + page[at..].find('<').unwrap()];
@@ -784,14 +797,7 @@ fn multipart(csrf: &str, file_name: &str, text: &str) -> (String, Vec<u8>) {
 #[test]
 fn documents_retrieval_and_chat_work_without_script() {
     let s = sign_in("root", ADMIN_PW);
-    let r = request(
-        "POST",
-        "/console/kb",
-        &s.cookie,
-        &[],
-        Some(&form_encode(&[("name", "nojs"), ("csrf", &s.csrf)])),
-    );
-    assert_eq!(r.status, 303, "{}", r.body);
+    create_kb(&s, "nojs");
     // An operator may not upload; an upload without the token is refused too.
     let op = sign_in("watcher", OPERATOR_PW);
     let text = "# Leave\n\nEvery employee gets 25 days of paid leave per year.";
@@ -823,21 +829,8 @@ fn documents_retrieval_and_chat_work_without_script() {
         r.header("location"),
         Some("/console/kb/nojs?ok=flash.uploaded")
     );
-    let deadline = std::time::Instant::now() + Duration::from_secs(300);
-    loop {
-        let page = request("GET", "/console/kb/nojs", &s.cookie, &[], None);
-        if page.body.contains("data-stage=\"done\"") {
-            assert!(page.body.contains("leave.md"));
-            break;
-        }
-        assert!(
-            !page.body.contains("data-stage=\"failed\""),
-            "{}",
-            page.body
-        );
-        assert!(std::time::Instant::now() < deadline, "never indexed");
-        std::thread::sleep(Duration::from_millis(200));
-    }
+    let page = documents_when(&s.cookie, "nojs", "done");
+    assert!(page.contains("leave.md"));
     let r = request(
         "GET",
         "/console/retrieval?q=paid+leave&mode=hybrid&top_k=3&collections=nojs",

@@ -1,7 +1,7 @@
 //! The benchmark examples' HTTP client: one request per connection, std only.
 
 use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpStream};
+use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
 use std::time::Duration;
 
 use serde_json::Value;
@@ -36,4 +36,13 @@ pub fn post(addr: SocketAddr, key: &str, path: &str, body: &Value) -> Result<(u1
         status,
         serde_json::from_slice(&raw[split + 4..]).unwrap_or(Value::Null),
     ))
+}
+
+/// The address of `http://host:port` (a trailing slash allowed).
+pub fn addr_of(url: &str) -> SocketAddr {
+    let host = url.trim_start_matches("http://").trim_end_matches('/');
+    host.to_socket_addrs()
+        .ok()
+        .and_then(|mut a| a.next())
+        .unwrap_or_else(|| panic!("cannot resolve {url}"))
 }
