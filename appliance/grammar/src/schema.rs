@@ -130,6 +130,24 @@ fn set(s: ByteSet) -> Elem {
     Elem::Set(s)
 }
 
+/// The multi-byte characters of well-formed UTF-8, one alternative per lead-byte range (no
+/// overlong forms, surrogates or code points past U+10FFFF), so a token may end inside a
+/// character and the next one finish it.
+fn utf8_multibyte() -> Vec<Vec<Elem>> {
+    let cont = set(ByteSet::range(0x80, 0xbf));
+    let lead = |lo, hi| set(ByteSet::range(lo, hi));
+    vec![
+        vec![lead(0xc2, 0xdf), cont],
+        vec![lead(0xe0, 0xe0), lead(0xa0, 0xbf), cont],
+        vec![lead(0xe1, 0xec), cont, cont],
+        vec![lead(0xed, 0xed), lead(0x80, 0x9f), cont],
+        vec![lead(0xee, 0xef), cont, cont],
+        vec![lead(0xf0, 0xf0), lead(0x90, 0xbf), cont, cont],
+        vec![lead(0xf1, 0xf3), cont, cont, cont],
+        vec![lead(0xf4, 0xf4), lead(0x80, 0x8f), cont, cont],
+    ]
+}
+
 impl<'a> Compiler<'a> {
     fn new(doc: &'a Json) -> Compiler<'a> {
         Compiler {
@@ -183,7 +201,6 @@ impl<'a> Compiler<'a> {
     fn string_char(&mut self) -> RuleId {
         self.shared("char", |c| {
             let plain = ByteSet::range(0x20, 0x7f).minus(ByteSet::of(b"\"\\"));
-            let cont = set(ByteSet::range(0x80, 0xbf));
             let hex = set({
                 let mut s = ByteSet::range(b'0', b'9');
                 for b in (b'a'..=b'f').chain(b'A'..=b'F') {
@@ -191,36 +208,8 @@ impl<'a> Compiler<'a> {
                 }
                 s
             });
-            c.g.rule(vec![
+            let mut alts = vec![
                 vec![set(plain)],
-                // Well-formed UTF-8 only (no overlong forms, surrogates or code points past
-                // U+10FFFF), so a token may end inside a character and the next one finish it.
-                vec![set(ByteSet::range(0xc2, 0xdf)), cont],
-                vec![
-                    set(ByteSet::byte(0xe0)),
-                    set(ByteSet::range(0xa0, 0xbf)),
-                    cont,
-                ],
-                vec![set(ByteSet::range(0xe1, 0xec)), cont, cont],
-                vec![
-                    set(ByteSet::byte(0xed)),
-                    set(ByteSet::range(0x80, 0x9f)),
-                    cont,
-                ],
-                vec![set(ByteSet::range(0xee, 0xef)), cont, cont],
-                vec![
-                    set(ByteSet::byte(0xf0)),
-                    set(ByteSet::range(0x90, 0xbf)),
-                    cont,
-                    cont,
-                ],
-                vec![set(ByteSet::range(0xf1, 0xf3)), cont, cont, cont],
-                vec![
-                    set(ByteSet::byte(0xf4)),
-                    set(ByteSet::range(0x80, 0x8f)),
-                    cont,
-                    cont,
-                ],
                 vec![set(ByteSet::byte(b'\\')), set(ByteSet::of(b"\"\\/bfnrt"))],
                 vec![
                     set(ByteSet::byte(b'\\')),
@@ -230,15 +219,15 @@ impl<'a> Compiler<'a> {
                     hex,
                     hex,
                 ],
-            ])
+            ];
+            alts.extend(utf8_multibyte());
+            c.g.rule(alts)
         })
     }
 
     /// Free text: well-formed UTF-8 (tabs and line breaks but no other controls), its first
     /// character neither `{` nor whitespace.
     fn text(&mut self) -> RuleId {
-        let cont = set(ByteSet::range(0x80, 0xbf));
-        let multibyte = |first: ByteSet| vec![set(first), cont];
         let mut printable = ByteSet::range(0x20, 0x7e);
         for b in [b'\t', b'\n', b'\r'] {
             printable.insert(b);
@@ -247,32 +236,7 @@ impl<'a> Compiler<'a> {
         // Any character: ASCII from `ascii`, or the same multi-byte forms as in strings.
         let char_of = |c: &mut Self, ascii: ByteSet| {
             let mut alts = vec![vec![set(ascii)]];
-            alts.push(multibyte(ByteSet::range(0xc2, 0xdf)));
-            alts.push(vec![
-                set(ByteSet::byte(0xe0)),
-                set(ByteSet::range(0xa0, 0xbf)),
-                cont,
-            ]);
-            alts.push(vec![set(ByteSet::range(0xe1, 0xec)), cont, cont]);
-            alts.push(vec![
-                set(ByteSet::byte(0xed)),
-                set(ByteSet::range(0x80, 0x9f)),
-                cont,
-            ]);
-            alts.push(vec![set(ByteSet::range(0xee, 0xef)), cont, cont]);
-            alts.push(vec![
-                set(ByteSet::byte(0xf0)),
-                set(ByteSet::range(0x90, 0xbf)),
-                cont,
-                cont,
-            ]);
-            alts.push(vec![set(ByteSet::range(0xf1, 0xf3)), cont, cont, cont]);
-            alts.push(vec![
-                set(ByteSet::byte(0xf4)),
-                set(ByteSet::range(0x80, 0x8f)),
-                cont,
-                cont,
-            ]);
+            alts.extend(utf8_multibyte());
             c.g.rule(alts)
         };
         let first = char_of(self, opening);

@@ -502,6 +502,14 @@ impl Authenticator {
         }
     }
 
+    /// Records a successful use of key `id` (written out by [`Authenticator::flush_uses`]).
+    fn used(&self, id: &str) {
+        self.uses
+            .lock()
+            .expect("uses lock")
+            .insert(id.to_owned(), now_ms());
+    }
+
     /// Number of keys known.
     pub fn key_count(&self) -> usize {
         self.loaded.lock().expect("auth lock").records.len()
@@ -597,15 +605,6 @@ impl Authenticator {
             .insert(rec.id.clone(), (fast, Instant::now() + self.cache_ttl));
         self.used(&rec.id);
         Ok(principal(&rec))
-    }
-}
-
-impl Authenticator {
-    fn used(&self, id: &str) {
-        self.uses
-            .lock()
-            .expect("uses lock")
-            .insert(id.to_owned(), now_ms());
     }
 }
 

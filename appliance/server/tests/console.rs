@@ -482,16 +482,18 @@ fn operators_cannot_change_keys_or_settings() {
     // An admin may: the key is shown once, and a revocation removes it.
     let admin = sign_in("root", ADMIN_PW);
     // A refused form comes back as the form, its message on it and the name as typed.
-    let refused = request(
-        "POST",
-        "/console/keys",
-        &admin.cookie,
-        &[],
-        Some(&form_encode(&[
-            ("name", "nightly eval"),
-            ("csrf", &admin.csrf),
-        ])),
-    );
+    let create_key = |fields: &[(&str, &str)]| {
+        let mut fields = fields.to_vec();
+        fields.push(("csrf", &admin.csrf));
+        request(
+            "POST",
+            "/console/keys",
+            &admin.cookie,
+            &[],
+            Some(&form_encode(&fields)),
+        )
+    };
+    let refused = create_key(&[("name", "nightly eval")]);
     assert_eq!(refused.status, 422, "{}", refused.body);
     let form = &refused.body[refused.body.find("id=\"key-form\"").expect("the form")..];
     assert!(
@@ -499,17 +501,7 @@ fn operators_cannot_change_keys_or_settings() {
         "{form}"
     );
     assert!(form.contains("value=\"nightly eval\""), "{form}");
-    let r = request(
-        "POST",
-        "/console/keys",
-        &admin.cookie,
-        &[],
-        Some(&form_encode(&[
-            ("name", "nightly eval"),
-            ("scopes", "search"),
-            ("csrf", &admin.csrf),
-        ])),
-    );
+    let r = create_key(&[("name", "nightly eval"), ("scopes", "search")]);
     // Post/redirect/get: the key is kept in the session and shown by the next page, once,
     // so reloading that page creates no second key and shows the secret no more.
     assert_eq!(r.status, 303);

@@ -605,43 +605,37 @@ pub async fn chat(
         let call = (sum.finish_reason == "stop")
             .then(|| tool_call_of(&answer))
             .flatten();
-        let (message, finish) = match call {
-            Some(c) => (
-                serde_json::json!({"role": "assistant", "content": null, "tool_calls": [c]}),
-                "tool_calls",
-            ),
-            None => (
-                serde_json::json!({"role": "assistant", "content": answer.trim()}),
-                sum.finish_reason,
-            ),
+        let finish = if call.is_some() {
+            "tool_calls"
+        } else {
+            sum.finish_reason
         };
         if !b.stream {
-            return Ok(axum::Json(serde_json::json!({
-                "id": id,
-                "object": "chat.completion",
-                "created": created,
-                "model": model,
-                "choices": [{"index": 0, "message": message, "finish_reason": finish}],
-                "usage": usage_of(&sum),
-            }))
-            .into_response());
+            let message = match &call {
+                Some(c) => {
+                    serde_json::json!({"role": "assistant", "content": null, "tool_calls": [c]})
+                }
+                None => serde_json::json!({"role": "assistant", "content": answer.trim()}),
+            };
+            return Ok(
+                axum::Json(completion(&id, created, &model, message, finish, &sum)).into_response(),
+            );
         }
         let chunk = |delta: serde_json::Value, finish: Option<&str>| {
-            data(&serde_json::json!({
+            serde_json::json!({
                 "id": id,
                 "object": "chat.completion.chunk",
                 "created": created,
                 "model": model,
                 "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
-            }))
+            })
         };
-        let delta = match message.get("tool_calls") {
-            Some(calls) => {
-                let mut calls = calls.clone();
-                calls[0]["index"] = 0.into();
-                serde_json::json!({"tool_calls": calls})
+        let delta = match call {
+            Some(mut c) => {
+                c["index"] = 0.into();
+                serde_json::json!({"tool_calls": [c]})
             }
-            None => serde_json::json!({"content": message["content"]}),
+            None => serde_json::json!({"content": answer.trim()}),
         };
         let mut events = vec![
             chunk(
@@ -652,34 +646,24 @@ pub async fn chat(
             chunk(serde_json::json!({}), Some(finish)),
         ];
         if include_usage {
-            events.push(data(&serde_json::json!({
-                "id": id,
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": model,
-                "choices": [],
-                "usage": usage_of(&sum),
-            })));
+            let mut usage = chunk(serde_json::json!({}), None);
+            usage["choices"] = serde_json::json!([]);
+            usage["usage"] = usage_of(&sum);
+            events.push(usage);
         }
-        events.push(SseEvent::default().data("[DONE]"));
+        let events: Vec<SseEvent> = events
+            .iter()
+            .map(data)
+            .chain([SseEvent::default().data("[DONE]")])
+            .collect();
         return Ok(
             Sse::new(stream::iter(events.into_iter().map(Ok::<_, Infallible>))).into_response(),
         );
     }
     if !b.stream {
         let (answer, sum) = crate::engine::collect(rx).await?;
-        let mut body = serde_json::json!({
-            "id": id,
-            "object": "chat.completion",
-            "created": created,
-            "model": model,
-            "choices": [{
-                "index": 0,
-                "message": {"role": "assistant", "content": answer.trim()},
-                "finish_reason": sum.finish_reason,
-            }],
-            "usage": usage_of(&sum),
-        });
+        let message = serde_json::json!({"role": "assistant", "content": answer.trim()});
+        let mut body = completion(&id, created, &model, message, sum.finish_reason, &sum);
         if let Some(c) = cites {
             body["citations"] = serde_json::to_value(c).expect("json");
             body["engram"] = serde_json::json!({
@@ -695,6 +679,25 @@ pub async fn chat(
             .keep_alive(KeepAlive::default())
             .into_response(),
     )
+}
+
+/// A whole `chat.completion` of one choice.
+fn completion(
+    id: &str,
+    created: u64,
+    model: &str,
+    message: serde_json::Value,
+    finish_reason: &str,
+    sum: &crate::engine::Summary,
+) -> serde_json::Value {
+    serde_json::json!({
+        "id": id,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": [{"index": 0, "message": message, "finish_reason": finish_reason}],
+        "usage": usage_of(sum),
+    })
 }
 
 /// OpenAI's `usage`; `cached_tokens`: prompt tokens whose KV came from the prefix cache (the

@@ -56,22 +56,26 @@ pub struct KbListPage {
     pub error: Option<String>,
 }
 
+/// The knowledge-base list with its create form empty (the defaults) and no message.
+async fn list_page(s: &AppState, v: &Viewer, flash: Option<&str>) -> Result<KbListPage, Failure> {
+    let all = s.kb.call(|kb| kb.collections()).await??;
+    Ok(KbListPage {
+        c: v.chrome("kb", "nav.kb", "/console/kb").with_flash(flash),
+        kbs: all.iter().map(KbRow::from).collect(),
+        name: String::new(),
+        default_chunk: DEFAULT_CHUNK_TOKENS,
+        default_overlap: DEFAULT_OVERLAP_TOKENS,
+        error: None,
+    })
+}
+
 /// `GET /console/kb`.
 pub async fn list(
     State(s): State<AppState>,
     Extension(v): Extension<Viewer>,
     Query(q): Query<FlashQuery>,
 ) -> Result<Response, Failure> {
-    let all = s.kb.call(|kb| kb.collections()).await??;
-    Ok(html(&KbListPage {
-        c: v.chrome("kb", "nav.kb", "/console/kb")
-            .with_flash(q.ok.as_deref()),
-        kbs: all.iter().map(KbRow::from).collect(),
-        name: String::new(),
-        default_chunk: DEFAULT_CHUNK_TOKENS,
-        default_overlap: DEFAULT_OVERLAP_TOKENS,
-        error: None,
-    }))
+    Ok(html(&list_page(&s, &v, q.ok.as_deref()).await?))
 }
 
 #[derive(Deserialize)]
@@ -114,18 +118,14 @@ pub async fn create(
                 },
                 _ => return Err(e.into()),
             };
-            let all = s.kb.call(|kb| kb.collections()).await??;
-            return Ok(html_status(
-                StatusCode::UNPROCESSABLE_ENTITY,
-                &KbListPage {
-                    c: v.chrome("kb", "nav.kb", "/console/kb"),
-                    kbs: all.iter().map(KbRow::from).collect(),
-                    name,
-                    default_chunk: chunking.max_tokens,
-                    default_overlap: chunking.overlap_tokens,
-                    error: Some(error),
-                },
-            ));
+            let page = KbListPage {
+                name,
+                default_chunk: chunking.max_tokens,
+                default_overlap: chunking.overlap_tokens,
+                error: Some(error),
+                ..list_page(&s, &v, None).await?
+            };
+            return Ok(html_status(StatusCode::UNPROCESSABLE_ENTITY, &page));
         }
     };
     s.console
