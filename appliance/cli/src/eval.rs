@@ -38,6 +38,9 @@ enum EvalCommand {
     /// End-to-end QA (retrieve, prompt, fused prefill, greedy answer) scored against gold
     /// answers, optionally beside a peer server given the same passages.
     Qa(crate::qa_eval::QaArgs),
+    /// Writes a mixed Chinese/English retrieval set (BEIR form) built from XQuAD's parallel
+    /// paragraphs: English documents quoting Chinese sentences, with `zh` and `en` query splits.
+    MixedSet(crate::mixed_set::MixedSetArgs),
 }
 
 #[derive(Args)]
@@ -187,6 +190,7 @@ pub fn eval(a: EvalArgs) -> Result<()> {
         EvalCommand::Retrieval(r) => retrieval(r),
         EvalCommand::Fusion(f) => crate::fusion_eval::run(f),
         EvalCommand::Qa(q) => crate::qa_eval::run(q),
+        EvalCommand::MixedSet(m) => crate::mixed_set::run(m),
     }
 }
 

@@ -5,6 +5,7 @@ mod bench;
 mod eval;
 mod fusion_eval;
 mod kb;
+mod mixed_set;
 mod qa_eval;
 
 use std::io::{BufRead, Write};

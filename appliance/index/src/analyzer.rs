@@ -1,28 +1,26 @@
-//! Text analysis: the English and Chinese analyzers and the choice between them by script.
+//! Text analysis: one analyzer for every chunk and query, which segments text by script.
+//!
+//! Runs of Han characters go to jieba (search mode), everything else to tantivy's
+//! letters-and-digits words; then lowercase, English and Chinese stop words, the English
+//! stemmer (which leaves Han words as they are). A mostly English document that quotes a Chinese
+//! sentence is searchable by that sentence's words, and a Chinese document by its English terms,
+//! whatever the share of either script.
 
 use std::sync::LazyLock;
 
 use jieba_rs::{Jieba, TokenizeMode};
 use tantivy::tokenizer::{
-    Language, LowerCaser, RemoveLongFilter, SimpleTokenizer, Stemmer, StopWordFilter, TextAnalyzer,
-    Token, TokenStream, Tokenizer,
+    Language, LowerCaser, RemoveLongFilter, Stemmer, StopWordFilter, TextAnalyzer, Token,
+    TokenStream, Tokenizer,
 };
 
-/// Name under which the English analyzer is registered with tantivy.
-pub(crate) const EN_ANALYZER: &str = "engram_en";
-/// Name under which the Chinese analyzer is registered with tantivy.
-pub(crate) const ZH_ANALYZER: &str = "engram_zh";
+/// Name under which the analyzer is registered with tantivy.
+pub(crate) const ANALYZER: &str = "engram_text";
 
 /// Tokens longer than this many bytes are dropped: base64 blobs, hashes and URLs only bloat the
 /// term dictionary (tantivy's default is 40; a Chinese word is rarely over 5 characters, 15
 /// bytes).
 const MAX_TOKEN_BYTES: usize = 40;
-
-/// A chunk whose letters and digits are at least this share of Han characters is indexed as
-/// Chinese. A Han character carries about as much as a short English word, so a quarter by
-/// character count already means most of the content is Chinese; English terms inside a
-/// Chinese chunk are still indexed (jieba passes them through, lowercased).
-const CJK_SHARE_FOR_CHINESE: f32 = 0.25;
 
 /// Structural particles, conjunctions and copulas that appear in nearly every Chinese chunk;
 /// a short list on purpose: content words, pronouns and negations stay searchable.
@@ -35,61 +33,20 @@ const CHINESE_STOP_WORDS: &[&str] = &[
 /// every index.
 static JIEBA: LazyLock<Jieba> = LazyLock::new(Jieba::new);
 
-/// Simple tokenizer, long-token removal, lowercase, English stop words, Snowball English stemmer
-/// (the Lucene `EnglishAnalyzer` chain that Anserini's BM25 baselines use).
-pub(crate) fn english() -> TextAnalyzer {
-    let builder = TextAnalyzer::builder(SimpleTokenizer::default())
-        .filter(RemoveLongFilter::limit(MAX_TOKEN_BYTES))
-        .filter(LowerCaser);
-    match StopWordFilter::new(Language::English) {
-        Some(stop) => builder
-            .filter(stop)
-            .filter(Stemmer::new(Language::English))
-            .build(),
-        None => builder.filter(Stemmer::new(Language::English)).build(),
-    }
-}
-
-/// jieba in search mode (overlapping sub-words as well as whole words), lowercased, punctuation,
-/// whitespace and a few particles dropped.
-pub(crate) fn chinese() -> TextAnalyzer {
-    let stop = CHINESE_STOP_WORDS.iter().map(|w| w.to_string());
-    TextAnalyzer::builder(JiebaTokenizer)
+/// The script-segmenting tokenizer, long-token removal, lowercase, English then Chinese stop
+/// words, the Snowball English stemmer (for the Latin words: the Lucene `EnglishAnalyzer` chain
+/// that Anserini's BM25 baselines use).
+pub(crate) fn text() -> TextAnalyzer {
+    let english_stop = StopWordFilter::new(Language::English)
+        .unwrap_or_else(|| StopWordFilter::remove(Vec::new()));
+    let chinese_stop = StopWordFilter::remove(CHINESE_STOP_WORDS.iter().map(|w| w.to_string()));
+    TextAnalyzer::builder(ScriptTokenizer)
         .filter(RemoveLongFilter::limit(MAX_TOKEN_BYTES))
         .filter(LowerCaser)
-        .filter(StopWordFilter::remove(stop))
+        .filter(english_stop)
+        .filter(chinese_stop)
+        .filter(Stemmer::new(Language::English))
         .build()
-}
-
-/// Which analyzer (and field) a text belongs to.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Script {
-    English,
-    Chinese,
-}
-
-impl Script {
-    pub(crate) fn of(text: &str) -> Script {
-        let (mut han, mut alnum) = (0usize, 0usize);
-        for c in text.chars().filter(|c| c.is_alphanumeric()) {
-            alnum += 1;
-            if is_han(c) {
-                han += 1;
-            }
-        }
-        if han > 0 && han as f32 >= CJK_SHARE_FOR_CHINESE * alnum as f32 {
-            Script::Chinese
-        } else {
-            Script::English
-        }
-    }
-
-    pub(crate) fn analyzer(self) -> TextAnalyzer {
-        match self {
-            Script::English => english(),
-            Script::Chinese => chinese(),
-        }
-    }
 }
 
 /// CJK unified ideographs (basic block, extension A, compatibility ideographs, extensions B+).
@@ -109,37 +66,69 @@ pub(crate) fn tokens(analyzer: &mut TextAnalyzer, text: &str) -> Vec<(String, us
     out
 }
 
-/// tantivy adapter for jieba. Offsets are byte offsets into the input, as tantivy expects.
+/// Splits text into runs of Han and of other characters: a Han run becomes jieba's words (search
+/// mode: the sub-words of a long word too), any other run its maximal runs of letters and digits
+/// (tantivy's `SimpleTokenizer`). Offsets are byte offsets into the input, as tantivy expects.
 #[derive(Clone, Copy, Debug, Default)]
-pub(crate) struct JiebaTokenizer;
+pub(crate) struct ScriptTokenizer;
 
-pub(crate) struct JiebaTokenStream {
+pub(crate) struct ScriptTokenStream {
     tokens: Vec<Token>,
     next: usize,
 }
 
-impl Tokenizer for JiebaTokenizer {
-    type TokenStream<'a> = JiebaTokenStream;
+impl Tokenizer for ScriptTokenizer {
+    type TokenStream<'a> = ScriptTokenStream;
 
-    fn token_stream<'a>(&'a mut self, text: &'a str) -> JiebaTokenStream {
-        let tokens = JIEBA
-            .tokenize(text, TokenizeMode::Search, true)
-            .into_iter()
-            .filter(|t| t.word.chars().any(char::is_alphanumeric))
-            .enumerate()
-            .map(|(position, t)| Token {
-                offset_from: t.byte_start,
-                offset_to: t.byte_end,
-                position,
-                text: t.word.to_string(),
+    fn token_stream<'a>(&'a mut self, text: &'a str) -> ScriptTokenStream {
+        let mut tokens = Vec::new();
+        let mut push = |from: usize, to: usize| {
+            tokens.push(Token {
+                offset_from: from,
+                offset_to: to,
+                position: tokens.len(),
+                text: text[from..to].to_string(),
                 position_length: 1,
             })
-            .collect();
-        JiebaTokenStream { tokens, next: 0 }
+        };
+        let mut rest = text.char_indices().peekable();
+        while let Some(&(start, c)) = rest.peek() {
+            let han = is_han(c);
+            let mut end = start;
+            while let Some(&(i, c)) = rest.peek() {
+                if is_han(c) != han {
+                    break;
+                }
+                end = i + c.len_utf8();
+                rest.next();
+            }
+            let run = &text[start..end];
+            if han {
+                for t in JIEBA.tokenize(run, TokenizeMode::Search, true) {
+                    push(start + t.byte_start, start + t.byte_end);
+                }
+            } else {
+                let mut word: Option<usize> = None;
+                for (i, c) in run.char_indices() {
+                    match (c.is_alphanumeric(), word) {
+                        (true, None) => word = Some(i),
+                        (false, Some(from)) => {
+                            push(start + from, start + i);
+                            word = None;
+                        }
+                        _ => {}
+                    }
+                }
+                if let Some(from) = word {
+                    push(start + from, end);
+                }
+            }
+        }
+        ScriptTokenStream { tokens, next: 0 }
     }
 }
 
-impl TokenStream for JiebaTokenStream {
+impl TokenStream for ScriptTokenStream {
     fn advance(&mut self) -> bool {
         if self.next < self.tokens.len() {
             self.next += 1;
@@ -162,21 +151,24 @@ impl TokenStream for JiebaTokenStream {
 mod tests {
     use super::*;
 
-    fn terms(mut a: TextAnalyzer, text: &str) -> Vec<String> {
-        tokens(&mut a, text).into_iter().map(|t| t.0).collect()
+    fn terms(text_: &str) -> Vec<String> {
+        tokens(&mut text(), text_)
+            .into_iter()
+            .map(|t| t.0)
+            .collect()
     }
 
     #[test]
     fn english_stems_lowercases_and_drops_stop_words() {
         assert_eq!(
-            terms(english(), "The Runner was RUNNING and runs"),
+            terms("The Runner was RUNNING and runs"),
             ["runner", "run", "run"]
         );
     }
 
     #[test]
     fn chinese_segments_in_search_mode_and_drops_punctuation() {
-        let t = terms(chinese(), "我来到北京清华大学，学习 Rust。");
+        let t = terms("我来到北京清华大学，学习 Rust。");
         assert!(t.contains(&"清华".to_string()), "{t:?}");
         assert!(t.contains(&"清华大学".to_string()), "{t:?}");
         assert!(t.contains(&"rust".to_string()), "{t:?}");
@@ -188,22 +180,35 @@ mod tests {
     }
 
     #[test]
-    fn chinese_offsets_are_bytes() {
-        let text = "你好，世界";
-        for (word, from, to) in tokens(&mut chinese(), text) {
-            assert_eq!(&text[from..to], word);
+    fn offsets_are_bytes_of_the_input() {
+        let text_ = "你好，世界 and the Worlds of 北京2024年";
+        let mut unstemmed = TextAnalyzer::builder(ScriptTokenizer).build();
+        let got = tokens(&mut unstemmed, text_);
+        assert!(!got.is_empty());
+        for (word, from, to) in got {
+            assert_eq!(&text_[from..to], word);
         }
     }
 
     #[test]
-    fn script_detection() {
-        assert_eq!(Script::of("plain English text"), Script::English);
-        assert_eq!(Script::of("我来到北京清华大学"), Script::Chinese);
-        assert_eq!(Script::of("使用 tantivy 建立索引"), Script::Chinese);
-        assert_eq!(
-            Script::of("A long English paragraph that quotes one word: 你好"),
-            Script::English
+    fn a_chinese_sentence_inside_english_text_is_segmented() {
+        // Under the old per-chunk choice this text was English and the Chinese sentence one
+        // unsearchable 30-byte token.
+        let t = terms(
+            "Passwords are checked at every sign-in. 新密码至少需要8个字符。 Reset them from the console.",
         );
-        assert_eq!(Script::of(""), Script::English);
+        for w in [
+            "密码", "至少", "需要", "字符", "8", "password", "check", "consol",
+        ] {
+            assert!(t.contains(&w.to_string()), "{w} missing from {t:?}");
+        }
+    }
+
+    #[test]
+    fn english_words_inside_chinese_text_are_stemmed_and_han_words_untouched() {
+        let t = terms("使用 Indexes 建立索引，searching 搜索");
+        for w in ["使用", "index", "建立", "索引", "search", "搜索"] {
+            assert!(t.contains(&w.to_string()), "{w} missing from {t:?}");
+        }
     }
 }

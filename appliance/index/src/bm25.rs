@@ -1,10 +1,11 @@
-//! BM25 over chunk text on tantivy, with an English and a Chinese field.
+//! BM25 over chunk text on tantivy, in one field analysed by script (`analyzer::text`).
 //!
-//! Each chunk is indexed in exactly one of two text fields, chosen by its script
-//! ([`Script::of`]): `text_en` (stemmed English) or `text_zh` (jieba). A query is analysed for
-//! both fields and becomes one disjunction of term queries, so a mixed corpus answers queries in
-//! either language. Queries are built from analysed terms, never through tantivy's query parser,
-//! so user text with `:`, `"`, `(` or `AND` cannot make a query fail.
+//! Every chunk and every query goes through the same analyzer, which segments Han runs with
+//! jieba and stems the Latin words, so a mixed corpus, and a mixed chunk, answers queries in
+//! either language. (Format 1 indexed each chunk in an English or a Chinese field chosen by its
+//! majority script, which lost the Chinese sentences of mostly English chunks.) A query becomes
+//! one disjunction of term queries built from analysed terms, never through tantivy's query
+//! parser, so user text with `:`, `"`, `(` or `AND` cannot make a query fail.
 //!
 //! BM25 uses tantivy's constants (k1 = 1.2, b = 0.75): tantivy 0.27 hard-codes them in
 //! `query/bm25.rs`, so Anserini's k1 = 0.9, b = 0.4 would need a fork or a custom scorer.
@@ -20,16 +21,16 @@ use tantivy::schema::{
 };
 use tantivy::{Index, IndexReader, IndexWriter, ReloadPolicy, TantivyDocument, TantivyError, Term};
 
-use crate::analyzer::{self, Script, EN_ANALYZER, ZH_ANALYZER};
+use crate::analyzer::{self, ANALYZER};
 use crate::error::{IndexError, Result};
 use crate::{ChunkDoc, DocFilter, Hit};
 
 /// Version of the schema and payload written here; bump it when either changes, and an index of
 /// another version is reported as `Mismatch` (and rebuilt by the catalog).
-pub const FORMAT_VERSION: u32 = 1;
+pub const FORMAT_VERSION: u32 = 2;
 
 /// Prefix of the commit payload, followed by the catalog sequence number.
-const PAYLOAD_PREFIX: &str = "engram-bm25 v1 seq=";
+const PAYLOAD_PREFIX: &str = "engram-bm25 v2 seq=";
 
 /// Indexing heap of the single writer thread. tantivy needs at least 15 MB per thread; 64 MB
 /// makes segments of roughly 100k chunks before flushing, and one thread keeps ingestion from
@@ -40,8 +41,7 @@ const WRITER_HEAP_BYTES: usize = 64 << 20;
 struct Fields {
     chunk_id: Field,
     doc_id: Field,
-    text_en: Field,
-    text_zh: Field,
+    text: Field,
 }
 
 fn schema() -> (Schema, Fields) {
@@ -49,26 +49,21 @@ fn schema() -> (Schema, Fields) {
     let chunk_id = builder.add_u64_field("chunk_id", FAST | INDEXED | STORED);
     let doc_id = builder.add_u64_field("doc_id", FAST | INDEXED);
     // BM25 needs term frequencies but no positions: no phrase queries, a third smaller index.
-    let text = |analyzer: &str| {
-        TextOptions::default().set_indexing_options(
-            TextFieldIndexing::default()
-                .set_tokenizer(analyzer)
-                .set_index_option(IndexRecordOption::WithFreqs),
-        )
-    };
-    let text_en = builder.add_text_field("text_en", text(EN_ANALYZER));
-    let text_zh = builder.add_text_field("text_zh", text(ZH_ANALYZER));
+    let options = TextOptions::default().set_indexing_options(
+        TextFieldIndexing::default()
+            .set_tokenizer(ANALYZER)
+            .set_index_option(IndexRecordOption::WithFreqs),
+    );
+    let text = builder.add_text_field("text", options);
     let fields = Fields {
         chunk_id,
         doc_id,
-        text_en,
-        text_zh,
+        text,
     };
     (builder.build(), fields)
 }
 
-/// BM25 over chunk text with an English analyzer and a Chinese (jieba) one, chosen per chunk by
-/// its script.
+/// BM25 over chunk text, analysed by script (jieba for Han runs, stemmed English for the rest).
 ///
 /// Writes (`add`, `delete_doc`) become visible to `search` at the next `commit`. Chunk ids must
 /// be unique within the collection: re-indexing a document goes through `delete_doc` first.
@@ -94,11 +89,19 @@ impl Bm25Index {
         let index = if meta.exists() {
             let index = Index::open_in_dir(dir).map_err(|e| open_error(dir, e))?;
             if index.schema() != expected_schema {
+                // The payload names the format that wrote it ("engram-bm25 v1 seq=7").
+                let found = index
+                    .load_metas()
+                    .ok()
+                    .and_then(|m| m.payload)
+                    .and_then(|p| p.split(" seq=").next().map(str::to_owned))
+                    .filter(|f| f.starts_with("engram-bm25 v"))
+                    .unwrap_or_else(|| "another schema".into());
                 return Err(IndexError::Mismatch {
                     path: dir.to_path_buf(),
-                    what: "schema",
+                    what: "format",
                     expected: format!("engram-bm25 v{FORMAT_VERSION}"),
-                    found: "another schema".into(),
+                    found,
                 });
             }
             let damaged = index.validate_checksum().map_err(|e| open_error(dir, e))?;
@@ -114,12 +117,7 @@ impl Bm25Index {
         } else {
             Index::create_in_dir(dir, expected_schema).map_err(|e| tantivy_error(dir, e))?
         };
-        index
-            .tokenizers()
-            .register(EN_ANALYZER, analyzer::english());
-        index
-            .tokenizers()
-            .register(ZH_ANALYZER, analyzer::chinese());
+        index.tokenizers().register(ANALYZER, analyzer::text());
 
         let payload = index.load_metas().map_err(|e| open_error(dir, e))?.payload;
         let seq = match payload {
@@ -172,14 +170,10 @@ impl Bm25Index {
     pub fn add(&mut self, chunks: &[ChunkDoc<'_>]) -> Result<()> {
         self.check_writable()?;
         for chunk in chunks {
-            let field = match Script::of(chunk.text) {
-                Script::English => self.fields.text_en,
-                Script::Chinese => self.fields.text_zh,
-            };
             let mut doc = TantivyDocument::new();
             doc.add_u64(self.fields.chunk_id, chunk.chunk_id);
             doc.add_u64(self.fields.doc_id, chunk.doc_id);
-            doc.add_text(field, chunk.text);
+            doc.add_text(self.fields.text, chunk.text);
             self.writer
                 .add_document(doc)
                 .map_err(|e| tantivy_error(&self.dir, e))?;
@@ -269,11 +263,11 @@ impl Bm25Index {
         Ok(hits)
     }
 
-    /// Byte ranges in `text` of the terms `query` matches, for highlighting: `text` is analysed
-    /// the way it was indexed (by its script), the query with the same analyzer, and the ranges
-    /// of matching tokens are returned sorted, overlaps merged.
+    /// Byte ranges in `text` of the terms `query` matches, for highlighting: `text` and `query`
+    /// are analysed as they are indexed and searched, and the ranges of matching tokens are
+    /// returned sorted, overlaps merged.
     pub fn highlight(&self, query: &str, text: &str) -> Vec<Range<usize>> {
-        let mut analyzer = Script::of(text).analyzer();
+        let mut analyzer = analyzer::text();
         let wanted: HashSet<String> = analyzer::tokens(&mut analyzer, query)
             .into_iter()
             .map(|t| t.0)
@@ -297,23 +291,18 @@ impl Bm25Index {
         merged
     }
 
-    /// The query's terms for both fields as one disjunction; `None` when no term survives
-    /// analysis (empty, punctuation only, stop words only).
+    /// The query's terms as one disjunction; `None` when no term survives analysis (empty,
+    /// punctuation only, stop words only).
     fn text_query(&self, query: &str) -> Option<Box<dyn Query>> {
         let mut clauses: Vec<(Occur, Box<dyn Query>)> = Vec::new();
-        for (field, mut analyzer) in [
-            (self.fields.text_en, analyzer::english()),
-            (self.fields.text_zh, analyzer::chinese()),
-        ] {
-            let mut seen = HashSet::new();
-            for (term, _, _) in analyzer::tokens(&mut analyzer, query) {
-                if seen.insert(term.clone()) {
-                    let term = Term::from_field_text(field, &term);
-                    clauses.push((
-                        Occur::Should,
-                        Box::new(TermQuery::new(term, IndexRecordOption::WithFreqs)),
-                    ));
-                }
+        let mut seen = HashSet::new();
+        for (term, _, _) in analyzer::tokens(&mut analyzer::text(), query) {
+            if seen.insert(term.clone()) {
+                let term = Term::from_field_text(self.fields.text, &term);
+                clauses.push((
+                    Occur::Should,
+                    Box::new(TermQuery::new(term, IndexRecordOption::WithFreqs)),
+                ));
             }
         }
         (!clauses.is_empty()).then(|| Box::new(BooleanQuery::new(clauses)) as Box<dyn Query>)

@@ -8,8 +8,8 @@
 //! index that is behind, and an index whose open fails with an error for which
 //! [`IndexError::needs_rebuild`] holds (`Corrupt`, `Mismatch`) is rebuilt from the catalog.
 //!
-//! - `bm25`: tantivy, one English (stemmed) and one Chinese (jieba) field, chosen per chunk by
-//!   script; `analyzer` holds the two analyzers.
+//! - `bm25`: tantivy, one field; `analyzer` segments text by script (jieba for Han runs, the
+//!   stemmed English chain for the rest), so either script of a mixed chunk is searchable.
 //! - `vector`: hnsw_rs with tombstones, compaction, and a checksummed on-disk format.
 //! - `fusion`: reciprocal-rank and weighted min-max fusion of the two candidate lists.
 //!

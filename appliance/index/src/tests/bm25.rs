@@ -68,9 +68,42 @@ fn chinese_query_finds_chinese_chunk() {
     assert_eq!(ids(&index.search("清华大学", 10, None).unwrap()), [4]);
     assert_eq!(ids(&index.search("北京的大学", 10, None).unwrap()), [4]);
     assert_eq!(ids(&index.search("索引", 10, None).unwrap()), [5]);
-    // A mixed query reaches both fields.
+    // A mixed query reaches chunks of either language.
     let mixed = ids(&index.search("索引 cats", 10, None).unwrap());
     assert_eq!(mixed.into_iter().collect::<HashSet<_>>(), [3, 5].into());
+}
+
+#[test]
+fn each_script_of_a_mixed_chunk_is_searchable() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut index = Bm25Index::open_or_create(dir.path()).unwrap();
+    // Mostly English with one Chinese sentence (6 % Han), and mostly Chinese with English terms.
+    let handbook = "Account security. Passwords are checked at every sign-in and expire after \
+        ninety days; administrators reset them from the console under Users. \
+        新密码至少需要8个字符。 Keys are listed under API keys and can be revoked at any time.";
+    let guide = "部署指南：使用 Kubernetes 部署服务，replicas 设置为三个，并配置健康检查。";
+    index
+        .add(&[
+            chunk(1, 1, handbook),
+            chunk(2, 2, guide),
+            chunk(3, 3, CORPUS[3].2),
+        ])
+        .unwrap();
+    index.commit(1).unwrap();
+    assert_eq!(
+        ids(&index.search("新密码至少需要几个字符", 10, None).unwrap())[0],
+        1
+    );
+    assert_eq!(ids(&index.search("password reset", 10, None).unwrap()), [1]);
+    assert_eq!(
+        ids(&index.search("kubernetes replica", 10, None).unwrap()),
+        [2]
+    );
+    assert_eq!(ids(&index.search("健康检查", 10, None).unwrap()), [2]);
+    let ranges = index.highlight("新密码至少需要几个字符", handbook);
+    let words: Vec<&str> = ranges.iter().map(|r| &handbook[r.clone()]).collect();
+    // Adjacent matches merge into one range.
+    assert_eq!(words, ["新密码至少需要", "字符"]);
 }
 
 #[test]
@@ -258,4 +291,36 @@ fn second_writer_is_locked_out() {
     let _first = Bm25Index::open_or_create(dir.path()).unwrap();
     let err = Bm25Index::open_or_create(dir.path()).err().unwrap();
     assert!(matches!(err, IndexError::Locked { .. }), "{err}");
+}
+
+#[test]
+fn a_format_1_index_is_a_mismatch_naming_its_format() {
+    use tantivy::schema::{Schema, TEXT};
+    let dir = tempfile::tempdir().unwrap();
+    // Format 1's layout: an English and a Chinese text field.
+    let mut schema = Schema::builder();
+    schema.add_u64_field("chunk_id", tantivy::schema::INDEXED);
+    let text_en = schema.add_text_field("text_en", TEXT);
+    schema.add_text_field("text_zh", TEXT);
+    let index = tantivy::Index::create_in_dir(dir.path(), schema.build()).unwrap();
+    let mut writer: tantivy::IndexWriter = index.writer_with_num_threads(1, 15 << 20).unwrap();
+    writer
+        .add_document(tantivy::doc!(text_en => "an old chunk"))
+        .unwrap();
+    let mut prepared = writer.prepare_commit().unwrap();
+    prepared.set_payload("engram-bm25 v1 seq=3");
+    prepared.commit().unwrap();
+    drop(writer);
+
+    match Bm25Index::open_or_create(dir.path()) {
+        Err(e @ IndexError::Mismatch { .. }) => {
+            assert!(e.needs_rebuild());
+            let message = e.to_string();
+            assert!(
+                message.contains("engram-bm25 v1") && message.contains("engram-bm25 v2"),
+                "{message}"
+            );
+        }
+        other => panic!("expected a mismatch, got {:?}", other.map(|_| ())),
+    }
 }
