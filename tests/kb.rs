@@ -415,7 +415,7 @@ fn chinese_queries_find_chinese_chunks_and_skip_the_blind_dense_side() {
         .search(&SearchRequest::new("docs", "when are croissants ready"))
         .unwrap();
     assert_eq!(res.signal.blind_share, 0.0);
-    assert_eq!(res.dense_weight, 1.0);
+    assert_eq!(res.dense_weight, engram_kb::DEFAULT_DENSE_WEIGHT);
     assert_eq!(res.hits[0].doc_name, "bakery.txt");
 }
 

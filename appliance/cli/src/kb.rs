@@ -8,9 +8,9 @@ use std::time::Duration;
 use anyhow::{bail, Context, Result};
 use clap::{Args, Subcommand, ValueEnum};
 use engram_kb::{
-    ChunkConfig, Collection, Document, FusionMode, IngestReport, KnowledgeBase, Models,
-    NewDocument, Outcome, Progress, SearchMode, SearchRequest, SearchResults, DEFAULT_CHUNK_TOKENS,
-    DEFAULT_OVERLAP_TOKENS, DEFAULT_RRF_K,
+    ChunkConfig, Collection, Document, IngestReport, KnowledgeBase, Models, NewDocument, Outcome,
+    Progress, SearchMode, SearchRequest, SearchResults, DEFAULT_CHUNK_TOKENS,
+    DEFAULT_OVERLAP_TOKENS,
 };
 use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
 
@@ -175,10 +175,10 @@ impl From<ModeArg> for SearchMode {
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
 pub enum FusionArg {
-    /// Reciprocal-rank fusion (k = 60).
-    Rrf,
-    /// Weighted sum of min-max normalised scores.
+    /// Weighted sum of min-max normalised scores (BM25 0.55, dense 0.45).
     Weighted,
+    /// Equal-weight reciprocal-rank fusion (k = 60).
+    Rrf,
 }
 
 #[derive(Args)]
@@ -193,7 +193,7 @@ pub struct SearchArgs {
     /// Hits to return.
     #[arg(long, default_value_t = 10)]
     k: usize,
-    #[arg(long, value_enum, default_value_t = FusionArg::Rrf)]
+    #[arg(long, value_enum, default_value_t = FusionArg::Weighted)]
     fusion: FusionArg,
     /// Only documents with this metadata, KEY=VALUE (repeatable; all must match).
     #[arg(long = "filter", value_parser = parse_pair)]
@@ -522,14 +522,13 @@ fn print_summary(collection: &str, r: &IngestReport, unreadable: &[(String, Stri
 
 pub fn search(a: SearchArgs) -> Result<()> {
     let kb = a.kb.open()?;
-    let mut req = SearchRequest::new(&a.collection, &a.query);
+    let mut req = match a.fusion {
+        FusionArg::Weighted => SearchRequest::new(&a.collection, &a.query),
+        FusionArg::Rrf => SearchRequest::new(&a.collection, &a.query).rrf(),
+    };
     req.mode = a.mode.into();
     req.k = a.k;
     req.metadata = a.filter.clone();
-    req.fusion = match a.fusion {
-        FusionArg::Rrf => FusionMode::Rrf { k: DEFAULT_RRF_K },
-        FusionArg::Weighted => FusionMode::Weighted,
-    };
     let res = kb.search(&req)?;
     if a.json {
         println!("{}", results_json(&req, &res));

@@ -69,6 +69,7 @@ pub use records::{
 };
 pub use search::{
     DenseSignal, Retrieved, SearchHit, SearchMode, SearchRequest, SearchResults, BLIND_SHARE_FULL,
-    BLIND_SHARE_NONE, DEFAULT_CANDIDATES, DEFAULT_RRF_K, MAX_QUERY_BYTES,
+    BLIND_SHARE_NONE, DEFAULT_BM25_WEIGHT, DEFAULT_CANDIDATES, DEFAULT_DENSE_WEIGHT,
+    DEFAULT_FUSION, DEFAULT_RRF_K, MAX_QUERY_BYTES,
 };
 pub use snapshot::{copy_tree, skipped_in_snapshot, SnapshotStats};

@@ -1,5 +1,6 @@
-//! Hybrid search over one collection: BM25, dense vectors, or both fused (reciprocal-rank by
-//! default), with metadata filters and hits that carry everything a citation needs.
+//! Hybrid search over one collection: BM25, dense vectors, or both fused (a weighted sum of
+//! min-max normalised scores by default, reciprocal-rank on request), with metadata filters and
+//! hits that carry everything a citation needs.
 //!
 //! # The dense side and languages the embedder does not know
 //!
@@ -45,6 +46,23 @@ pub const MAX_QUERY_BYTES: usize = 64 << 10;
 /// Reciprocal-rank fusion's usual constant (Cormack et al. 2009).
 pub const DEFAULT_RRF_K: f32 = 60.0;
 
+/// How hybrid search fuses by default: each side's scores min-max normalised over its
+/// candidates, then summed with [`DEFAULT_BM25_WEIGHT`] and [`DEFAULT_DENSE_WEIGHT`]. Chosen on
+/// SciFact's train queries (809, never the test ones; `engram eval retrieval --split train`):
+/// 0.7306 nDCG@10 against 0.7108 for equal-weight RRF (k = 60) and 0.7206 for RRF with k = 10,
+/// and within 0.004 of its best for 50 to 200 candidates per side. RRF keeps only ranks, so a
+/// chunk that one side scores far above the rest counts no more than a narrow winner; the
+/// normalised scores keep that margin (Bruch et al. 2023, "An Analysis of Fusion Functions for
+/// Hybrid Retrieval", find the same).
+pub const DEFAULT_FUSION: FusionMode = FusionMode::Weighted;
+
+/// BM25's weight in the default fusion (dense 0.35 / 0.4 / 0.45 / 0.5 / 0.55 gave 0.7270 /
+/// 0.7272 / 0.7306 / 0.7279 / 0.7230 on SciFact train at 100 candidates).
+pub const DEFAULT_BM25_WEIGHT: f32 = 0.55;
+
+/// The dense side's weight in the default fusion, before the unknown-token scaling above.
+pub const DEFAULT_DENSE_WEIGHT: f32 = 0.45;
+
 /// Which retriever(s) to run.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum SearchMode {
@@ -84,7 +102,7 @@ pub struct SearchRequest {
 }
 
 impl SearchRequest {
-    /// A hybrid RRF search for the top 10.
+    /// A hybrid search for the top 10, fused the default way.
     pub fn new(collection: impl Into<String>, query: impl Into<String>) -> SearchRequest {
         SearchRequest {
             collection: collection.into(),
@@ -92,11 +110,19 @@ impl SearchRequest {
             mode: SearchMode::Hybrid,
             k: 10,
             candidates: DEFAULT_CANDIDATES,
-            fusion: FusionMode::Rrf { k: DEFAULT_RRF_K },
-            bm25_weight: 1.0,
-            dense_weight: 1.0,
+            fusion: DEFAULT_FUSION,
+            bm25_weight: DEFAULT_BM25_WEIGHT,
+            dense_weight: DEFAULT_DENSE_WEIGHT,
             metadata: Vec::new(),
         }
+    }
+
+    /// Fuses with equal-weight reciprocal-rank fusion (k = 60) instead.
+    pub fn rrf(mut self) -> SearchRequest {
+        self.fusion = FusionMode::Rrf { k: DEFAULT_RRF_K };
+        self.bm25_weight = 1.0;
+        self.dense_weight = 1.0;
+        self
     }
 }
 

@@ -170,6 +170,35 @@ impl Model {
         &self.pool
     }
 
+    /// Bytes one decode step reads from memory with `context` tokens cached: every weight
+    /// matrix of the blocks and the output head, one row of the token embedding, the norm and
+    /// bias vectors, and the f16 keys and values of every layer. Decode on a CPU is bound by
+    /// memory: this times tokens per second is the bandwidth it achieves.
+    pub fn decode_bytes(&self, context: usize) -> u64 {
+        let w = &self.weights;
+        let bytes = |m: &crate::weights::Matrix| w.file.tensor_data(&m.info).len() as u64;
+        let floats = |v: &Option<Vec<f32>>| v.as_ref().map_or(0, Vec::len);
+        let mut total = bytes(&w.output)
+            + bytes(&w.token_embd) / w.token_embd.rows as u64
+            + 4 * w.output_norm.len() as u64;
+        for l in &w.layers {
+            total += [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down]
+                .into_iter()
+                .map(bytes)
+                .sum::<u64>();
+            let vectors = l.attn_norm.len()
+                + l.ffn_norm.len()
+                + floats(&l.bq)
+                + floats(&l.bk)
+                + floats(&l.bv)
+                + floats(&l.q_norm)
+                + floats(&l.k_norm);
+            total += 4 * vectors as u64;
+        }
+        let kv = 2 * 2 * self.cfg.kv_width() * context * self.cfg.n_layer;
+        total + kv as u64
+    }
+
     /// An empty KV cache for this model with room for `capacity` tokens.
     pub fn new_cache(&self, capacity: usize) -> KvCache {
         KvCache::new(&self.cfg, capacity)

@@ -1322,6 +1322,31 @@ fn rotating_a_stored_key_moves_it_to_a_new_position() {
 // ---------------------------------------------------------------------------------------------
 
 #[test]
+fn decode_bytes_count_every_weight_once_and_the_cache() {
+    for spec in [Spec::new("qwen2"), Spec::new("llama").tied()] {
+        let tiny = Tiny::build(&spec);
+        let model = tiny.model();
+        let size = |name: &str| tiny.tensor(name).bytes.len() as u64;
+        // Every tensor is read once per step, but the token embedding: one row of it (unless
+        // it is also the output head, then all of it too).
+        let all: u64 = tiny.tensors.iter().map(|t| t.bytes.len() as u64).sum();
+        let embd = size("token_embd.weight");
+        let row = embd / spec.vocab as u64;
+        let expected = if spec.tied {
+            all + row
+        } else {
+            all - embd + row
+        };
+        assert_eq!(model.decode_bytes(0), expected, "{}", spec.label());
+        let kv_per_token = (2 * 2 * spec.n_head_kv * spec.head_dim * spec.n_layer) as u64;
+        assert_eq!(
+            model.decode_bytes(100) - model.decode_bytes(0),
+            100 * kv_per_token
+        );
+    }
+}
+
+#[test]
 fn token_outside_vocabulary_is_rejected_before_touching_the_cache() {
     let model = Tiny::build(&Spec::new("llama")).model();
     let mut kv = model.new_cache(8);

@@ -8,7 +8,9 @@ use askama::Template;
 use axum::extract::{RawQuery, State};
 use axum::response::Response;
 use axum::Extension;
-use engram_kb::{FusionMode, SearchMode, SearchRequest, DEFAULT_RRF_K};
+use engram_kb::{
+    FusionMode, SearchMode, SearchRequest, DEFAULT_BM25_WEIGHT, DEFAULT_DENSE_WEIGHT, DEFAULT_RRF_K,
+};
 
 use crate::api::AppState;
 use crate::console::view::{datetime, enc, html, Chrome, Failure, Viewer};
@@ -40,9 +42,9 @@ impl Params {
         Params {
             q: get("q").unwrap_or("").to_owned(),
             mode: get("mode").unwrap_or("hybrid").to_owned(),
-            fusion: get("fusion").unwrap_or("rrf").to_owned(),
-            bm25_weight: num("bm25_weight", 1.0),
-            dense_weight: num("dense_weight", 1.0),
+            fusion: get("fusion").unwrap_or("weighted").to_owned(),
+            bm25_weight: num("bm25_weight", DEFAULT_BM25_WEIGHT),
+            dense_weight: num("dense_weight", DEFAULT_DENSE_WEIGHT),
             top_k: get("top_k")
                 .and_then(|v| v.trim().parse().ok())
                 .unwrap_or(DEFAULT_TOP_K),
