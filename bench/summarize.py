@@ -1,10 +1,12 @@
 #!/usr/bin/env python3
-"""Summarises a bench/vs-llamacpp.sh run: a table of medians and a last machine-readable line
+"""Summarises a bench/vs-llamacpp.sh run: a table of medians and two machine-readable lines
 
+    BANDWIDTH read_gbs=R decode_gbs=D decode_fraction=F llamacpp_fraction=L
     RATIO prefill512=X prefill2048=Y decode512=Z rss=W
 
 Reads the raw files the script leaves in its work folder, FIGURE__SIDE__REP.{json,time}, where
-SIDE is engram, llama_fa0 or llama_fa1. Standard library only.
+SIDE is engram, llama_fa0 or llama_fa1, and read__REP.bandwidth (`engram bench
+--read-bandwidth --json`). Standard library only.
 """
 
 import argparse
@@ -65,6 +67,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("work", type=Path)
     ap.add_argument("--have-depth", type=int, default=1)
+    ap.add_argument("--label", default="", help="weight type: RATIO[label] and BANDWIDTH[label]")
     args = ap.parse_args()
 
     tps = defaultdict(lambda: defaultdict(list))   # fig -> side -> [tok/s]
@@ -72,6 +75,8 @@ def main():
     wall = defaultdict(list)                       # side -> [s] (load figure)
     engram_load_ms, engram_self_rss = [], defaultdict(list)
     llama_info = {}
+    decode_bytes = []                              # bytes one decode step reads (Engram's count)
+    read_gbs = [json.loads(p.read_text())["read_gbs"] for p in sorted(args.work.glob("read__*.bandwidth"))]
 
     for path in sorted(args.work.glob("*__*__*.json")):
         fig, side, _rep = path.stem.split("__")
@@ -80,6 +85,8 @@ def main():
         rss[fig][side].append(r)
         if side == "engram":
             t, load_ms, self_rss = engram_figure(fig, data)
+            if fig.startswith("decode") and data["decode"].get("bytes_per_token"):
+                decode_bytes.append(data["decode"]["bytes_per_token"])
             engram_load_ms.append(load_ms)
             engram_self_rss[fig].append(self_rss)
         else:
@@ -141,8 +148,30 @@ def main():
         v = ratios.get(f)
         return "NA" if v is None else f"{v:.2f}"
 
+    tag = f"[{args.label}]" if args.label else ""
+    bandwidth = None
+    if read_gbs and decode_bytes and "decode512" in tps:
+        read, per_token = med(read_gbs), med(decode_bytes)
+        e = med(tps["decode512"]["engram"])
+        best = max((v for v in (med(tps["decode512"][s]) for s in ("llama_fa0", "llama_fa1"))
+                    if v is not None), default=None)
+        e_gbs = per_token * e / 1e9
+        l_gbs = None if best is None else per_token * best / 1e9
+        print()
+        print(f"decode against the memory limit (read bandwidth: median of {len(read_gbs)} probes, "
+              f"each the best of 3 passes over 1 GiB on {llama_info.get('n_threads', '?')} threads)")
+        print(f"  memory read {read:.1f} GB/s; one decode step reads {per_token / 2**20:.1f} MiB "
+              "(weights once, one embedding row, the KV of 576 tokens)")
+        print(f"  engram {e_gbs:.1f} GB/s = {e_gbs / read:.2f} of it; llama.cpp "
+              f"{fmt(l_gbs)} GB/s = {fmt(ratio(l_gbs, read), 2)}")
+        bandwidth = (f"BANDWIDTH{tag} read_gbs={read:.1f} decode_gbs={e_gbs:.1f} "
+                     f"decode_fraction={e_gbs / read:.2f} "
+                     f"llamacpp_fraction={'NA' if l_gbs is None else f'{l_gbs / read:.2f}'}")
+
     print()
-    print(f"RATIO prefill512={r('prefill512')} prefill2048={r('prefill2048')} "
+    if bandwidth:
+        print(bandwidth)
+    print(f"RATIO{tag} prefill512={r('prefill512')} prefill2048={r('prefill2048')} "
           f"decode512={r('decode512')} rss={'NA' if rss_ratio is None else f'{rss_ratio:.2f}'}")
 
 

@@ -3,10 +3,19 @@
 # count, in one run (STYLE.md section 7). Not part of CI. See bench/README.md.
 #
 #   bench/vs-llamacpp.sh [--model PATH] [--threads N] [--reps N] [--quick] [--build-only]
+#   bench/vs-llamacpp.sh --types q4_1,q4_k_m,q5_k_m,q8_0 [--threads N] [--reps N] [--quick]
 #   bench/vs-llamacpp.sh --batched [--model PATH] [--threads N] [--reps N]
 #
-# The last line of output is machine-readable:
+# --types: the same figures for each weight type, on variants of the model that llama.cpp's
+# llama-quantize --allow-requantize makes from it (cached beside the llama.cpp build; speed is
+# what they measure, not quality); one RATIO[type] and BANDWIDTH[type] line each.
+#
+# The last lines of output are machine-readable (with --types, one pair per type):
+#   BANDWIDTH read_gbs=R decode_gbs=D decode_fraction=F llamacpp_fraction=L
 #   RATIO prefill512=X prefill2048=Y decode512=Z rss=W
+# (BANDWIDTH: the memory read bandwidth `engram bench --read-bandwidth` measures on the same
+# threads before every decode repetition, and each side's decode as bytes read per token, from
+# Model::decode_bytes, times tokens per second.)
 #   BATCHED engram_b8/b1=X llamacpp_b8/b1=Y engram/llamacpp_b8=Z      (with --batched)
 set -euo pipefail
 
@@ -31,8 +40,9 @@ quick=0
 build_only=0
 batched=0
 reps_set=0
+types=""
 
-usage() { sed -n '2,10p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,21p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
 
 while [[ $# -gt 0 ]]; do
     case "$1" in
@@ -42,6 +52,7 @@ while [[ $# -gt 0 ]]; do
         --quick) quick=1; shift ;;
         --build-only) build_only=1; shift ;;
         --batched) batched=1; shift ;;
+        --types) types="${2:?--types needs a list such as q4_1,q4_k_m,q5_k_m,q8_0}"; shift 2 ;;
         -h|--help) usage; exit 0 ;;
         *) usage >&2; die "unknown argument: $1" ;;
     esac
@@ -224,8 +235,33 @@ if [[ -n "$(cd "$repo_root" && git status --porcelain --untracked-files=no 2>/de
     engram_rev+="-dirty"
 fi
 
+# The model of each type: the given one for its own type, llama-quantize's variants of it.
+declare -A type_model=()
+if [[ -n "$types" ]]; then
+    build_llamacpp llama-quantize
+    mkdir -p "$llamacpp_cache/models"
+    base="$(basename "$model" .gguf)"
+    for t in ${types//,/ }; do
+        [[ "$t" =~ ^(q4_0|q4_1|q5_0|q5_1|q8_0|q4_k_s|q4_k_m|q5_k_s|q5_k_m|q6_k)$ ]] \
+            || die "unknown type $t in --types"
+        upper="${t^^}"
+        if [[ "$base" == *".$upper" ]]; then
+            type_model[$t]="$model"
+            continue
+        fi
+        out="$llamacpp_cache/models/${base%.*}.$upper.gguf"
+        if [[ ! -f "$out" ]]; then
+            log "making $out with llama-quantize --allow-requantize"
+            "$llamacpp_bin/llama-quantize" --allow-requantize "$model" "$out.part" "$upper" "$threads" \
+                > "$out.log" 2>&1 || { tail -n 20 "$out.log" >&2; die "llama-quantize $upper failed"; }
+            mv "$out.part" "$out"
+        fi
+        type_model[$t]="$out"
+    done
+fi
+
 echo "== Engram vs llama.cpp ($(date -u '+%Y-%m-%d %H:%M UTC'))"
-echo "command     bench/vs-llamacpp.sh --model $model --threads $threads --reps $reps$([[ $quick -eq 1 ]] && echo ' --quick')"
+echo "command     bench/vs-llamacpp.sh --model $model --threads $threads --reps $reps$([[ $quick -eq 1 ]] && echo ' --quick')${types:+ --types $types}"
 echo "model       $model"
 echo "cpu         $cpu_model; nproc $(nproc); threads $threads"
 echo "engram      $engram_rev (release build, copied to $engram)"
@@ -234,20 +270,52 @@ echo "priority    ${nice_cmd[*]:-plain (nice -n -5 not permitted)}"
 echo "raw output  $work"
 echo "load start  $(uptime)"
 
-for fig in "${figures[@]}"; do
-    mapfile -t e_args < <(engram_args "$fig")
-    for ((rep = 1; rep <= reps; rep++)); do
-        log "$fig: repetition $rep/$reps"
-        run_one "$fig" engram "$rep" "$engram" "${e_args[@]}"
-        for fa in 0 1; do
-            # Flash attention does not change load time: one llama.cpp load run suffices.
-            [[ "$fig" == load && $fa -eq 1 ]] && continue
-            mapfile -t l_args < <(llama_args "$fig" "$fa")
-            run_one "$fig" "llama_fa$fa" "$rep" "$llama_bench" "${l_args[@]}"
+# Every figure for the model in $model, its raw files in $work.
+run_figures() {
+    local fig rep fa
+    for fig in "${figures[@]}"; do
+        mapfile -t e_args < <(engram_args "$fig")
+        for ((rep = 1; rep <= reps; rep++)); do
+            log "$fig: repetition $rep/$reps"
+            if [[ "$fig" == decode512 ]]; then
+                "$engram" bench --read-bandwidth --threads "$threads" --repetitions 3 --json \
+                    > "$work/read__$rep.bandwidth" 2> "$work/read__$rep.err" \
+                    || { tail -n 20 "$work/read__$rep.err" >&2; die "the read-bandwidth probe failed"; }
+            fi
+            run_one "$fig" engram "$rep" "$engram" "${e_args[@]}"
+            for fa in 0 1; do
+                # Flash attention does not change load time: one llama.cpp load run suffices.
+                [[ "$fig" == load && $fa -eq 1 ]] && continue
+                mapfile -t l_args < <(llama_args "$fig" "$fa")
+                run_one "$fig" "llama_fa$fa" "$rep" "$llama_bench" "${l_args[@]}"
+            done
         done
     done
-done
+}
 
+if [[ -z "$types" ]]; then
+    run_figures
+    echo "load end    $(uptime)"
+    echo
+    python3 "$repo_root/bench/summarize.py" "$work" --have-depth "$have_depth"
+    exit 0
+fi
+root_work="$work"
+for t in ${types//,/ }; do
+    model="${type_model[$t]}"
+    work="$root_work/$t"
+    mkdir -p "$work"
+    log "== $t: $model"
+    run_figures
+done
 echo "load end    $(uptime)"
+for t in ${types//,/ }; do
+    echo
+    echo "== $t: ${type_model[$t]} ($(du -m "${type_model[$t]}" | cut -f1) MiB)"
+    python3 "$repo_root/bench/summarize.py" "$root_work/$t" --have-depth "$have_depth" --label "$t" \
+        | tee "$root_work/$t.summary"
+done
 echo
-python3 "$repo_root/bench/summarize.py" "$work" --have-depth "$have_depth"
+for t in ${types//,/ }; do
+    grep -E '^(BANDWIDTH|RATIO)' "$root_work/$t.summary"
+done

@@ -24,6 +24,12 @@ pub struct Figure {
     pub context: usize,
     pub tokens_per_second: f64,
     pub runs: Vec<f64>,
+    /// Decode only: bytes one step reads from memory (`Model::decode_bytes` at the middle of
+    /// the decoded span), and that times tokens per second, in GB/s (10^9 bytes).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub bytes_per_token: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub gbs: Option<f64>,
 }
 
 /// All results of one `engram bench`.
@@ -106,6 +112,8 @@ pub fn run(model: &Model, model_name: &str, load_ms: f64, plan: &BenchPlan) -> R
             context: 0,
             tokens_per_second: median(&runs),
             runs,
+            bytes_per_token: None,
+            gbs: None,
         });
     }
 
@@ -123,11 +131,15 @@ pub fn run(model: &Model, model_name: &str, load_ms: f64, plan: &BenchPlan) -> R
             }
             runs.push(plan.decode_tokens as f64 / start.elapsed().as_secs_f64());
         }
+        let bytes = model.decode_bytes(plan.decode_context + plan.decode_tokens / 2);
+        let tokens_per_second = median(&runs);
         Some(Figure {
             tokens: plan.decode_tokens,
             context: plan.decode_context,
-            tokens_per_second: median(&runs),
+            tokens_per_second,
             runs,
+            bytes_per_token: Some(bytes),
+            gbs: Some(bytes as f64 * tokens_per_second / 1e9),
         })
     } else {
         None
@@ -175,6 +187,87 @@ pub fn print_table(r: &BenchReport) {
             format!("decode {} @ {}", d.tokens, d.context),
             d.tokens_per_second
         );
+        if let (Some(bytes), Some(gbs)) = (d.bytes_per_token, d.gbs) {
+            println!(
+                "decode reads {:.1} MiB a token: {gbs:.1} GB/s",
+                bytes as f64 / (1 << 20) as f64
+            );
+        }
     }
     println!("peak RSS     {:.1} MiB", r.peak_rss_mib);
+}
+
+/// Bytes the read-bandwidth probe streams through: far beyond any last-level cache.
+pub const READ_PROBE_BYTES: usize = 1 << 30;
+
+/// What [`read_bandwidth`] measured.
+#[derive(serde::Serialize)]
+pub struct Bandwidth {
+    pub threads: usize,
+    pub buffer_mib: usize,
+    /// GB/s (10^9 bytes) of each pass; the best is the figure.
+    pub runs: Vec<f64>,
+    pub read_gbs: f64,
+}
+
+/// The machine's memory read bandwidth as decode sees it, STREAM-like: `threads` threads each
+/// sum their share of a [`READ_PROBE_BYTES`] buffer (written first, so every page is real), with
+/// eight independent accumulators so the loads, not the adds, set the pace. The best of `passes`
+/// passes. Run apart from `engram bench`'s other figures: the buffer would count in their peak
+/// RSS.
+pub fn read_bandwidth(threads: usize, passes: usize) -> Bandwidth {
+    let threads = threads.max(1);
+    let words = READ_PROBE_BYTES / 8;
+    let buffer: Vec<u64> = (0..words as u64).collect();
+    let share = words.div_ceil(threads);
+    let mut runs = Vec::with_capacity(passes);
+    for _ in 0..passes.max(1) {
+        let start = Instant::now();
+        let total: u64 = std::thread::scope(|scope| {
+            let workers: Vec<_> = buffer
+                .chunks(share)
+                .map(|part| scope.spawn(move || sum_words(part)))
+                .collect();
+            workers
+                .into_iter()
+                .map(|w| w.join().unwrap_or(0))
+                .fold(0, u64::wrapping_add)
+        });
+        std::hint::black_box(total);
+        runs.push(READ_PROBE_BYTES as f64 / start.elapsed().as_secs_f64() / 1e9);
+    }
+    let read_gbs = runs.iter().copied().fold(0.0, f64::max);
+    Bandwidth {
+        threads,
+        buffer_mib: READ_PROBE_BYTES >> 20,
+        runs,
+        read_gbs,
+    }
+}
+
+fn sum_words(words: &[u64]) -> u64 {
+    let mut acc = [0u64; 8];
+    let mut lanes = words.chunks_exact(8);
+    for block in &mut lanes {
+        for (a, w) in acc.iter_mut().zip(block) {
+            *a = a.wrapping_add(*w);
+        }
+    }
+    let tail = lanes
+        .remainder()
+        .iter()
+        .fold(0, |a: u64, w| a.wrapping_add(*w));
+    acc.iter().fold(tail, |a, w| a.wrapping_add(*w))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn word_sums_cover_every_word() {
+        let words: Vec<u64> = (1..=1001).collect();
+        assert_eq!(sum_words(&words), 1001 * 1002 / 2);
+        assert_eq!(sum_words(&[]), 0);
+    }
 }

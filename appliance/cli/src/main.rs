@@ -79,6 +79,10 @@ struct BenchArgs {
     /// Print JSON instead of a table.
     #[arg(long)]
     json: bool,
+    /// Only measure the memory read bandwidth (a 1 GiB buffer summed by --threads threads,
+    /// best of --repetitions passes); no model is loaded.
+    #[arg(long)]
+    read_bandwidth: bool,
 }
 
 #[derive(Args)]
@@ -486,6 +490,21 @@ fn chat(a: ChatArgs) -> Result<()> {
 }
 
 fn bench_cmd(a: BenchArgs) -> Result<()> {
+    if a.read_bandwidth {
+        let b = bench::read_bandwidth(a.model.threads(), a.repetitions);
+        if a.json {
+            println!("{}", serde_json::to_string(&b)?);
+        } else {
+            println!(
+                "memory read {:.1} GB/s ({} threads, {} MiB buffer, best of {})",
+                b.read_gbs,
+                b.threads,
+                b.buffer_mib,
+                b.runs.len()
+            );
+        }
+        return Ok(());
+    }
     let path = a.model.path()?;
     let started = std::time::Instant::now();
     let model = Model::load(&path, a.model.threads())
