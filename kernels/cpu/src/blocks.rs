@@ -9,6 +9,12 @@ use half::bf16;
 pub(crate) const Q4_0_BYTES: usize = 18;
 /// `block_q4_1`: `d: f16`, `m: f16`, `qs: [u8; 16]`; value = d * q + m.
 pub(crate) const Q4_1_BYTES: usize = 20;
+/// `block_q5_0`: `d: f16`, `qh: [u8; 4]` (bit j: the fifth bit of element j), `qs: [u8; 16]` (as
+/// Q4_0); value = d * (q - 16). Where a K-quant does not fit (rows not a multiple of 256, as in
+/// SmolLM2's 576), llama-quantize writes these.
+pub(crate) const Q5_0_BYTES: usize = 22;
+/// `block_q5_1`: `d: f16`, `m: f16`, `qh: [u8; 4]`, `qs: [u8; 16]`; value = d * q + m.
+pub(crate) const Q5_1_BYTES: usize = 24;
 /// `block_q8_0`: `d: f16`, `qs: [i8; 32]`.
 pub(crate) const Q8_0_BYTES: usize = 34;
 /// `block_q8_1`: `d: f16`, `s: f16` (= d * sum(qs)), `qs: [i8; 32]`.
@@ -86,6 +92,19 @@ pub(crate) fn k4_scales_mins(s: &[u8; 12]) -> ([u8; 8], [u8; 8]) {
 pub(crate) fn k4_scales_field(b: &[u8]) -> &[u8; 12] {
     // A fixed 12-byte window at a fixed offset; callers pass whole blocks (>= 16 bytes).
     b[4..16].try_into().expect("12-byte window")
+}
+
+/// The 32 five-bit values of a Q5_0 / Q5_1 block: `qs` (16 bytes, element j in the low nibble of
+/// qs[j], j + 16 in the high) and the little-endian `qh` word (bit j: element j's fifth bit).
+#[inline(always)]
+pub(crate) fn q5_values(qh: &[u8], qs: &[u8]) -> [u8; QK] {
+    let qh = u32::from_le_bytes([qh[0], qh[1], qh[2], qh[3]]);
+    let mut q = [0u8; QK];
+    for j in 0..QK / 2 {
+        q[j] = (qs[j] & 0x0F) | ((((qh >> j) & 1) as u8) << 4);
+        q[j + QK / 2] = (qs[j] >> 4) | ((((qh >> (j + QK / 2)) & 1) as u8) << 4);
+    }
+    q
 }
 
 #[cfg(test)]

@@ -1,8 +1,8 @@
 //! Scalar reference dequantisation: GGML blocks to f32, bit for bit as ggml's `dequantize_row_*`.
 
 use crate::blocks::{
-    bf16_at, f16_at, k4_scales_field, k4_scales_mins, Q4K_BYTES, Q4_0_BYTES, Q4_1_BYTES, Q5K_BYTES,
-    Q6K_BYTES, Q8_0_BYTES, QK,
+    bf16_at, f16_at, k4_scales_field, k4_scales_mins, q5_values, Q4K_BYTES, Q4_0_BYTES, Q4_1_BYTES,
+    Q5K_BYTES, Q5_0_BYTES, Q5_1_BYTES, Q6K_BYTES, Q8_0_BYTES, QK,
 };
 use crate::dtype::{GgmlType, QK_K};
 use crate::error::{KernelError, Result};
@@ -39,6 +39,8 @@ pub fn dequantize_row(ty: GgmlType, src: &[u8], dst: &mut [f32]) -> Result<()> {
         }
         GgmlType::Q4_0 => blocks::<Q4_0_BYTES, QK>(src, dst, q4_0),
         GgmlType::Q4_1 => blocks::<Q4_1_BYTES, QK>(src, dst, q4_1),
+        GgmlType::Q5_0 => blocks::<Q5_0_BYTES, QK>(src, dst, q5_0),
+        GgmlType::Q5_1 => blocks::<Q5_1_BYTES, QK>(src, dst, q5_1),
         GgmlType::Q8_0 => blocks::<Q8_0_BYTES, QK>(src, dst, q8_0),
         GgmlType::Q4K => blocks::<Q4K_BYTES, QK_K>(src, dst, q4_k),
         GgmlType::Q5K => blocks::<Q5K_BYTES, QK_K>(src, dst, q5_k),
@@ -81,6 +83,21 @@ fn q4_1(b: &[u8; Q4_1_BYTES], y: &mut [f32; QK]) {
         let q = b[4 + j];
         y[j] = (q & 0x0F) as f32 * d + m;
         y[j + QK / 2] = (q >> 4) as f32 * d + m;
+    }
+}
+
+fn q5_0(b: &[u8; Q5_0_BYTES], y: &mut [f32; QK]) {
+    let d = f16_at(b, 0);
+    for (y, q) in y.iter_mut().zip(q5_values(&b[2..6], &b[6..])) {
+        *y = (q as i32 - 16) as f32 * d;
+    }
+}
+
+fn q5_1(b: &[u8; Q5_1_BYTES], y: &mut [f32; QK]) {
+    let d = f16_at(b, 0);
+    let m = f16_at(b, 2);
+    for (y, q) in y.iter_mut().zip(q5_values(&b[4..8], &b[8..])) {
+        *y = q as f32 * d + m;
     }
 }
 
@@ -169,6 +186,31 @@ mod tests {
         assert_eq!(y[0], 3.5);
         assert_eq!(y[16], 0.5);
         assert_eq!(y[1], -4.0);
+    }
+
+    #[test]
+    fn q5_known_blocks() {
+        // qs[0] = 0x9F, qh bit 0 and bit 16 set: element 0 = 15 | 16 = 31, element 16 = 9 | 16
+        // = 25, element 1 = 0 (no bits).
+        let mut b = vec![0u8; Q5_0_BYTES];
+        b[..2].copy_from_slice(&half::f16::from_f32(0.5).to_le_bytes());
+        b[2..6].copy_from_slice(&(1u32 | 1 << 16).to_le_bytes());
+        b[6] = 0x9F;
+        let mut y = [0f32; 32];
+        dequantize_row(GgmlType::Q5_0, &b, &mut y).unwrap();
+        assert_eq!(
+            (y[0], y[16], y[1]),
+            ((31 - 16) as f32 * 0.5, (25 - 16) as f32 * 0.5, -8.0)
+        );
+
+        let mut b = vec![0u8; Q5_1_BYTES];
+        b[..2].copy_from_slice(&half::f16::from_f32(0.5).to_le_bytes());
+        b[2..4].copy_from_slice(&half::f16::from_f32(-1.0).to_le_bytes());
+        b[4..8].copy_from_slice(&(1u32 << 31).to_le_bytes());
+        b[8 + 15] = 0x30;
+        dequantize_row(GgmlType::Q5_1, &b, &mut y).unwrap();
+        // Element 31: high nibble of qs[15] (3) with qh bit 31: 19.
+        assert_eq!((y[31], y[0]), (19.0 * 0.5 - 1.0, -1.0));
     }
 
     #[test]

@@ -53,11 +53,13 @@ pub enum GgmlType {
 impl GgmlType {
     /// The types this crate can dequantise and multiply (those with a vec-dot type), in id
     /// order.
-    pub const SUPPORTED: [GgmlType; 9] = [
+    pub const SUPPORTED: [GgmlType; 11] = [
         GgmlType::F32,
         GgmlType::F16,
         GgmlType::Q4_0,
         GgmlType::Q4_1,
+        GgmlType::Q5_0,
+        GgmlType::Q5_1,
         GgmlType::Q8_0,
         GgmlType::Q4K,
         GgmlType::Q5K,
@@ -234,8 +236,8 @@ impl GgmlType {
             Self::F32 => Some(Self::F32),
             Self::F16 => Some(Self::F16),
             Self::BF16 => Some(Self::BF16),
-            Self::Q4_0 | Self::Q8_0 => Some(Self::Q8_0),
-            Self::Q4_1 => Some(Self::Q8_1),
+            Self::Q4_0 | Self::Q5_0 | Self::Q8_0 => Some(Self::Q8_0),
+            Self::Q4_1 | Self::Q5_1 => Some(Self::Q8_1),
             Self::Q4K | Self::Q5K | Self::Q6K => Some(Self::Q8K),
             _ => None,
         }
@@ -328,7 +330,10 @@ mod tests {
             .collect();
         assert_eq!(
             supported,
-            ["f32", "f16", "q4_0", "q4_1", "q8_0", "q4_K", "q5_K", "q6_K", "bf16"]
+            [
+                "f32", "f16", "q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_K", "q5_K", "q6_K",
+                "bf16"
+            ]
         );
     }
 }

@@ -117,6 +117,8 @@ impl Isa {
             GgmlType::BF16 => scalar::bf16_bf16,
             GgmlType::Q4_0 => scalar::q4_0_q8_0,
             GgmlType::Q4_1 => scalar::q4_1_q8_1,
+            GgmlType::Q5_0 => scalar::q5_0_q8_0,
+            GgmlType::Q5_1 => scalar::q5_1_q8_1,
             GgmlType::Q8_0 => scalar::q8_0_q8_0,
             GgmlType::Q4K => scalar::q4_k_q8_k,
             GgmlType::Q5K => scalar::q5_k_q8_k,
@@ -196,8 +198,8 @@ pub(crate) mod tests {
         let ts = ty.type_size();
         for b in (0..len).step_by(ts) {
             match ty {
-                GgmlType::Q4_0 | GgmlType::Q8_0 => set(&mut row, b),
-                GgmlType::Q4_1 | GgmlType::Q4K | GgmlType::Q5K => {
+                GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0 => set(&mut row, b),
+                GgmlType::Q4_1 | GgmlType::Q5_1 | GgmlType::Q4K | GgmlType::Q5K => {
                     set(&mut row, b);
                     set(&mut row, b + 2);
                 }
@@ -220,7 +222,7 @@ pub(crate) mod tests {
         row
     }
 
-    const SUPPORTED: [GgmlType; 9] = GgmlType::SUPPORTED;
+    const SUPPORTED: [GgmlType; 11] = GgmlType::SUPPORTED;
 
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(64))]

@@ -5,8 +5,9 @@
 //! Callers pass whole rows whose lengths match (checked once in `dot/mod.rs`).
 
 use crate::blocks::{
-    f16_at, f16_bits_to_f32, f32_at, i16_at, k4_scales_field, k4_scales_mins, Q4K_BYTES,
-    Q4_0_BYTES, Q4_1_BYTES, Q5K_BYTES, Q6K_BYTES, Q8K_BYTES, Q8_0_BYTES, Q8_1_BYTES,
+    f16_at, f16_bits_to_f32, f32_at, i16_at, k4_scales_field, k4_scales_mins, q5_values, Q4K_BYTES,
+    Q4_0_BYTES, Q4_1_BYTES, Q5K_BYTES, Q5_0_BYTES, Q5_1_BYTES, Q6K_BYTES, Q8K_BYTES, Q8_0_BYTES,
+    Q8_1_BYTES,
 };
 
 /// Accumulator lanes for the float dot products: independent partial sums the compiler can keep
@@ -84,6 +85,44 @@ pub(crate) fn q4_1_q8_1(w: &[u8], x: &[u8]) -> f32 {
                 + (q >> 4) as i32 * (xb[20 + j] as i8 as i32);
         }
         // sum(d*q + m) * dy*qy = d*dy*sumi + m * (dy * sum(qy)), the last factor being `s`.
+        sumf += (f16_at(wb, 0) * f16_at(xb, 0)) * sumi as f32 + f16_at(wb, 2) * f16_at(xb, 2);
+    }
+    sumf
+}
+
+/// ggml's `vec_dot_q5_0_q8_0`: integer sums of (q - 16) * y per block, scaled by d * dy.
+pub(crate) fn q5_0_q8_0(w: &[u8], x: &[u8]) -> f32 {
+    let mut sumf = 0f32;
+    for (wb, xb) in w
+        .as_chunks::<Q5_0_BYTES>()
+        .0
+        .iter()
+        .zip(x.as_chunks::<Q8_0_BYTES>().0)
+    {
+        let q = q5_values(&wb[2..6], &wb[6..]);
+        let mut sumi = 0i32;
+        for j in 0..32 {
+            sumi += (q[j] as i32 - 16) * (xb[2 + j] as i8 as i32);
+        }
+        sumf += (f16_at(wb, 0) * f16_at(xb, 0)) * sumi as f32;
+    }
+    sumf
+}
+
+/// ggml's `vec_dot_q5_1_q8_1`: as Q4_1, with the fifth bit from qh.
+pub(crate) fn q5_1_q8_1(w: &[u8], x: &[u8]) -> f32 {
+    let mut sumf = 0f32;
+    for (wb, xb) in w
+        .as_chunks::<Q5_1_BYTES>()
+        .0
+        .iter()
+        .zip(x.as_chunks::<Q8_1_BYTES>().0)
+    {
+        let q = q5_values(&wb[4..8], &wb[8..]);
+        let mut sumi = 0i32;
+        for j in 0..32 {
+            sumi += q[j] as i32 * (xb[4 + j] as i8 as i32);
+        }
         sumf += (f16_at(wb, 0) * f16_at(xb, 0)) * sumi as f32 + f16_at(wb, 2) * f16_at(xb, 2);
     }
     sumf

@@ -58,8 +58,8 @@ fn activations() -> (Activations, Vec<f32>) {
     (a, x)
 }
 
-const SUPPORTED: [&str; 9] = [
-    "f32", "f16", "bf16", "q4_0", "q4_1", "q8_0", "q4_K", "q5_K", "q6_K",
+const SUPPORTED: [&str; 11] = [
+    "f32", "f16", "bf16", "q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_K", "q5_K", "q6_K",
 ];
 
 fn weight(name: &str) -> (WeightFixture, GgmlType, Vec<u8>) {
@@ -122,11 +122,11 @@ fn quantize_q8_k_matches_reference_bytes() {
 }
 
 /// Tolerance of the quantised dot against the f64 dot of the dequantised operands, relative to
-/// sum(|w_i x_i|). The integer kernels are exact up to f32 accumulation, except Q4_1's min term,
-/// which uses Q8_1's f16-rounded `s = d * sum(qs)` (relative error up to 2^-11).
+/// sum(|w_i x_i|). The integer kernels are exact up to f32 accumulation, except Q4_1's and
+/// Q5_1's min term, which uses Q8_1's f16-rounded `s = d * sum(qs)` (relative error up to 2^-11).
 fn qdot_tolerance(ty: GgmlType) -> f64 {
     match ty {
-        GgmlType::Q4_1 => 2e-3,
+        GgmlType::Q4_1 | GgmlType::Q5_1 => 2e-3,
         _ => 1e-5,
     }
 }

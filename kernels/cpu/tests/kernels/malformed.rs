@@ -5,7 +5,7 @@ use engram_kernels::{
     vec_dot_f32, GgmlType, KernelError, QMatrix, ThreadPool,
 };
 
-const SUPPORTED: [GgmlType; 9] = GgmlType::SUPPORTED;
+const SUPPORTED: [GgmlType; 11] = GgmlType::SUPPORTED;
 
 #[test]
 fn dequantize_every_wrong_length_errors() {

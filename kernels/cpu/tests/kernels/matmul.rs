@@ -6,7 +6,7 @@ use engram_kernels::{
 };
 use proptest::prelude::*;
 
-const SUPPORTED: [GgmlType; 9] = GgmlType::SUPPORTED;
+const SUPPORTED: [GgmlType; 11] = GgmlType::SUPPORTED;
 
 /// Random bytes made into a valid matrix: f16 scale fields set to small positive values and
 /// float elements kept finite.
@@ -20,8 +20,8 @@ fn make_weights(ty: GgmlType, rows: usize, cols: usize, seed: &[u8]) -> Vec<u8> 
         .take(len)
         .collect();
     let scale_offsets: &[usize] = match ty {
-        GgmlType::Q4_0 | GgmlType::Q8_0 => &[0],
-        GgmlType::Q4_1 | GgmlType::Q4K | GgmlType::Q5K => &[0, 2],
+        GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0 => &[0],
+        GgmlType::Q4_1 | GgmlType::Q5_1 | GgmlType::Q4K | GgmlType::Q5K => &[0, 2],
         GgmlType::Q6K => &[208],
         _ => &[],
     };
