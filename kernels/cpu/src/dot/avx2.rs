@@ -1,5 +1,5 @@
-//! AVX2 + FMA + F16C dot products (x86_64) for formats without a tiled kernel: f16 weights and
-//! the K-quants (Q4_K, Q5_K, Q6_K times Q8_K).
+//! AVX2 + FMA + F16C dot products (x86_64) for formats without a tiled kernel: f16 weights,
+//! the K-quants (Q4_K, Q5_K, Q6_K times Q8_K) and Q5_0 / Q5_1 (times Q8_0 / Q8_1).
 //!
 //! The 32-element quantised formats are in `crate::gemm`. The f16 kernel converts with F16C
 //! (exact) and sums each 32-element group in f32 lanes, then adds the group into an f64 total,
@@ -8,13 +8,15 @@
 //! The K-quant kernels unpack 32 quants at a time in registers and take `vpmaddubsw` (u8 x i8
 //! pairs, which cannot saturate here: at most 63 x 127 x 2) and `vpmaddwd` with the sub-block
 //! scales. Their integer block sums are exact and the float epilogue is the scalar one, so they
-//! return the scalar reference's bits.
+//! return the scalar reference's bits. The Q5_0 / Q5_1 kernels do the same per 32-element block:
+//! the fifth bits are spread from `qh` to bytes by a shuffle and a compare, and Q5_0's offset of
+//! 16 is taken off as `16 * sum(y)` in the same i16 lanes (at most 2 x 16 x 128).
 
 use std::arch::x86_64::*;
 
 use crate::blocks::{
-    f16_at, f32_at, i16_at, k4_scales_field, k4_scales_mins, Q4K_BYTES, Q5K_BYTES, Q6K_BYTES,
-    Q8K_BYTES,
+    f16_at, f32_at, i16_at, k4_scales_field, k4_scales_mins, Q4K_BYTES, Q5K_BYTES, Q5_0_BYTES,
+    Q5_1_BYTES, Q6K_BYTES, Q8K_BYTES, Q8_0_BYTES, Q8_1_BYTES,
 };
 use crate::dtype::GgmlType;
 
@@ -31,8 +33,70 @@ pub(super) fn dot_fn(ty: GgmlType) -> Option<DotFn> {
         GgmlType::Q4K => Some(q4_k_q8_k),
         GgmlType::Q5K => Some(q5_k_q8_k),
         GgmlType::Q6K => Some(q6_k_q8_k),
+        GgmlType::Q5_0 => Some(q5_0_q8_0),
+        GgmlType::Q5_1 => Some(q5_1_q8_1),
         _ => None,
     }
+}
+
+fn q5_0_q8_0(w: &[u8], x: &[u8]) -> f32 {
+    // SAFETY: reachable only through `dot_fn`, handed out only once AVX2, FMA and F16C were
+    // detected.
+    unsafe { q5_avx2::<false>(w, x) }
+}
+
+fn q5_1_q8_1(w: &[u8], x: &[u8]) -> f32 {
+    // SAFETY: as for `q5_0_q8_0`.
+    unsafe { q5_avx2::<true>(w, x) }
+}
+
+/// Q5_0 (`MIN == false`, times Q8_0) or Q5_1 (times Q8_1), block by block as the scalar kernels:
+/// the 32 five-bit quants in element order (low nibbles of `qs` then high ones, bit 4 from bit j
+/// of the little-endian `qh`), `vpmaddubsw` against the activations' i8 quants, exact i32 sums,
+/// and the scalar epilogue.
+#[target_feature(enable = "avx2,fma,f16c")]
+fn q5_avx2<const MIN: bool>(w: &[u8], x: &[u8]) -> f32 {
+    let (bs, qh_off, xbs, xq_off) = if MIN {
+        (Q5_1_BYTES, 4, Q8_1_BYTES, 4)
+    } else {
+        (Q5_0_BYTES, 2, Q8_0_BYTES, 2)
+    };
+    let nibble = _mm_set1_epi8(0x0F);
+    let bit4 = _mm256_set1_epi8(0x10);
+    let ones16 = _mm256_set1_epi16(1);
+    let sixteen = _mm256_set1_epi8(16);
+    // Byte j of a lane takes byte j / 8 of qh; OR-ing in "every bit but j % 8" leaves 0xFF
+    // exactly where bit j of qh is set.
+    let spread = _mm256_setr_epi8(
+        0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3,
+        3, 3,
+    );
+    let others = _mm256_set1_epi64x(0x7fbf_dfef_f7fb_fdfe);
+    let all = _mm256_set1_epi8(-1);
+    let mut sumf = 0f32;
+    for (wb, xb) in w.chunks_exact(bs).zip(x.chunks_exact(xbs)) {
+        let qh = u32::from_le_bytes([wb[qh_off], wb[qh_off + 1], wb[qh_off + 2], wb[qh_off + 3]]);
+        let qs: &[u8; 16] = wb[qh_off + 4..qh_off + 20].try_into().expect("16 bytes");
+        // SAFETY: 16 readable bytes; `loadu` has no alignment requirement.
+        let qs = unsafe { _mm_loadu_si128(qs.as_ptr().cast()) };
+        let lo = _mm_and_si128(qs, nibble);
+        let hi = _mm_and_si128(_mm_srli_epi16::<4>(qs), nibble);
+        let bits = _mm256_shuffle_epi8(_mm256_set1_epi32(qh as i32), spread);
+        let bits = _mm256_cmpeq_epi8(_mm256_or_si256(bits, others), all);
+        let q = _mm256_or_si256(_mm256_set_m128i(hi, lo), _mm256_and_si256(bits, bit4));
+        let y = load32(xb, xq_off);
+        let mut p = _mm256_maddubs_epi16(q, y);
+        if !MIN {
+            p = _mm256_sub_epi16(p, _mm256_maddubs_epi16(sixteen, y));
+        }
+        let sumi = hsum_i32(_mm256_madd_epi16(p, ones16));
+        sumf += if MIN {
+            (f16_at(wb, 0) * f16_at(xb, 0)) * sumi as f32 + f16_at(wb, 2) * f16_at(xb, 2)
+        } else {
+            (f16_at(wb, 0) * f16_at(xb, 0)) * sumi as f32
+        };
+    }
+    sumf
 }
 
 fn f16_f16(w: &[u8], x: &[u8]) -> f32 {

@@ -2,7 +2,7 @@
 //!
 //! - `scalar`: the reference kernels, always compiled.
 //! - `avx2` (x86_64): `#[target_feature]` kernels for the formats without a tiled kernel
-//!   (f16, Q4_K, Q5_K, Q6_K), used when the CPU has AVX2, FMA and F16C;
+//!   (f16, Q4_K, Q5_K, Q6_K, Q5_0, Q5_1), used when the CPU has AVX2, FMA and F16C;
 //! - Q4_0, Q4_1 and Q8_0 on AVX2 and AVX-512 are the 1 x 1 case of the tiled kernels in
 //!   `crate::gemm`, so a lone dot product and a matmul give the same bits.
 //!
@@ -247,8 +247,11 @@ pub(crate) mod tests {
             dequantize_row(ty, &w, &mut wf).unwrap();
             let scale: f32 = wf.iter().zip(&x).map(|(a, b)| (a * b).abs()).sum();
             let tol = 1e-6 * (1.0 + scale);
-            // The K-quant kernels sum integers exactly and share the scalar epilogue.
-            let exact = matches!(ty, GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K);
+            // The K-quant and Q5 kernels sum integers exactly and share the scalar epilogue.
+            let exact = matches!(
+                ty,
+                GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K | GgmlType::Q5_0 | GgmlType::Q5_1
+            );
             for isa in Isa::available() {
                 let got = isa.dot_fn(ty).unwrap()(&w, &xq);
                 if exact {
