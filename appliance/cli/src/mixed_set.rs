@@ -15,6 +15,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
+use engram_fusion::han_share;
 use serde::Deserialize;
 
 use crate::eval::{read_jsonl, CorpusDoc};
@@ -133,16 +134,6 @@ pub fn run(a: MixedSetArgs) -> Result<()> {
         qa_en.len()
     );
     Ok(())
-}
-
-/// Han characters as a share of the letters and digits of `text`.
-fn han_share(text: &str) -> f64 {
-    let (mut han, mut alnum) = (0usize, 0usize);
-    for c in text.chars().filter(|c| c.is_alphanumeric()) {
-        alnum += 1;
-        han += usize::from(matches!(c as u32, 0x3400..=0x4DBF | 0x4E00..=0x9FFF | 0xF900..=0xFAFF));
-    }
-    han as f64 / alnum.max(1) as f64
 }
 
 /// Byte ranges of the sentences of a Chinese paragraph: each ends after 。！？ or a line break

@@ -34,6 +34,7 @@ pub use gate::{
 pub use policy::{Policy, CHECK_LAYER, DEFAULT_POLICY};
 pub use prefix::{PrefixCache, PrefixEntry, PrefixHit, BLOCK};
 pub use prompt::{
-    chunk_text, chunk_tokens, is_chinese, rag_frame, rag_prefix_frame, rag_prompt, rag_prompt_with,
-    Layout, DEFAULT_LAYOUT, DEFAULT_SYSTEM, FRAME_CONTEXT, LAYOUTS, QUESTION_INSTRUCTION,
+    chunk_text, chunk_tokens, han_share, is_chinese, rag_frame, rag_prefix_frame, rag_prompt,
+    rag_prompt_with, Layout, DEFAULT_LAYOUT, DEFAULT_SYSTEM, FRAME_CONTEXT, LAYOUTS,
+    QUESTION_INSTRUCTION,
 };

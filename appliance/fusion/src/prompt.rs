@@ -149,6 +149,11 @@ impl Layout {
 
 /// Whether `text` is mostly Chinese: Han characters make up at least a quarter of its letters.
 pub fn is_chinese(text: &str) -> bool {
+    han_share(text) >= 0.25
+}
+
+/// Han characters as a share of the letters and digits of `text` (0 when it has none).
+pub fn han_share(text: &str) -> f64 {
     let (mut han, mut letters) = (0usize, 0usize);
     for c in text.chars().filter(|c| c.is_alphanumeric()) {
         letters += 1;
@@ -157,7 +162,7 @@ pub fn is_chinese(text: &str) -> bool {
             han += 1;
         }
     }
-    han > 0 && han * 4 >= letters
+    han as f64 / letters.max(1) as f64
 }
 
 /// Builds the fused prompt in the default layout (see [`rag_prompt_with`]).
