@@ -30,6 +30,21 @@ pub enum GgufError {
     },
     #[error("tensor `{name}` is missing")]
     MissingTensor { name: String },
+    #[error("tensor `{name}`: rows of {row} elements are not a multiple of the {ty} block size {block_size}")]
+    NotBlockMultiple {
+        name: String,
+        row: u64,
+        ty: &'static str,
+        block_size: usize,
+    },
+    #[error("tensor `{name}`: {found} bytes given, its type and shape take {expected}")]
+    TensorBytes {
+        name: String,
+        found: u64,
+        expected: u64,
+    },
+    #[error("tensor stream: {declared} tensors declared, {written} written")]
+    TensorCount { declared: usize, written: usize },
 }
 
 /// Result alias of this crate.

@@ -27,7 +27,7 @@ pub use engram_kernels::GgmlType;
 pub use error::{GgufError, Result};
 pub use reader::{DEFAULT_ALIGNMENT, GGUF_MAGIC};
 pub use value::{Metadata, Value, ValueType};
-pub use writer::{str_array, GgufWriter};
+pub use writer::{str_array, GgufWriter, TensorDecl, TensorStream};
 
 /// Where and how one tensor is stored.
 #[derive(Debug, Clone, PartialEq)]

@@ -207,3 +207,98 @@ fn missing_file_is_an_io_error() {
     assert!(matches!(err, GgufError::Io { .. }));
     assert!(err.to_string().contains("/nonexistent/model.gguf"));
 }
+
+/// A scratch path under the system temp folder, unique to this process and `name`.
+fn temp_path(name: &str) -> std::path::PathBuf {
+    std::env::temp_dir().join(format!("engram-gguf-{}-{name}", std::process::id()))
+}
+
+#[test]
+fn streamed_file_equals_the_in_memory_one() {
+    let q8: Vec<u8> = (0..34 * 3).map(|i| i as u8).collect();
+    let f16: Vec<u8> = (0..2 * 5 * 3).map(|i| (i * 7) as u8).collect();
+    let mut whole = sample();
+    whole.tensor("late_q8", &[32, 3], GgmlType::Q8_0, q8.clone());
+    whole.tensor("late_f16", &[5, 3], GgmlType::F16, f16.clone());
+
+    let path = temp_path("stream.gguf");
+    let mut s = sample()
+        .stream(
+            &path,
+            vec![
+                TensorDecl::new("late_q8", &[32, 3], GgmlType::Q8_0),
+                TensorDecl::new("late_f16", &[5, 3], GgmlType::F16),
+            ],
+        )
+        .unwrap();
+    assert_eq!(s.next_name(), Some("late_q8"));
+    s.write_tensor(&q8).unwrap();
+    s.write_tensor(&f16).unwrap();
+    assert_eq!(s.next_name(), None);
+    let size = s.finish().unwrap();
+    let bytes = std::fs::read(&path).unwrap();
+    std::fs::remove_file(&path).unwrap();
+    assert_eq!(size, bytes.len() as u64);
+    assert_eq!(bytes, whole.to_bytes());
+    let f = GgufFile::from_bytes(bytes).unwrap();
+    assert_eq!(f.tensor_data(f.tensor("late_f16").unwrap()), &f16[..]);
+}
+
+#[test]
+fn stream_misuse_is_an_error() {
+    let path = temp_path("misuse.gguf");
+    let partial = temp_path("misuse.gguf.partial");
+    let w = GgufWriter::new();
+
+    let err = w
+        .stream(&path, vec![TensorDecl::new("q", &[33], GgmlType::Q8_0)])
+        .err()
+        .unwrap();
+    assert!(
+        matches!(err, GgufError::NotBlockMultiple { row: 33, .. }),
+        "{err}"
+    );
+
+    let decl = || vec![TensorDecl::new("t", &[4], GgmlType::F32)];
+    let mut s = w.stream(&path, decl()).unwrap();
+    let err = s.write_tensor(&[0; 12]).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            GgufError::TensorBytes {
+                found: 12,
+                expected: 16,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    s.write_tensor(&[0; 16]).unwrap();
+    let err = s.write_tensor(&[0; 16]).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            GgufError::TensorCount {
+                declared: 1,
+                written: 2
+            }
+        ),
+        "{err}"
+    );
+
+    // Finishing early leaves only the partial file, never one under the wanted name.
+    let s = w.stream(&path, decl()).unwrap();
+    let err = s.finish().unwrap_err();
+    assert!(
+        matches!(
+            err,
+            GgufError::TensorCount {
+                declared: 1,
+                written: 0
+            }
+        ),
+        "{err}"
+    );
+    assert!(!path.exists());
+    std::fs::remove_file(&partial).unwrap();
+}
