@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # Runs everything CI runs, on a fresh machine too: fetches the default models (checked by
-# sha256), then format check, clippy with warnings as errors, the whole test suite against the
-# real models and ../shared/golden, the API and console end-to-end checks, a bounded run of
-# the fault-injection suite (tests/faults), the .deb's checks (tests/appliance/deb.sh) and the
-# appliance's lifecycle on installed systems (tests/appliance/run.sh: root, about 20 minutes,
-# most of it the installer ISO under QEMU's software emulation).
+# sha256), then format check, clippy with warnings as errors (also of the `cuda` feature's GPU
+# code), the CUDA kernels compiled by NVRTC (fetched from its wheel; no GPU needed), the whole
+# test suite against the real models and ../shared/golden, the API and console end-to-end
+# checks, a bounded run of the fault-injection suite (tests/faults), the .deb's checks
+# (tests/appliance/deb.sh) and the appliance's lifecycle on installed systems
+# (tests/appliance/run.sh: root, about 20 minutes, most of it the installer ISO under QEMU's
+# software emulation).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -17,6 +19,11 @@ scripts/fetch-models.sh >/dev/null
 
 cargo fmt --all --check
 cargo clippy --workspace --all-targets --locked -- -D warnings
+# The GPU code builds and lints without CUDA (loaded at run time); its kernels' CUDA source is
+# compiled by NVRTC, which needs no GPU.
+cargo clippy -p engram-cli --features cuda --all-targets --locked -- -D warnings
+nvrtc_lib="$(scripts/fetch-nvrtc.sh)"
+ENGRAM_REQUIRE_NVRTC=1 LD_LIBRARY_PATH="$nvrtc_lib" cargo test -p engram-kernels-cuda --locked
 cargo test --workspace --locked
 scripts/test-api.sh
 scripts/test-ui.sh

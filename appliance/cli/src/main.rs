@@ -4,6 +4,8 @@ mod ask;
 mod bench;
 mod eval;
 mod fusion_eval;
+mod gen_model;
+mod gpu;
 mod kb;
 mod mixed_set;
 mod qa_eval;
@@ -58,6 +60,10 @@ enum Command {
     Kv(ask::KvCmdArgs),
     /// Measure retrieval quality (BEIR) or fusion fidelity and speed (MuSiQue).
     Eval(eval::EvalArgs),
+    /// Write a random-weight Llama GGUF of a standard shape (for benchmarks without downloads).
+    GenModel(gen_model::GenModelArgs),
+    /// The GPU: list devices, check the GPU forward pass against the CPU, measure it.
+    Gpu(gpu::GpuArgs),
 }
 
 #[derive(Args)]
@@ -236,6 +242,8 @@ fn main() -> Result<()> {
         Command::Ask(a) => ask::ask(a),
         Command::Kv(a) => ask::kv(a),
         Command::Eval(a) => eval::eval(a),
+        Command::GenModel(a) => gen_model::gen_model(a),
+        Command::Gpu(a) => gpu::gpu(a),
     }
 }
 

@@ -9,6 +9,9 @@ pub enum ModelError {
     Kernel(#[from] engram_kernels::KernelError),
     #[error(transparent)]
     Tokenizer(#[from] engram_tokenizer::TokenizerError),
+    /// The GPU path failed or cannot run this model (feature `cuda`).
+    #[error("GPU: {0}")]
+    Gpu(String),
     #[error("unsupported architecture `{arch}` (supported: {supported})")]
     UnsupportedArchitecture {
         arch: String,

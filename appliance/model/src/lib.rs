@@ -20,9 +20,12 @@
 mod config;
 mod error;
 mod generate;
+#[cfg(feature = "cuda")]
+mod gpu;
 mod kv;
 mod model;
 mod ops;
+pub mod placement;
 mod sampling;
 mod weights;
 
@@ -32,6 +35,8 @@ pub use generate::{
     generate, FinishReason, GenerateRequest, Generation, GenerationStats, StopMatcher,
     PREFILL_CHUNK,
 };
+#[cfg(feature = "cuda")]
+pub use gpu::{GpuCache, GpuModel};
 pub use kv::KvCache;
 pub use model::{Blend, LayerObserver, Logits, Model, Sequence};
 pub use ops::Rope;

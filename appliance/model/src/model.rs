@@ -27,8 +27,8 @@ pub enum Logits {
 /// A loaded model: immutable weights plus the rotary tables. Cheap to share across threads.
 pub struct Model {
     cfg: ModelConfig,
-    weights: Weights,
-    rope: Rope,
+    pub(crate) weights: Weights,
+    pub(crate) rope: Rope,
     threads: usize,
     /// The kernels' worker pool (`threads` threads), shared by every matmul of this model.
     pool: Arc<engram_kernels::ThreadPool>,
@@ -69,6 +69,11 @@ struct Call<'a, 'f> {
     logits: Logits,
     observer: Option<&'f mut LayerObserver<'f>>,
     blend: Option<Blend<'f>>,
+    /// The first layer to run: later than 0 when the earlier ones ran elsewhere (the GPU of a
+    /// split placement) and `input` holds their output.
+    first_layer: usize,
+    /// The residual stream entering `first_layer` (`[tokens][n_embd]`), instead of embeddings.
+    input: Option<&'a [f32]>,
 }
 
 /// Per-call scratch buffers, sized for the call's tokens.
@@ -304,6 +309,8 @@ impl Model {
             logits,
             observer: None,
             blend: None,
+            first_layer: 0,
+            input: None,
         };
         self.run(call, &mut kvs).map(|(logits, _)| logits)
     }
@@ -321,6 +328,44 @@ impl Model {
         // Shorten the observer's own lifetime to the borrow's (`Call` holds one lifetime).
         let observer: &mut LayerObserver<'_> = observer;
         self.forward_with(tokens, positions, kv, logits, Some(observer))
+    }
+
+    /// Runs layers `first_layer..` and the output head on `input`, the residual stream the
+    /// earlier layers produced elsewhere (`[tokens][n_embd]`; the GPU half of a split
+    /// placement), appending the tokens' slots to `kv` (whose layers below `first_layer` are
+    /// left unwritten).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn forward_from_layer(
+        &self,
+        input: &[f32],
+        first_layer: usize,
+        tokens: &[u32],
+        positions: &[i32],
+        kv: &mut KvCache,
+        logits: Logits,
+    ) -> Result<Vec<f32>> {
+        self.check_call(tokens, positions, kv)?;
+        if input.len() != tokens.len() * self.cfg.n_embd {
+            return Err(ModelError::PositionCount {
+                tokens: input.len() / self.cfg.n_embd.max(1),
+                positions: tokens.len(),
+            });
+        }
+        if tokens.is_empty() {
+            return Ok(Vec::new());
+        }
+        let call = Call {
+            tokens,
+            positions,
+            bounds: &[0, tokens.len()],
+            overwrite: &[],
+            logits,
+            observer: None,
+            blend: None,
+            first_layer,
+            input: Some(input),
+        };
+        self.run(call, &mut [kv]).map(|(logits, _)| logits)
     }
 
     fn forward_with<'f>(
@@ -343,6 +388,8 @@ impl Model {
             logits,
             observer,
             blend: None,
+            first_layer: 0,
+            input: None,
         };
         self.run(call, &mut [kv]).map(|(logits, _)| logits)
     }
@@ -400,6 +447,8 @@ impl Model {
             logits,
             observer: None,
             blend: Some(blend),
+            first_layer: 0,
+            input: None,
         };
         self.run(call, &mut [kv])
     }
@@ -465,6 +514,8 @@ impl Model {
             logits,
             mut observer,
             mut blend,
+            first_layer,
+            input,
         } = call;
         let cfg = &self.cfg;
         let mut n = tokens.len();
@@ -496,8 +547,13 @@ impl Model {
             gate: vec![0.0; n * ff],
             up: vec![0.0; n * ff],
         };
-        for (t, &tok) in tokens.iter().enumerate() {
-            self.weights.embed(tok, &mut s.x[t * d..(t + 1) * d])?;
+        match input {
+            Some(x) => s.x.copy_from_slice(x),
+            None => {
+                for (t, &tok) in tokens.iter().enumerate() {
+                    self.weights.embed(tok, &mut s.x[t * d..(t + 1) * d])?;
+                }
+            }
         }
         let mut angles = Vec::with_capacity(n * self.rope.pairs());
         for &p in &positions {
@@ -510,7 +566,7 @@ impl Model {
             Vec::new()
         };
 
-        for (li, layer) in self.weights.layers.iter().enumerate() {
+        for (li, layer) in self.weights.layers.iter().enumerate().skip(first_layer) {
             // Attention block.
             rms_norm(
                 &s.x[..n * d],

@@ -1838,3 +1838,56 @@ fn copied_prefix_then_rest_equals_full_prefill() {
         );
     }
 }
+
+/// The CPU half of a split placement: running layers `first_layer..` on a given residual stream
+/// is the plain forward pass when that stream is the embeddings and `first_layer` is 0, and it
+/// fills the cache the same way (the decode step after it matches too).
+#[test]
+fn forward_from_layer_zero_on_embeddings_is_the_forward_pass() {
+    for spec in all_specs() {
+        let model = Tiny::build(&spec).model();
+        let d = model.config().n_embd;
+        let seq = tokens(spec.seed + 40, SEQ_LEN, spec.vocab);
+        let n = SEQ_LEN - 1;
+        let mut plain = model.new_cache(SEQ_LEN);
+        let want = model
+            .forward(&seq[..n], &positions(0..n as i32), &mut plain, Logits::All)
+            .expect("forward");
+        let mut x = vec![0.0; n * d];
+        for (t, &tok) in seq[..n].iter().enumerate() {
+            model
+                .weights
+                .embed(tok, &mut x[t * d..(t + 1) * d])
+                .expect("embed");
+        }
+        let mut split = model.new_cache(SEQ_LEN);
+        let got = model
+            .forward_from_layer(
+                &x,
+                0,
+                &seq[..n],
+                &positions(0..n as i32),
+                &mut split,
+                Logits::All,
+            )
+            .expect("forward_from_layer");
+        assert_eq!(got, want, "{}", spec.label());
+        let step = |kv: &mut KvCache| {
+            model
+                .forward(&seq[n..], &[n as i32], kv, Logits::Last)
+                .expect("decode")
+        };
+        assert_eq!(step(&mut split), step(&mut plain), "{}", spec.label());
+        // A residual stream of the wrong size is an error, not a panic.
+        assert!(model
+            .forward_from_layer(
+                &x[..d],
+                0,
+                &seq[..n],
+                &positions(0..n as i32),
+                &mut split,
+                Logits::All
+            )
+            .is_err());
+    }
+}

@@ -1,0 +1,627 @@
+//! `engram gpu`: find the GPUs, check the GPU forward pass against the CPU one, measure it.
+//!
+//! Built with `--features cuda`; without it every subcommand says so. Models for the checks
+//! come from `engram gen-model` where the real ones cannot be copied (the GPU machine has no
+//! network): the CPU path is the reference, proven against llama.cpp by the golden tests.
+
+use std::path::PathBuf;
+
+use anyhow::Result;
+use clap::{Args, Subcommand};
+
+#[derive(Args)]
+pub struct GpuArgs {
+    #[command(subcommand)]
+    cmd: GpuCmd,
+}
+
+#[derive(Subcommand)]
+enum GpuCmd {
+    /// List the GPUs, or say why none can be used.
+    Info,
+    /// Compare the GPU forward pass (whole, and split with the CPU) with the CPU path.
+    Check(CheckArgs),
+    /// Measure prefill and decode on the GPU, and the device's copy bandwidth.
+    Bench(BenchArgs),
+}
+
+#[derive(Args)]
+struct CheckArgs {
+    /// GGUF model file.
+    #[arg(long)]
+    model: PathBuf,
+    /// CPU threads for the reference [default: all cores]
+    #[arg(long)]
+    threads: Option<usize>,
+    /// CUDA device ordinal.
+    #[arg(long, default_value_t = 0)]
+    device: usize,
+    /// Layers on the GPU, one check each: a number, `all`, `half`, or `auto` (the placement
+    /// planner's choice for the device's free memory).
+    #[arg(long, value_delimiter = ',', default_values_t = ["all".to_string(), "half".to_string()])]
+    layers: Vec<String>,
+    /// Prompt tokens (pseudo-random ids unless --text is given).
+    #[arg(long, default_value_t = 64)]
+    prompt: usize,
+    /// A prompt text instead (tokenized with the model's tokenizer).
+    #[arg(long)]
+    text: Vec<String>,
+    /// Greedy tokens decoded on each side after the prompt.
+    #[arg(long, default_value_t = 16)]
+    decode: usize,
+    /// Seed of the pseudo-random prompt.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// llama.cpp's golden file (`../shared/golden/smollm2-135m-q4_1.llamacpp.json`): its prompts
+    /// replace the pseudo-random one, and the GPU's greedy tokens and top-5 logits are also held
+    /// to llama.cpp's with the golden tests' bars.
+    #[arg(long)]
+    golden: Option<PathBuf>,
+    /// Also compare with the CPU path on the weights dequantised to f32 (the exact reference;
+    /// needs four bytes of memory per weight).
+    #[arg(long)]
+    f32_reference: bool,
+}
+
+#[derive(Args)]
+struct BenchArgs {
+    /// GGUF model file.
+    #[arg(long)]
+    model: PathBuf,
+    /// CUDA device ordinal.
+    #[arg(long, default_value_t = 0)]
+    device: usize,
+    /// Layers on the GPU: a number, `half`, `all`, or `auto` (the placement planner's choice
+    /// for the device's free memory and the run's context and batch).
+    #[arg(long, default_value = "auto")]
+    layers: String,
+    /// CPU threads for the CPU layers of a split placement [default: all cores]
+    #[arg(long)]
+    threads: Option<usize>,
+    /// Prompt lengths to prefill (comma-separated), in calls of --ubatch tokens.
+    #[arg(long, value_delimiter = ',', default_values_t = [512, 2048])]
+    prefill: Vec<usize>,
+    /// Tokens per prefill call (llama.cpp's default micro-batch is 512).
+    #[arg(long, default_value_t = 512)]
+    ubatch: usize,
+    /// Decode steps timed per batch size.
+    #[arg(long, default_value_t = 64)]
+    decode: usize,
+    /// Sequences decoded together (comma-separated batch sizes).
+    #[arg(long, value_delimiter = ',', default_values_t = [1, 8])]
+    batch: Vec<usize>,
+    /// Context each sequence holds before decoding.
+    #[arg(long, default_value_t = 512)]
+    decode_context: usize,
+    /// Runs of each prefill figure; the median is reported.
+    #[arg(long, default_value_t = 3)]
+    repetitions: usize,
+    /// After each figure, one more pass timed per kind of work (matmul, attention, ...; the
+    /// device is synchronised between kinds, so these passes run slower).
+    #[arg(long)]
+    profile: bool,
+}
+
+/// Runs `engram gpu`.
+pub fn gpu(a: GpuArgs) -> Result<()> {
+    imp::run(a)
+}
+
+#[cfg(not(feature = "cuda"))]
+mod imp {
+    use super::*;
+
+    pub fn run(_a: GpuArgs) -> Result<()> {
+        anyhow::bail!("this engram was built without GPU support (cargo build --features cuda)")
+    }
+}
+
+#[cfg(feature = "cuda")]
+mod imp {
+    use std::sync::Arc;
+    use std::time::Instant;
+
+    use anyhow::{bail, Context};
+    use engram_kernels_cuda::{probe, Device};
+    use engram_model::placement::{Device as PlacementDevice, Placement, PlacementRequest};
+    use engram_model::{argmax, GpuModel, Logits, Model};
+    use serde_json::json;
+
+    use super::*;
+
+    pub fn run(a: GpuArgs) -> Result<()> {
+        match a.cmd {
+            GpuCmd::Info => info(),
+            GpuCmd::Check(c) => check(c),
+            GpuCmd::Bench(b) => bench(b),
+        }
+    }
+
+    fn info() -> Result<()> {
+        match probe() {
+            Ok(devices) => {
+                for d in devices {
+                    println!("{}", d.describe());
+                }
+            }
+            Err(e) => println!("{e}; the CPU path serves"),
+        }
+        Ok(())
+    }
+
+    fn cores(threads: Option<usize>) -> usize {
+        threads.unwrap_or_else(|| {
+            std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get)
+        })
+    }
+
+    fn kernel_cache() -> Option<PathBuf> {
+        std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/engram/cuda"))
+    }
+
+    fn open(device: usize) -> Result<Device> {
+        let started = Instant::now();
+        let dev = Device::open(device, kernel_cache().as_deref())?;
+        eprintln!(
+            "{}: kernels ready in {:.2} s (open {:.2} s)",
+            dev.info().describe(),
+            dev.compile_seconds(),
+            started.elapsed().as_secs_f64()
+        );
+        Ok(dev)
+    }
+
+    /// Layers for the GPU: `all`, `half`, a number, or `auto`: the placement planner's choice
+    /// for this device's free memory, holding `context` tokens in each of `sequences` caches
+    /// and prefill calls of `ubatch` tokens.
+    fn layer_count(
+        spec: &str,
+        model: &Model,
+        dev: &Device,
+        context: usize,
+        sequences: usize,
+        ubatch: usize,
+    ) -> Result<usize> {
+        let n_layer = model.config().n_layer;
+        Ok(match spec {
+            "all" => n_layer,
+            "half" => n_layer / 2,
+            "auto" => {
+                let mut req = PlacementRequest::for_model(model, context, sequences);
+                req.scratch_bytes = GpuModel::scratch_estimate(model, ubatch, context);
+                let (free, _) = dev.memory()?;
+                let plan = Placement::plan(
+                    &req,
+                    &[PlacementDevice::new(
+                        format!("cuda:{}", dev.info().ordinal),
+                        free,
+                    )],
+                );
+                eprintln!("placement: {}", plan.describe());
+                plan.n_gpu_layers()
+            }
+            n => n.parse().with_context(|| format!("--layers {n}"))?,
+        })
+    }
+
+    fn pseudo_tokens(n: usize, vocab: usize, seed: u64) -> Vec<u32> {
+        let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        (0..n)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                (100 + s % (vocab as u64 - 100)) as u32
+            })
+            .collect()
+    }
+
+    fn positions(from: usize, n: usize) -> Vec<i32> {
+        (from..from + n).map(|p| p as i32).collect()
+    }
+
+    /// Indices of the `k` largest values.
+    fn top(v: &[f32], k: usize) -> Vec<usize> {
+        let mut idx: Vec<usize> = (0..v.len()).collect();
+        idx.sort_by(|&a, &b| v[b].total_cmp(&v[a]));
+        idx.truncate(k);
+        idx
+    }
+
+    /// The model with every tensor dequantised to f32: the exact reference (the CPU's
+    /// quantised path rounds activations to 8 bits per block, which random-weight K-quant
+    /// models amplify layer after layer).
+    fn dequantized(model: &Model, threads: usize) -> Result<Model> {
+        let f = model.gguf();
+        let mut w = engram_gguf::GgufWriter::new();
+        for (k, v) in f.metadata().iter() {
+            w.metadata(k, v.clone());
+        }
+        for t in f.tensors() {
+            let cols = t.dims[0] as usize;
+            let data = f.tensor_data(t);
+            let row_bytes = t.ty.row_bytes(cols).context("row size")?;
+            let mut vals = vec![0f32; t.n_elements() as usize];
+            for (r, row) in vals.chunks_mut(cols).enumerate() {
+                engram_kernels::dequantize_row(
+                    t.ty,
+                    &data[r * row_bytes..(r + 1) * row_bytes],
+                    row,
+                )?;
+            }
+            w.tensor_f32(t.name.clone(), &t.dims, &vals);
+        }
+        let file = engram_gguf::GgufFile::from_bytes(w.to_bytes())?;
+        Ok(Model::from_gguf(Arc::new(file), threads)?)
+    }
+
+    /// Prefill logits of every prompt token and the greedy continuation, each side feeding
+    /// its own choices.
+    struct Run {
+        logits: Vec<f32>,
+        greedy: Vec<u32>,
+        /// Logits of each decode step.
+        steps: Vec<Vec<f32>>,
+    }
+
+    fn cpu_run(model: &Model, ids: &[u32], decode: usize) -> Result<Run> {
+        let mut kv = model.new_cache(ids.len() + decode + 1);
+        let logits = model.prefill(ids, &positions(0, ids.len()), &mut kv, Logits::All)?;
+        let v = model.config().vocab_size;
+        let mut greedy = vec![argmax(&logits[logits.len() - v..])];
+        let mut steps = Vec::new();
+        for step in 0..decode {
+            let p = [(ids.len() + step) as i32];
+            let l = model.forward(&[*greedy.last().unwrap()], &p, &mut kv, Logits::Last)?;
+            greedy.push(argmax(&l));
+            steps.push(l);
+        }
+        Ok(Run {
+            logits,
+            greedy,
+            steps,
+        })
+    }
+
+    fn gpu_run(gpu: &mut GpuModel, ids: &[u32], decode: usize) -> Result<Run> {
+        let mut kv = gpu.new_cache(ids.len() + decode + 1)?;
+        let logits = gpu.forward(ids, &positions(0, ids.len()), &mut kv, Logits::All)?;
+        let v = gpu.model().config().vocab_size;
+        let mut greedy = vec![argmax(&logits[logits.len() - v..])];
+        let mut steps = Vec::new();
+        for step in 0..decode {
+            let p = [(ids.len() + step) as i32];
+            let l = gpu.forward(&[*greedy.last().unwrap()], &p, &mut kv, Logits::Last)?;
+            greedy.push(argmax(&l));
+            steps.push(l);
+        }
+        Ok(Run {
+            logits,
+            greedy,
+            steps,
+        })
+    }
+
+    fn compare(gpu: &Run, cpu: &Run, v: usize) -> serde_json::Value {
+        let (mut max_abs, mut scale, mut agree) = (0f32, 0f32, 0usize);
+        for (cr, gr) in cpu.logits.chunks(v).zip(gpu.logits.chunks(v)) {
+            for (a, b) in cr.iter().zip(gr) {
+                max_abs = max_abs.max((a - b).abs());
+                scale = scale.max(a.abs());
+            }
+            agree += usize::from(argmax(cr) == argmax(gr));
+        }
+        let rows = cpu.logits.len() / v;
+        let last_c = &cpu.logits[cpu.logits.len() - v..];
+        let last_g = &gpu.logits[gpu.logits.len() - v..];
+        let (tc, tg) = (top(last_c, 5), top(last_g, 5));
+        let common = cpu
+            .greedy
+            .iter()
+            .zip(&gpu.greedy)
+            .take_while(|(a, b)| a == b)
+            .count();
+        // Decode logits compared while both sides were fed the same tokens.
+        let decode_max_abs = cpu
+            .steps
+            .iter()
+            .zip(&gpu.steps)
+            .take(common.saturating_sub(1))
+            .flat_map(|(a, b)| a.iter().zip(b).map(|(x, y)| (x - y).abs()))
+            .fold(0f32, f32::max);
+        json!({
+            "prefill_max_abs": max_abs,
+            "prefill_rel": max_abs / scale.max(f32::MIN_POSITIVE),
+            "argmax_agreement": agree as f64 / rows as f64,
+            "top5_overlap_last": tc.iter().filter(|i| tg.contains(i)).count(),
+            "top5_max_abs_last": tc.iter().map(|&i| (last_c[i] - last_g[i]).abs()).fold(0f32, f32::max),
+            "decode_max_abs": decode_max_abs,
+            "greedy_tokens": cpu.greedy.len(),
+            "greedy_common_prefix": common,
+            "greedy_equal": cpu.greedy == gpu.greedy,
+        })
+    }
+
+    fn check(c: CheckArgs) -> Result<()> {
+        let threads = cores(c.threads);
+        let model = Arc::new(Model::load(&c.model, threads)?);
+        let cfg = model.config().clone();
+        let golden: Vec<serde_json::Value> = match &c.golden {
+            Some(p) => {
+                let v: serde_json::Value = serde_json::from_slice(&std::fs::read(p)?)?;
+                v["prompts"].as_array().context("golden prompts")?.clone()
+            }
+            None => Vec::new(),
+        };
+        let ids_of = |v: &serde_json::Value| -> Vec<u32> {
+            v.as_array()
+                .map(|a| {
+                    a.iter()
+                        .filter_map(|x| x.as_u64())
+                        .map(|x| x as u32)
+                        .collect()
+                })
+                .unwrap_or_default()
+        };
+        let prompts: Vec<Vec<u32>> = if !golden.is_empty() {
+            golden
+                .iter()
+                .map(|g| ids_of(&g["prompt_token_ids"]))
+                .collect()
+        } else if c.text.is_empty() {
+            vec![pseudo_tokens(c.prompt, cfg.vocab_size, c.seed)]
+        } else {
+            let tok = engram_tokenizer::Tokenizer::from_gguf(model.gguf().metadata())?;
+            c.text
+                .iter()
+                .map(|t| tok.encode_prompt(t))
+                .collect::<std::result::Result<_, _>>()?
+        };
+        let exact = if c.f32_reference {
+            Some(dequantized(&model, threads)?)
+        } else {
+            None
+        };
+        // The golden files hold 32 greedy tokens: the prefill's and 31 decode steps.
+        let decode = if golden.is_empty() { c.decode } else { 31 };
+        let mut references = Vec::new();
+        for ids in &prompts {
+            let quantized = cpu_run(&model, ids, decode)?;
+            let f32 = exact
+                .as_ref()
+                .map(|m| cpu_run(m, ids, decode))
+                .transpose()?;
+            references.push((quantized, f32));
+        }
+        let mut failed = false;
+        let mut dev = Some(open(c.device)?);
+        for spec in &c.layers {
+            let device = dev.take().expect("device");
+            let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
+            let n_gpu = layer_count(spec, &model, &device, longest + decode + 1, 1, longest)?;
+            let mut gpu = GpuModel::new(model.clone(), device, n_gpu)?;
+            for (pi, (ids, (quantized, f32))) in prompts.iter().zip(&references).enumerate() {
+                let run = gpu_run(&mut gpu, ids, decode)?;
+                let vs_quantized = compare(&run, quantized, cfg.vocab_size);
+                let vs_llamacpp = golden.get(pi).map(|g| {
+                    let v = cfg.vocab_size;
+                    let last = &run.logits[run.logits.len() - v..];
+                    let top5 = g["top5_last_prompt_position"]
+                        .as_array()
+                        .cloned()
+                        .unwrap_or_default();
+                    let top5_max_abs = top5
+                        .iter()
+                        .map(|t| {
+                            let id = t["id"].as_u64().unwrap_or(0) as usize;
+                            (f64::from(last[id]) - t["logit"].as_f64().unwrap_or(0.0)).abs()
+                        })
+                        .fold(0f64, f64::max);
+                    let want = ids_of(&g["generated_token_ids"]);
+                    let margins: Vec<f64> = g["greedy_top1_top2_margin"]
+                        .as_array()
+                        .map(|a| a.iter().filter_map(|m| m.as_f64()).collect())
+                        .unwrap_or_default();
+                    // Equal up to the first step llama.cpp itself calls a near-tie (< 0.3).
+                    let decisive = margins.iter().take_while(|&&m| m >= 0.3).count();
+                    let common = want
+                        .iter()
+                        .zip(&run.greedy)
+                        .take_while(|(a, b)| a == b)
+                        .count();
+                    let pass = top5_max_abs <= 0.6 && common >= decisive.min(want.len());
+                    failed |= !pass;
+                    json!({
+                        "id": g["id"],
+                        "top5_max_abs": top5_max_abs,
+                        "greedy_common_prefix": common,
+                        "decisive_steps": decisive,
+                        "greedy_equal": want == run.greedy,
+                        "pass": pass,
+                    })
+                });
+                let vs_f32 = f32.as_ref().map(|r| compare(&run, r, cfg.vocab_size));
+                // A broken kernel gives unrelated logits; rounding differences move near-ties.
+                let best = vs_f32.as_ref().unwrap_or(&vs_quantized);
+                failed |= best["top5_overlap_last"].as_u64().unwrap_or(0) < 3
+                    || best["argmax_agreement"].as_f64().unwrap_or(0.0) < 0.5;
+                println!(
+                    "{}",
+                    json!({
+                        "model": c.model.file_name().map(|n| n.to_string_lossy()),
+                        "prompt": pi,
+                        "prompt_tokens": ids.len(),
+                        "n_gpu_layers": gpu.n_gpu_layers(),
+                        "placement": gpu.describe(),
+                        "vs_cpu": vs_quantized,
+                        "vs_cpu_f32_weights": vs_f32,
+                        "vs_llamacpp": vs_llamacpp,
+                    })
+                );
+            }
+            dev = Some(into_device(gpu));
+        }
+        if failed {
+            bail!("the GPU path disagrees with the CPU path (see the lines above)");
+        }
+        Ok(())
+    }
+
+    fn into_device(gpu: GpuModel) -> Device {
+        gpu.into_device()
+    }
+
+    /// Prints milliseconds per call of each kind of work of a profiled pass of `calls` calls.
+    fn print_profile(gpu: &GpuModel, test: &str, calls: usize) {
+        let p = gpu.take_profile();
+        let total: f64 = p.iter().map(|(_, s)| s).sum();
+        let ms: serde_json::Map<String, serde_json::Value> = p
+            .iter()
+            .map(|(k, s)| (k.to_string(), json!(1e3 * s / calls as f64)))
+            .collect();
+        println!(
+            "{}",
+            json!({"profile": test, "ms_per_call": ms, "total_ms_per_call": 1e3 * total / calls as f64})
+        );
+    }
+
+    fn median(v: &mut [f64]) -> f64 {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    }
+
+    fn bench(b: BenchArgs) -> Result<()> {
+        let load = Instant::now();
+        let model = Arc::new(Model::load(&b.model, cores(b.threads))?);
+        let cfg = model.config().clone();
+        let dev = open(b.device)?;
+        let copy_gbs = dev.copy_bandwidth(1 << 30, 5)?;
+        let context = b
+            .prefill
+            .iter()
+            .copied()
+            .max()
+            .unwrap_or(0)
+            .max(b.decode_context + b.decode + 16);
+        let sequences = b.batch.iter().copied().max().unwrap_or(1);
+        let n_gpu = layer_count(&b.layers, &model, &dev, context, sequences, b.ubatch)?;
+        let upload = Instant::now();
+        let mut gpu = GpuModel::new(model.clone(), dev, n_gpu)?;
+        let upload_s = upload.elapsed().as_secs_f64();
+        let name = b
+            .model
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned());
+        println!(
+            "{}",
+            json!({
+                "model": name,
+                "device": gpu.device().info().describe(),
+                "placement": gpu.describe(),
+                "weight_bytes": gpu.weight_bytes(),
+                "load_s": load.elapsed().as_secs_f64(),
+                "upload_s": upload_s,
+                "copy_gbs": copy_gbs,
+            })
+        );
+        for &len in &b.prefill {
+            let ids = pseudo_tokens(len, cfg.vocab_size, 7);
+            let mut runs = Vec::new();
+            for rep in 0..b.repetitions + 1 {
+                let mut kv = gpu.new_cache(len + 1)?;
+                let start = Instant::now();
+                for (i, chunk) in ids.chunks(b.ubatch.max(1)).enumerate() {
+                    let pos = positions(i * b.ubatch, chunk.len());
+                    gpu.forward(chunk, &pos, &mut kv, Logits::Last)?;
+                }
+                // The first run warms up (cuBLAS heuristics, allocations).
+                if rep > 0 {
+                    runs.push(start.elapsed().as_secs_f64());
+                }
+            }
+            let s = median(&mut runs);
+            println!(
+                "{}",
+                json!({"model": name, "test": format!("pp{len}"), "ubatch": b.ubatch,
+                       "seconds": s, "tokens_per_s": len as f64 / s})
+            );
+            if b.profile {
+                gpu.set_profiling(true);
+                let mut kv = gpu.new_cache(len + 1)?;
+                for (i, chunk) in ids.chunks(b.ubatch.max(1)).enumerate() {
+                    let pos = positions(i * b.ubatch, chunk.len());
+                    gpu.forward(chunk, &pos, &mut kv, Logits::Last)?;
+                }
+                print_profile(&gpu, &format!("pp{len}"), 1);
+                gpu.set_profiling(false);
+            }
+        }
+        for &batch in &b.batch {
+            let ctx = b.decode_context;
+            let mut caches = Vec::new();
+            let mut next = Vec::new();
+            for sq in 0..batch {
+                let ids = pseudo_tokens(ctx, cfg.vocab_size, 11 + sq as u64);
+                let mut kv = gpu.new_cache(ctx + b.decode + 16)?;
+                let mut last = Vec::new();
+                for (i, chunk) in ids.chunks(b.ubatch.max(1)).enumerate() {
+                    let pos = positions(i * b.ubatch, chunk.len());
+                    last = gpu.forward(chunk, &pos, &mut kv, Logits::Last)?;
+                }
+                next.push(argmax(&last));
+                caches.push(kv);
+            }
+            let mut step_times = Vec::new();
+            for step in 0..b.decode + 1 {
+                let toks: Vec<[u32; 1]> = next.iter().map(|&t| [t]).collect();
+                let pos = [(ctx + step) as i32];
+                let mut seqs: Vec<(&[u32], &[i32], &mut engram_model::GpuCache)> = caches
+                    .iter_mut()
+                    .zip(&toks)
+                    .map(|(kv, t)| (&t[..], &pos[..], kv))
+                    .collect();
+                let start = Instant::now();
+                let logits = gpu.forward_batch(&mut seqs, Logits::Last)?;
+                if step > 0 {
+                    step_times.push(start.elapsed().as_secs_f64());
+                }
+                next = logits.chunks(cfg.vocab_size).map(argmax).collect();
+            }
+            if b.profile {
+                gpu.set_profiling(true);
+                let steps = 8;
+                for step in 0..steps {
+                    let toks: Vec<[u32; 1]> = next.iter().map(|&t| [t]).collect();
+                    let pos = [(ctx + b.decode + 1 + step) as i32];
+                    let mut seqs: Vec<(&[u32], &[i32], &mut engram_model::GpuCache)> = caches
+                        .iter_mut()
+                        .zip(&toks)
+                        .map(|(kv, t)| (&t[..], &pos[..], kv))
+                        .collect();
+                    let logits = gpu.forward_batch(&mut seqs, Logits::Last)?;
+                    next = logits.chunks(cfg.vocab_size).map(argmax).collect();
+                }
+                print_profile(&gpu, &format!("tg x{batch}"), steps);
+                gpu.set_profiling(false);
+            }
+            let total: f64 = step_times.iter().sum();
+            let steps_per_s = step_times.len() as f64 / total;
+            let mid_ctx = ctx + b.decode / 2;
+            // Weights once per step, each sequence's KV once.
+            let weights = model.decode_bytes(0);
+            let kv_bytes = model.decode_bytes(mid_ctx) - weights;
+            let bytes_per_step = weights + batch as u64 * kv_bytes;
+            let gbs = bytes_per_step as f64 * steps_per_s / 1e9;
+            println!(
+                "{}",
+                json!({"model": name, "test": format!("tg{} x{batch}", b.decode),
+                       "context": ctx, "batch": batch,
+                       "tokens_per_s": steps_per_s * batch as f64,
+                       "step_ms": 1e3 / steps_per_s,
+                       "bytes_per_step": bytes_per_step, "decode_gbs": gbs,
+                       "decode_fraction_of_copy": gbs / copy_gbs})
+            );
+        }
+        Ok(())
+    }
+}

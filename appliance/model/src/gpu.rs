@@ -1,0 +1,660 @@
+//! The forward pass on an NVIDIA GPU (feature `cuda`), whole or split with the CPU.
+//!
+//! [`GpuModel`] uploads the weights of the first `n_gpu_layers` blocks once, in their GGML block
+//! formats, and runs those layers on the GPU with `engram-kernels-cuda`; the remaining layers
+//! and the output head run on the CPU path of the same [`Model`], so the activations cross PCIe
+//! once per forward call at the split (as llama.cpp's `-ngl` does). The KV cache of GPU layers
+//! lives in device memory ([`GpuCache`]), the rest in an ordinary [`KvCache`]. Every scaling
+//! variant of RoPE is the CPU's own: the angles are computed on the host by [`crate::Rope`] and
+//! uploaded with the call, and token embeddings are dequantised on the host (as llama.cpp keeps
+//! `token_embd` in host memory) and uploaded as f32 rows.
+
+use std::sync::Arc;
+
+use engram_kernels::GgmlType;
+use engram_kernels_cuda::{AttentionArgs, Buffer, Device, MatmulScratch, Weight, MAX_GEMV_BATCH};
+
+use crate::config::RopeStyle;
+use crate::error::{ModelError, Result};
+use crate::kv::KvCache;
+use crate::model::{Logits, Model};
+use crate::weights::Matrix;
+
+/// A weight matrix in device memory, still in its GGML block layout.
+struct DeviceMatrix {
+    buf: Buffer,
+    ty: GgmlType,
+    rows: usize,
+    cols: usize,
+}
+
+impl DeviceMatrix {
+    fn weight(&self) -> Weight<'_> {
+        Weight {
+            buf: &self.buf,
+            ty: self.ty,
+            rows: self.rows,
+        }
+    }
+}
+
+struct DeviceLayer {
+    attn_norm: Buffer,
+    wq: DeviceMatrix,
+    wk: DeviceMatrix,
+    wv: DeviceMatrix,
+    wo: DeviceMatrix,
+    bq: Option<Buffer>,
+    bk: Option<Buffer>,
+    bv: Option<Buffer>,
+    q_norm: Option<Buffer>,
+    k_norm: Option<Buffer>,
+    ffn_norm: Buffer,
+    w_gate: DeviceMatrix,
+    w_up: DeviceMatrix,
+    w_down: DeviceMatrix,
+}
+
+/// Activation buffers of one call, kept between calls and grown when a call has more rows.
+#[derive(Default)]
+struct Scratch {
+    rows: usize,
+    bufs: Vec<Buffer>,
+    /// f16 copy of the widest weight matrix (prefill through cuBLAS only).
+    w16: Option<Buffer>,
+    partial: Option<Buffer>,
+    logits: Option<Buffer>,
+    /// Q8_1 activations of decode's GEMV.
+    q8: Option<Buffer>,
+}
+
+/// Indices into [`Scratch::bufs`].
+const X: usize = 0;
+const H: usize = 1;
+const Q: usize = 2;
+const K: usize = 3;
+const V: usize = 4;
+const ATTN: usize = 5;
+const PROJ: usize = 6;
+const GATE: usize = 7;
+const UP: usize = 8;
+const ANGLES: usize = 9;
+const QPOS: usize = 10;
+const SLOTS: usize = 11;
+const X16: usize = 12;
+
+/// The KV cache of one sequence for a [`GpuModel`]: f16 keys (after RoPE) and values of the GPU
+/// layers in device memory (`[layer][kv_head][capacity][head_dim]`), the CPU layers' in a
+/// [`KvCache`], and the position of every slot.
+pub struct GpuCache {
+    keys: Buffer,
+    values: Buffer,
+    /// Position of each slot, on the device (attention's mask) and here.
+    kv_pos: Buffer,
+    positions: Vec<i32>,
+    capacity: usize,
+    /// The CPU layers' cache (a split placement), in step with `positions`.
+    cpu: Option<KvCache>,
+}
+
+impl GpuCache {
+    /// Filled slots.
+    pub fn len(&self) -> usize {
+        self.positions.len()
+    }
+
+    /// Whether no slot is filled.
+    pub fn is_empty(&self) -> bool {
+        self.positions.is_empty()
+    }
+
+    /// Forgets every slot from `len` on.
+    pub fn truncate(&mut self, len: usize) {
+        self.positions.truncate(len);
+        if let Some(cpu) = &mut self.cpu {
+            cpu.truncate(len);
+        }
+    }
+}
+
+/// A [`Model`] with its first layers on a GPU.
+pub struct GpuModel {
+    model: Arc<Model>,
+    dev: Device,
+    layers: Vec<DeviceLayer>,
+    /// The final norm and output head, on the device when every layer is.
+    output: Option<(Buffer, DeviceMatrix)>,
+    scratch: Scratch,
+    weight_bytes: u64,
+    /// Seconds per kind of work, when profiling ([`GpuModel::set_profiling`]).
+    profile: std::cell::RefCell<Option<Profile>>,
+}
+
+/// Time per kind of work: the stream is synchronised at every boundary, so the figures are
+/// exact per kind but the whole runs slower than unprofiled.
+#[derive(Default)]
+struct Profile {
+    last: Option<std::time::Instant>,
+    seconds: Vec<(&'static str, f64)>,
+}
+
+impl GpuModel {
+    /// Uploads the weights of the first `n_gpu_layers` blocks (all of them and the output head
+    /// when `n_gpu_layers >= n_layer`) to `dev`.
+    pub fn new(model: Arc<Model>, dev: Device, n_gpu_layers: usize) -> Result<GpuModel> {
+        let cfg = model.config().clone();
+        if cfg.head_dim != cfg.head_dim_v {
+            return Err(gpu_unsupported("key and value heads of different widths"));
+        }
+        let n_gpu = n_gpu_layers.min(cfg.n_layer);
+        let mut weight_bytes = 0u64;
+        let mut layers = Vec::with_capacity(n_gpu);
+        for l in &model.weights.layers[..n_gpu] {
+            let mut m = |w: &Matrix| -> Result<DeviceMatrix> {
+                let dm = upload_matrix(&dev, &model, w)?;
+                weight_bytes += dm.buf.bytes() as u64;
+                Ok(dm)
+            };
+            let layer = DeviceLayer {
+                wq: m(&l.wq)?,
+                wk: m(&l.wk)?,
+                wv: m(&l.wv)?,
+                wo: m(&l.wo)?,
+                w_gate: m(&l.w_gate)?,
+                w_up: m(&l.w_up)?,
+                w_down: m(&l.w_down)?,
+                attn_norm: dev.upload(&l.attn_norm).map_err(gpu)?,
+                ffn_norm: dev.upload(&l.ffn_norm).map_err(gpu)?,
+                bq: upload_opt(&dev, &l.bq)?,
+                bk: upload_opt(&dev, &l.bk)?,
+                bv: upload_opt(&dev, &l.bv)?,
+                q_norm: upload_opt(&dev, &l.q_norm)?,
+                k_norm: upload_opt(&dev, &l.k_norm)?,
+            };
+            layers.push(layer);
+        }
+        let output = if n_gpu == cfg.n_layer {
+            let head = upload_matrix(&dev, &model, &model.weights.output)?;
+            weight_bytes += head.buf.bytes() as u64;
+            Some((dev.upload(&model.weights.output_norm).map_err(gpu)?, head))
+        } else {
+            None
+        };
+        dev.synchronize().map_err(gpu)?;
+        Ok(GpuModel {
+            model,
+            dev,
+            layers,
+            output,
+            scratch: Scratch::default(),
+            weight_bytes,
+            profile: std::cell::RefCell::new(None),
+        })
+    }
+
+    /// Device memory the forward pass needs besides weights and KV, for calls of up to `rows`
+    /// tokens over up to `context` slots: the activation buffers, the f16 copy of the largest
+    /// matrix (prefill's cuBLAS input), the attention scratch and one row of logits per token.
+    /// The placement planner reserves it ([`crate::placement::PlacementRequest`]).
+    pub fn scratch_estimate(model: &Model, rows: usize, context: usize) -> u64 {
+        let cfg = model.config();
+        let (d, qw, kvw, ff) = (cfg.n_embd, cfg.q_width(), cfg.kv_width(), cfg.n_ff);
+        let activations = rows * (3 * d + 2 * qw + 2 * kvw + 2 * ff + d.max(qw).max(ff) / 2) * 4;
+        let largest = [d * qw, d * kvw, qw * d, d * ff, ff * d, cfg.vocab_size * d]
+            .into_iter()
+            .max()
+            .unwrap_or(0);
+        let attention = Device::attention_scratch(rows, cfg.n_head, cfg.head_dim, context);
+        (activations + 2 * largest + attention + rows * cfg.vocab_size * 4) as u64
+    }
+
+    /// The CPU model this runs (configuration, tokenizer, the CPU layers).
+    pub fn model(&self) -> &Arc<Model> {
+        &self.model
+    }
+
+    /// The device.
+    pub fn device(&self) -> &Device {
+        &self.dev
+    }
+
+    /// Starts (or stops) timing each kind of work of the forward calls: matmuls, attention,
+    /// element-wise kernels, input uploads, the output head. Profiling synchronises the device
+    /// between kinds, so it slows the calls down.
+    pub fn set_profiling(&mut self, on: bool) {
+        *self.profile.borrow_mut() = on.then(Profile::default);
+    }
+
+    /// Seconds spent per kind of work since profiling started, and resets them.
+    pub fn take_profile(&self) -> Vec<(&'static str, f64)> {
+        match self.profile.borrow_mut().as_mut() {
+            Some(p) => std::mem::take(&mut p.seconds),
+            None => Vec::new(),
+        }
+    }
+
+    /// Ends a stretch of `what` work: with profiling on, waits for the device and charges the
+    /// time since the last mark to `what`.
+    fn mark(&self, what: &'static str) -> Result<()> {
+        let mut guard = self.profile.borrow_mut();
+        let Some(p) = guard.as_mut() else {
+            return Ok(());
+        };
+        self.dev.synchronize().map_err(gpu)?;
+        let now = std::time::Instant::now();
+        if let Some(last) = p.last {
+            let secs = (now - last).as_secs_f64();
+            match p.seconds.iter_mut().find(|(w, _)| *w == what) {
+                Some(entry) => entry.1 += secs,
+                None => p.seconds.push((what, secs)),
+            }
+        }
+        p.last = Some(now);
+        Ok(())
+    }
+
+    /// Frees the uploaded weights and hands the device back (to place the model anew).
+    pub fn into_device(self) -> Device {
+        self.dev
+    }
+
+    /// Blocks running on the GPU (the first ones).
+    pub fn n_gpu_layers(&self) -> usize {
+        self.layers.len()
+    }
+
+    /// Bytes of weights uploaded to the device.
+    pub fn weight_bytes(&self) -> u64 {
+        self.weight_bytes
+    }
+
+    /// One line: where the layers, the head and the KV cache run.
+    pub fn describe(&self) -> String {
+        let n = self.model.config().n_layer;
+        let g = self.layers.len();
+        let dev = format!("cuda:{}", self.dev.info().ordinal);
+        let gib = self.weight_bytes as f64 / (1u64 << 30) as f64;
+        match g {
+            0 => "every layer on the CPU".into(),
+            _ if g == n => format!("all {n} layers and the output head on {dev} ({gib:.2} GiB of weights)"),
+            _ => format!(
+                "layers 0-{} on {dev} ({gib:.2} GiB of weights), layers {g}-{} and the output head on the CPU",
+                g - 1,
+                n - 1
+            ),
+        }
+    }
+
+    /// An empty cache for `capacity` tokens: the GPU layers' part in device memory.
+    pub fn new_cache(&self, capacity: usize) -> Result<GpuCache> {
+        let cfg = self.model.config();
+        let per_layer = cfg.n_head_kv * capacity * cfg.head_dim * 2;
+        let bytes = (per_layer * self.layers.len()).max(1);
+        let cpu = (self.layers.len() < cfg.n_layer).then(|| self.model.new_cache(capacity));
+        Ok(GpuCache {
+            keys: self.dev.alloc(bytes).map_err(gpu)?,
+            values: self.dev.alloc(bytes).map_err(gpu)?,
+            kv_pos: self.dev.alloc(capacity.max(1) * 4).map_err(gpu)?,
+            positions: Vec::with_capacity(capacity),
+            capacity,
+            cpu,
+        })
+    }
+
+    /// [`Model::forward`] on the GPU: runs `tokens` at `positions`, appending their keys and
+    /// values to `kv`, and returns the logits asked for. The same position mask as the CPU path:
+    /// token `i` attends to every slot whose position is `<= positions[i]`.
+    pub fn forward(
+        &mut self,
+        tokens: &[u32],
+        positions: &[i32],
+        kv: &mut GpuCache,
+        logits: Logits,
+    ) -> Result<Vec<f32>> {
+        self.forward_batch(&mut [(tokens, positions, kv)], logits)
+    }
+
+    /// [`Model::forward_batch`] on the GPU: several sequences, each over its own cache, share
+    /// every weight read (decode of a batch costs about as much memory traffic as one).
+    /// Returns the logits asked for, sequence after sequence.
+    pub fn forward_batch(
+        &mut self,
+        seqs: &mut [(&[u32], &[i32], &mut GpuCache)],
+        logits: Logits,
+    ) -> Result<Vec<f32>> {
+        let cfg = self.model.config().clone();
+        let mut bounds = vec![0usize];
+        for (tokens, positions, kv) in seqs.iter() {
+            if tokens.len() != positions.len() {
+                return Err(ModelError::PositionCount {
+                    tokens: tokens.len(),
+                    positions: positions.len(),
+                });
+            }
+            if let Some(&id) = tokens.iter().find(|&&t| t as usize >= cfg.vocab_size) {
+                return Err(ModelError::TokenOutOfRange {
+                    id,
+                    vocab_size: cfg.vocab_size,
+                });
+            }
+            if let Some(&p) = positions.iter().find(|&&p| p < 0) {
+                return Err(ModelError::BadPosition { position: p.into() });
+            }
+            if kv.len() + tokens.len() > kv.capacity {
+                return Err(ModelError::CacheFull {
+                    used: kv.len(),
+                    capacity: kv.capacity,
+                    requested: tokens.len(),
+                });
+            }
+            bounds.push(bounds.last().unwrap() + tokens.len());
+        }
+        let n = *bounds.last().unwrap();
+        if n == 0 {
+            return Ok(Vec::new());
+        }
+        let first_slots: Vec<usize> = seqs.iter().map(|s| s.2.len()).collect();
+        let result = self.run(seqs, &bounds, logits);
+        if result.is_err() {
+            for (s, &first) in seqs.iter_mut().zip(&first_slots) {
+                s.2.truncate(first);
+            }
+        }
+        result
+    }
+
+    fn run(
+        &mut self,
+        seqs: &mut [(&[u32], &[i32], &mut GpuCache)],
+        bounds: &[usize],
+        logits: Logits,
+    ) -> Result<Vec<f32>> {
+        let model = self.model.clone();
+        let cfg = model.config();
+        let n = bounds[bounds.len() - 1];
+        let (d, qw, kvw, ff, hd) = (
+            cfg.n_embd,
+            cfg.q_width(),
+            cfg.kv_width(),
+            cfg.n_ff,
+            cfg.head_dim,
+        );
+        let partial = seqs
+            .iter()
+            .map(|(t, _, kv)| {
+                Device::attention_scratch(t.len(), cfg.n_head, hd, kv.len() + t.len())
+            })
+            .max()
+            .unwrap_or(0);
+        self.ensure_scratch(n, partial)?;
+        let dev = &self.dev;
+        let s = &self.scratch;
+        let b = |i: usize| &s.bufs[i];
+
+        self.mark("host")?;
+        // Inputs: embeddings, rotary angles, positions and destination slots.
+        let mut x = vec![0.0f32; n * d];
+        let tokens: Vec<u32> = seqs.iter().flat_map(|s| s.0.iter().copied()).collect();
+        let positions: Vec<i32> = seqs.iter().flat_map(|s| s.1.iter().copied()).collect();
+        for (t, &tok) in tokens.iter().enumerate() {
+            model.weights.embed(tok, &mut x[t * d..(t + 1) * d])?;
+        }
+        let pairs = model.rope.pairs();
+        let mut angles = Vec::with_capacity(n * pairs);
+        for &p in &positions {
+            model.rope.angles(p, &mut angles);
+        }
+        let angles: Vec<f32> = angles.iter().flat_map(|&(c, s)| [c, s]).collect();
+        let mut slots = Vec::with_capacity(n);
+        for (tokens, pos, kv) in seqs.iter_mut() {
+            let first = kv.len();
+            slots.extend((first..first + tokens.len()).map(|s| s as i32));
+            dev.write(&kv.kv_pos, first * 4, pos).map_err(gpu)?;
+            kv.positions.extend_from_slice(pos);
+        }
+        dev.write(b(X), 0, &x).map_err(gpu)?;
+        dev.write(b(ANGLES), 0, &angles).map_err(gpu)?;
+        dev.write(b(QPOS), 0, &positions).map_err(gpu)?;
+        dev.write(b(SLOTS), 0, &slots).map_err(gpu)?;
+        self.mark("inputs")?;
+
+        let mscratch = MatmulScratch {
+            q8: s.q8.as_ref().expect("sized by ensure_scratch"),
+            x16: b(X16),
+            w16: s.w16.as_ref().unwrap_or(b(X16)),
+        };
+        // Matrices sharing one input (Q, K, V; gate, up) quantise or convert it once.
+        let mm = |ms: &[&DeviceMatrix], input: &Buffer, outs: &[&Buffer]| {
+            let ws: Vec<Weight<'_>> = ms.iter().map(|m| m.weight()).collect();
+            dev.matmul_many(&ws, ms[0].cols, input, n, outs, &mscratch)
+                .map_err(gpu)
+        };
+        let neox = cfg.rope_style == RopeStyle::NeoX;
+        let layer_bytes = cfg.n_head_kv * hd * 2;
+        for (li, layer) in self.layers.iter().enumerate() {
+            dev.rms_norm(b(X), &layer.attn_norm, b(H), n, d, cfg.rms_eps)
+                .map_err(gpu)?;
+            self.mark("elementwise")?;
+            mm(
+                &[&layer.wq, &layer.wk, &layer.wv],
+                b(H),
+                &[b(Q), b(K), b(V)],
+            )?;
+            self.mark("matmul")?;
+            for (buf, bias, width) in [(Q, &layer.bq, qw), (K, &layer.bk, kvw), (V, &layer.bv, kvw)]
+            {
+                if let Some(bias) = bias {
+                    dev.add_bias(b(buf), bias, width, n * width).map_err(gpu)?;
+                }
+            }
+            if let Some(w) = &layer.q_norm {
+                dev.rms_norm(b(Q), w, b(Q), n * cfg.n_head, hd, cfg.rms_eps)
+                    .map_err(gpu)?;
+            }
+            if let Some(w) = &layer.k_norm {
+                dev.rms_norm(b(K), w, b(K), n * cfg.n_head_kv, hd, cfg.rms_eps)
+                    .map_err(gpu)?;
+            }
+            dev.rope(b(Q), b(ANGLES), n, cfg.n_head, hd, pairs, neox)
+                .map_err(gpu)?;
+            dev.rope(b(K), b(ANGLES), n, cfg.n_head_kv, hd, pairs, neox)
+                .map_err(gpu)?;
+            self.mark("elementwise")?;
+            for (si, (_, _, kv)) in seqs.iter().enumerate() {
+                let rows = bounds[si]..bounds[si + 1];
+                let offset = li * layer_bytes * kv.capacity;
+                dev.kv_store(
+                    b(K),
+                    b(V),
+                    &kv.keys,
+                    &kv.values,
+                    offset,
+                    b(SLOTS),
+                    rows.start,
+                    rows.len(),
+                    cfg.n_head_kv,
+                    hd,
+                    kv.capacity,
+                )
+                .map_err(gpu)?;
+                dev.attention(&AttentionArgs {
+                    q: b(Q),
+                    q_pos: b(QPOS),
+                    first_row: rows.start,
+                    keys: &kv.keys,
+                    values: &kv.values,
+                    cache_offset: offset,
+                    kv_pos: &kv.kv_pos,
+                    n_q: rows.len(),
+                    n_head: cfg.n_head,
+                    kv_heads: cfg.n_head_kv,
+                    head_dim: hd,
+                    capacity: kv.capacity,
+                    kv_len: kv.len(),
+                    scale: 1.0 / (hd as f32).sqrt(),
+                    partial: s.partial.as_ref().expect("sized by ensure_scratch"),
+                    out: b(ATTN),
+                })
+                .map_err(gpu)?;
+            }
+            self.mark("attention")?;
+            mm(&[&layer.wo], b(ATTN), &[b(PROJ)])?;
+            self.mark("matmul")?;
+            dev.add(b(X), b(PROJ), n * d).map_err(gpu)?;
+            dev.rms_norm(b(X), &layer.ffn_norm, b(H), n, d, cfg.rms_eps)
+                .map_err(gpu)?;
+            self.mark("elementwise")?;
+            mm(&[&layer.w_gate, &layer.w_up], b(H), &[b(GATE), b(UP)])?;
+            self.mark("matmul")?;
+            dev.swiglu(b(GATE), b(UP), n * ff).map_err(gpu)?;
+            self.mark("elementwise")?;
+            mm(&[&layer.w_down], b(GATE), &[b(PROJ)])?;
+            self.mark("matmul")?;
+            dev.add(b(X), b(PROJ), n * d).map_err(gpu)?;
+            self.mark("elementwise")?;
+        }
+
+        // Rows whose logits are wanted (indices into the call's rows).
+        let wanted: Vec<usize> = match logits {
+            Logits::None => Vec::new(),
+            Logits::Last => bounds[1..].iter().map(|&end| end - 1).collect(),
+            Logits::All => (0..n).collect(),
+        };
+        let Some((norm, head)) = &self.output else {
+            // Split placement: the activations cross to the CPU for the remaining layers.
+            dev.read(b(X), 0, &mut x).map_err(gpu)?;
+            let first_layer = self.layers.len();
+            let mut out = Vec::new();
+            for (si, (tokens, pos, kv)) in seqs.iter_mut().enumerate() {
+                let rows = bounds[si]..bounds[si + 1];
+                let cpu = kv.cpu.as_mut().expect("split caches have a CPU part");
+                out.extend(model.forward_from_layer(
+                    &x[rows.start * d..rows.end * d],
+                    first_layer,
+                    tokens,
+                    pos,
+                    cpu,
+                    logits,
+                )?);
+            }
+            return Ok(out);
+        };
+        if wanted.is_empty() {
+            dev.synchronize().map_err(gpu)?;
+            return Ok(Vec::new());
+        }
+        // Gather the wanted rows into H, normalise them, multiply by the head.
+        for (i, &r) in wanted.iter().enumerate() {
+            dev.copy(b(X), r * d * 4, b(H), i * d * 4, d * 4)
+                .map_err(gpu)?;
+        }
+        let m = wanted.len();
+        let logits_buf = s.logits.as_ref().expect("sized by ensure_scratch");
+        dev.rms_norm(b(H), norm, b(H), m, d, cfg.rms_eps)
+            .map_err(gpu)?;
+        dev.matmul(&head.weight(), head.cols, b(H), m, logits_buf, &mscratch)
+            .map_err(gpu)?;
+        let mut out = vec![0.0f32; m * cfg.vocab_size];
+        dev.read(logits_buf, 0, &mut out).map_err(gpu)?;
+        self.mark("head")?;
+        Ok(out)
+    }
+
+    /// Makes the activation buffers hold `n` rows and the attention partials `partial` bytes
+    /// (they only grow).
+    fn ensure_scratch(&mut self, n: usize, partial: usize) -> Result<()> {
+        if self
+            .scratch
+            .partial
+            .as_ref()
+            .is_none_or(|p| p.bytes() < partial)
+        {
+            self.scratch.partial = None;
+            self.scratch.partial = Some(self.dev.alloc(partial.max(4)).map_err(gpu)?);
+        }
+        if n <= self.scratch.rows {
+            return Ok(());
+        }
+        let cfg = self.model.config();
+        let rows = n.max(self.scratch.rows).max(MAX_GEMV_BATCH);
+        let (d, qw, kvw, ff) = (cfg.n_embd, cfg.q_width(), cfg.kv_width(), cfg.n_ff);
+        let widest = d.max(qw).max(ff);
+        let f32s = [
+            rows * d,
+            rows * d,
+            rows * qw,
+            rows * kvw,
+            rows * kvw,
+            rows * qw,
+            rows * d,
+            rows * ff,
+            rows * ff,
+            rows * self.model.rope.pairs() * 2,
+            rows,
+            rows,
+            rows * widest / 2,
+        ];
+        // Free the old buffers before allocating the larger ones.
+        self.scratch.bufs.clear();
+        self.scratch.w16 = None;
+        self.scratch.logits = None;
+        self.scratch.q8 = None;
+        for len in f32s {
+            self.scratch
+                .bufs
+                .push(self.dev.alloc(len.max(1) * 4).map_err(gpu)?);
+        }
+        // cuBLAS prefill dequantises each matrix into one f16 scratch: the largest matrix.
+        let largest = self
+            .layers
+            .iter()
+            .flat_map(|l| [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down])
+            .chain(self.output.as_ref().map(|(_, h)| h))
+            .map(|m| m.rows * m.cols)
+            .max()
+            .unwrap_or(0);
+        self.scratch.w16 = if rows > MAX_GEMV_BATCH {
+            Some(self.dev.alloc(largest.max(1) * 2).map_err(gpu)?)
+        } else {
+            None
+        };
+        self.scratch.q8 = Some(
+            self.dev
+                .alloc(Device::q8_scratch(MAX_GEMV_BATCH, widest))
+                .map_err(gpu)?,
+        );
+        self.scratch.logits = Some(self.dev.alloc(rows * cfg.vocab_size * 4).map_err(gpu)?);
+        self.scratch.rows = rows;
+        Ok(())
+    }
+}
+
+fn upload_matrix(dev: &Device, model: &Model, w: &Matrix) -> Result<DeviceMatrix> {
+    let ty = w.info.ty;
+    if !engram_kernels_cuda::supports(ty) {
+        return Err(gpu_unsupported(&format!(
+            "tensor `{}` of type {}",
+            w.info.name,
+            ty.name()
+        )));
+    }
+    let data = model.weights.file.tensor_data(&w.info);
+    Ok(DeviceMatrix {
+        buf: dev.upload(data).map_err(gpu)?,
+        ty,
+        rows: w.rows,
+        cols: w.cols,
+    })
+}
+
+fn upload_opt(dev: &Device, v: &Option<Vec<f32>>) -> Result<Option<Buffer>> {
+    v.as_ref().map(|v| dev.upload(v).map_err(gpu)).transpose()
+}
+
+fn gpu(e: engram_kernels_cuda::CudaError) -> ModelError {
+    ModelError::Gpu(e.to_string())
+}
+
+fn gpu_unsupported(what: &str) -> ModelError {
+    ModelError::Gpu(format!("not supported on the GPU: {what}"))
+}

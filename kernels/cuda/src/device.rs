@@ -1,0 +1,478 @@
+//! Finding a GPU, compiling the kernels for it, and device memory.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use cudarc::cublas::CudaBlas;
+use cudarc::driver::{sys, CudaContext, CudaFunction, CudaStream};
+
+use crate::{CudaError, Result};
+
+/// The kernels' source, compiled by NVRTC at [`Device::open`].
+const SOURCE: &str = include_str!("kernels.cu");
+
+/// Every kernel the source defines, loaded at [`Device::open`] (with the Q8_1 GEMVs, one per
+/// weight type and batch size, from [`q8_gemv_kernels`]).
+const KERNELS: &[&str] = &[
+    "quantize_q8_1",
+    "gemv_f32",
+    "gemv_f16",
+    "gemv_q4_0",
+    "gemv_q4_1",
+    "gemv_q5_0",
+    "gemv_q5_1",
+    "gemv_q8_0",
+    "gemv_q4_k",
+    "gemv_q5_k",
+    "gemv_q6_k",
+    "dequant_f16_f32",
+    "dequant_f16_f16",
+    "dequant_f16_q4_0",
+    "dequant_f16_q4_1",
+    "dequant_f16_q5_0",
+    "dequant_f16_q5_1",
+    "dequant_f16_q8_0",
+    "dequant_f16_q4_k",
+    "dequant_f16_q5_k",
+    "dequant_f16_q6_k",
+    "f32_to_f16",
+    "rms_norm",
+    "add_bias",
+    "add",
+    "swiglu",
+    "rope",
+    "kv_store",
+    "attention",
+    "attention_decode",
+    "attention_combine",
+    "heads_to_f16",
+    "heads_from",
+    "softmax_masked",
+];
+
+/// One GPU as the placement planner sees it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeviceInfo {
+    pub ordinal: usize,
+    pub name: String,
+    /// Compute capability (major, minor): (9, 0) is Hopper.
+    pub compute_capability: (i32, i32),
+    pub total_bytes: u64,
+    pub free_bytes: u64,
+}
+
+impl DeviceInfo {
+    /// "cuda:0 NVIDIA H100 80GB HBM3 (sm_90, 79.1 of 79.6 GiB free)".
+    pub fn describe(&self) -> String {
+        let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+        format!(
+            "cuda:{} {} (sm_{}{}, {:.1} of {:.1} GiB free)",
+            self.ordinal,
+            self.name,
+            self.compute_capability.0,
+            self.compute_capability.1,
+            gib(self.free_bytes),
+            gib(self.total_bytes)
+        )
+    }
+}
+
+/// Lists the GPUs, or says why there are none. Checks that the driver library can be opened
+/// before calling into it (cudarc's dynamic loading panics on a missing library), then that
+/// NVRTC and cuBLAS can be opened too, since the forward pass needs both.
+pub fn probe() -> Result<Vec<DeviceInfo>> {
+    // SAFETY: only tries to dlopen the driver library by its usual names.
+    if !unsafe { sys::is_culib_present() } {
+        return Err(CudaError::Unavailable(
+            "libcuda.so (the NVIDIA driver) not found".into(),
+        ));
+    }
+    cudarc::driver::result::init()
+        .map_err(|e| CudaError::Unavailable(format!("cuInit failed: {e}")))?;
+    let count = CudaContext::device_count()
+        .map_err(|e| CudaError::Unavailable(format!("no device count: {e}")))?;
+    if count <= 0 {
+        return Err(CudaError::Unavailable(
+            "the driver reports no CUDA device".into(),
+        ));
+    }
+    // SAFETY: as above, for the two runtime libraries.
+    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        return Err(CudaError::Unavailable(
+            "libnvrtc.so.13 not found (add the CUDA 13 toolkit's lib64 to LD_LIBRARY_PATH)".into(),
+        ));
+    }
+    // SAFETY: as above.
+    if !unsafe { cudarc::cublas::sys::is_culib_present() } {
+        return Err(CudaError::Unavailable(
+            "libcublas.so.13 not found (add the CUDA 13 toolkit's lib64 to LD_LIBRARY_PATH)".into(),
+        ));
+    }
+    (0..count as usize)
+        .map(|ordinal| {
+            let ctx = CudaContext::new(ordinal)?;
+            let (free, total) = ctx.mem_get_info()?;
+            Ok(DeviceInfo {
+                ordinal,
+                name: ctx.name()?,
+                compute_capability: ctx.compute_capability()?,
+                total_bytes: total as u64,
+                free_bytes: free as u64,
+            })
+        })
+        .collect()
+}
+
+/// An open GPU: its context, one stream every operation is queued on (so they run in order),
+/// the compiled kernels and a cuBLAS handle on that stream.
+pub struct Device {
+    pub(crate) ctx: Arc<CudaContext>,
+    pub(crate) stream: Arc<CudaStream>,
+    pub(crate) blas: CudaBlas,
+    funcs: HashMap<String, CudaFunction>,
+    info: DeviceInfo,
+    compile_seconds: f64,
+}
+
+impl Device {
+    /// Opens GPU `ordinal` and loads the kernels: from `cache_dir` when a PTX compiled from this
+    /// exact source for this architecture is there, else compiled by NVRTC and stored there
+    /// (written to a temporary name and renamed, so a crash never leaves half a file).
+    pub fn open(ordinal: usize, cache_dir: Option<&Path>) -> Result<Device> {
+        let infos = probe()?;
+        let info = infos
+            .into_iter()
+            .find(|d| d.ordinal == ordinal)
+            .ok_or_else(|| CudaError::Unavailable(format!("no CUDA device {ordinal}")))?;
+        let ctx = CudaContext::new(ordinal)?;
+        let stream = ctx.new_stream()?;
+        let blas = CudaBlas::new(stream.clone())?;
+        let (major, minor) = info.compute_capability;
+        let arch = format!("compute_{major}{minor}");
+        let start = std::time::Instant::now();
+        let ptx = load_or_compile(&arch, cache_dir)?;
+        let compile_seconds = start.elapsed().as_secs_f64();
+        let module = ctx.load_module(cudarc::nvrtc::Ptx::from_src(ptx))?;
+        let mut funcs = HashMap::new();
+        for name in KERNELS
+            .iter()
+            .map(|k| k.to_string())
+            .chain(q8_gemv_kernels())
+        {
+            let f = module.load_function(&name)?;
+            funcs.insert(name, f);
+        }
+        Ok(Device {
+            ctx,
+            stream,
+            blas,
+            funcs,
+            info,
+            compile_seconds,
+        })
+    }
+
+    /// What the device reported when it was opened.
+    pub fn info(&self) -> &DeviceInfo {
+        &self.info
+    }
+
+    /// Seconds spent loading (or compiling) the kernels at open.
+    pub fn compile_seconds(&self) -> f64 {
+        self.compile_seconds
+    }
+
+    /// (free, total) device memory now, in bytes.
+    pub fn memory(&self) -> Result<(u64, u64)> {
+        let (free, total) = self.ctx.mem_get_info()?;
+        Ok((free as u64, total as u64))
+    }
+
+    pub(crate) fn func(&self, name: &str) -> Result<&CudaFunction> {
+        self.funcs
+            .get(name)
+            .ok_or_else(|| CudaError::Unsupported(format!("no kernel `{name}` loaded")))
+    }
+
+    /// `bytes` of uninitialised device memory.
+    pub fn alloc(&self, bytes: usize) -> Result<Buffer> {
+        self.ctx.bind_to_thread()?;
+        // SAFETY: a plain allocation in the bound context; freed once by `Buffer::drop`.
+        let ptr = unsafe { cudarc::driver::result::malloc_sync(bytes.max(1)) }?;
+        Ok(Buffer {
+            ptr,
+            bytes,
+            ctx: self.ctx.clone(),
+        })
+    }
+
+    /// A device copy of `data`.
+    pub fn upload<T: Copy>(&self, data: &[T]) -> Result<Buffer> {
+        let buf = self.alloc(std::mem::size_of_val(data))?;
+        self.write(&buf, 0, data)?;
+        Ok(buf)
+    }
+
+    /// Copies `data` into `buf` at byte `offset`, queued on the device's stream. The host memory
+    /// is pageable, so the call returns once the driver has staged it: `data` may be dropped.
+    pub fn write<T: Copy>(&self, buf: &Buffer, offset: usize, data: &[T]) -> Result<()> {
+        let bytes = std::mem::size_of_val(data);
+        if offset + bytes > buf.bytes {
+            return Err(CudaError::Driver(format!(
+                "write of {bytes} bytes at {offset} past a {}-byte buffer",
+                buf.bytes
+            )));
+        }
+        if bytes == 0 {
+            return Ok(());
+        }
+        self.ctx.bind_to_thread()?;
+        // SAFETY: the destination range lies inside `buf` (checked above); pageable source
+        // memory is staged before the call returns.
+        unsafe {
+            cudarc::driver::result::memcpy_htod_async(
+                buf.ptr + offset as u64,
+                data,
+                self.stream.cu_stream(),
+            )
+        }?;
+        Ok(())
+    }
+
+    /// Copies `out.len()` values from `buf` at byte `offset` after everything queued before.
+    pub fn read<T: Copy>(&self, buf: &Buffer, offset: usize, out: &mut [T]) -> Result<()> {
+        let bytes = std::mem::size_of_val(out);
+        if offset + bytes > buf.bytes {
+            return Err(CudaError::Driver(format!(
+                "read of {bytes} bytes at {offset} past a {}-byte buffer",
+                buf.bytes
+            )));
+        }
+        if bytes == 0 {
+            return Ok(());
+        }
+        self.ctx.bind_to_thread()?;
+        // SAFETY: the source range lies inside `buf`; a copy to pageable memory returns once
+        // it is complete, so `out` holds the data when this returns.
+        unsafe {
+            cudarc::driver::result::memcpy_dtoh_async(
+                out,
+                buf.ptr + offset as u64,
+                self.stream.cu_stream(),
+            )
+        }?;
+        self.synchronize()
+    }
+
+    /// Copies `bytes` from `src` at `src_offset` to `dst` at `dst_offset` on the device.
+    pub fn copy(
+        &self,
+        src: &Buffer,
+        src_offset: usize,
+        dst: &Buffer,
+        dst_offset: usize,
+        bytes: usize,
+    ) -> Result<()> {
+        if src_offset + bytes > src.bytes || dst_offset + bytes > dst.bytes {
+            return Err(CudaError::Driver("device copy out of bounds".into()));
+        }
+        self.ctx.bind_to_thread()?;
+        // SAFETY: both ranges are inside their buffers (checked above).
+        unsafe {
+            cudarc::driver::result::memcpy_dtod_async(
+                dst.ptr + dst_offset as u64,
+                src.ptr + src_offset as u64,
+                bytes,
+                self.stream.cu_stream(),
+            )
+        }?;
+        Ok(())
+    }
+
+    /// Waits until everything queued on the device's stream has run.
+    pub fn synchronize(&self) -> Result<()> {
+        self.stream.synchronize()?;
+        Ok(())
+    }
+}
+
+/// Device memory owned by one allocation; freed on drop.
+pub struct Buffer {
+    pub(crate) ptr: sys::CUdeviceptr,
+    bytes: usize,
+    ctx: Arc<CudaContext>,
+}
+
+impl Buffer {
+    /// Size in bytes.
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+
+    /// The device address `offset` bytes in (for kernel arguments).
+    pub(crate) fn at(&self, offset: usize) -> sys::CUdeviceptr {
+        debug_assert!(offset <= self.bytes);
+        self.ptr + offset as u64
+    }
+}
+
+impl Drop for Buffer {
+    fn drop(&mut self) {
+        // Work still queued on the buffer must finish first: synchronise the context.
+        if self.ctx.bind_to_thread().is_ok() && self.ctx.synchronize().is_ok() {
+            // SAFETY: `ptr` came from `malloc_sync` and is freed exactly once, here.
+            let _ = unsafe { cudarc::driver::result::free_sync(self.ptr) };
+        }
+    }
+}
+
+/// The Q8_1 GEMV kernels: `gemv_q8_{type}_{rows}` for every quantised type and 1..=8 rows.
+fn q8_gemv_kernels() -> impl Iterator<Item = String> {
+    [
+        "q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k",
+    ]
+    .into_iter()
+    .flat_map(|t| (1..=crate::MAX_GEMV_BATCH).map(move |n| format!("gemv_q8_{t}_{n}")))
+}
+
+fn cache_path(dir: &Path, arch: &str) -> PathBuf {
+    let hash = xxhash_rust::xxh3::xxh3_64(SOURCE.as_bytes());
+    dir.join(format!("engram-kernels-{hash:016x}-{arch}.ptx"))
+}
+
+/// Compiles the kernels to PTX for `arch` (`compute_90`, ...) with NVRTC alone: no driver or GPU
+/// is needed, so the build machines check that the CUDA source compiles.
+pub fn compile_ptx(arch: &str) -> Result<String> {
+    // SAFETY: only tries to dlopen NVRTC by its usual names.
+    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        return Err(CudaError::Unavailable("libnvrtc.so.13 not found".into()));
+    }
+    load_or_compile(arch, None)
+}
+
+fn load_or_compile(arch: &str, cache_dir: Option<&Path>) -> Result<String> {
+    if let Some(dir) = cache_dir {
+        if let Ok(ptx) = std::fs::read_to_string(cache_path(dir, arch)) {
+            if ptx.contains(".entry") {
+                return Ok(ptx);
+            }
+        }
+    }
+    let opts = cudarc::nvrtc::CompileOptions {
+        options: vec![format!("--gpu-architecture={arch}"), "-std=c++17".into()],
+        ..Default::default()
+    };
+    let ptx = cudarc::nvrtc::compile_ptx_with_opts(SOURCE, opts)
+        .map_err(|e| CudaError::Compile(format!("{e:?}")))?
+        .to_src();
+    if let Some(dir) = cache_dir {
+        let path = cache_path(dir, arch);
+        let tmp = path.with_extension("ptx.tmp");
+        // A cache that cannot be written only costs the next start a compile.
+        if std::fs::create_dir_all(dir).is_ok() && std::fs::write(&tmp, &ptx).is_ok() {
+            let _ = std::fs::rename(&tmp, &path);
+        }
+    }
+    Ok(ptx)
+}
+
+impl Device {
+    /// The device-to-device copy rate in GB/s (bytes read plus bytes written, as STREAM's copy
+    /// counts them): the practical ceiling of a memory-bound kernel. Best of `passes` copies of
+    /// `bytes`.
+    pub fn copy_bandwidth(&self, bytes: usize, passes: usize) -> Result<f64> {
+        let src = self.alloc(bytes)?;
+        let dst = self.alloc(bytes)?;
+        self.copy(&src, 0, &dst, 0, bytes)?;
+        self.synchronize()?;
+        let mut best = f64::INFINITY;
+        for _ in 0..passes.max(1) {
+            let start = std::time::Instant::now();
+            self.copy(&src, 0, &dst, 0, bytes)?;
+            self.synchronize()?;
+            best = best.min(start.elapsed().as_secs_f64());
+        }
+        Ok(2.0 * bytes as f64 / best / 1e9)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// On a machine without a driver (the build machines) the answer is a reason, never a
+    /// panic; with one, every device is listed with its memory.
+    #[test]
+    fn probe_lists_devices_or_says_why_not() {
+        match probe() {
+            Ok(devices) => {
+                assert!(!devices.is_empty());
+                for d in devices {
+                    assert!(d.total_bytes > 0 && d.free_bytes <= d.total_bytes, "{d:?}");
+                    assert!(d.describe().starts_with(&format!("cuda:{}", d.ordinal)));
+                }
+            }
+            Err(CudaError::Unavailable(why)) => {
+                assert!(!why.is_empty());
+                assert!(matches!(
+                    Device::open(0, None),
+                    Err(CudaError::Unavailable(_))
+                ));
+            }
+            Err(e) => panic!("probe failed with {e} instead of listing or explaining"),
+        }
+    }
+
+    /// Every kernel the source defines is loaded at open, and every name loaded is defined (a
+    /// kernel missing from the list would only fail on a GPU, at its first launch).
+    #[test]
+    fn every_kernel_of_the_source_is_loaded() {
+        use std::collections::BTreeSet;
+        let mut defined = BTreeSet::new();
+        for line in SOURCE.lines().map(str::trim_start) {
+            if let Some(rest) = line.strip_prefix("extern \"C\" __global__ void ") {
+                let name = rest.split('(').next().unwrap_or("").trim();
+                if !name.contains("##") {
+                    defined.insert(name.to_string());
+                }
+            }
+            // The macro instantiations: INSTANTIATE(name, T), GEMV_Q8_ALL(name, T).
+            let arg = |prefix: &str| {
+                line.strip_prefix(prefix)
+                    .and_then(|r| r.split(',').next())
+                    .map(str::to_string)
+            };
+            if let Some(name) = arg("INSTANTIATE(") {
+                defined.insert(format!("gemv_{name}"));
+                defined.insert(format!("dequant_f16_{name}"));
+            }
+            if let Some(name) = arg("GEMV_Q8_ALL(") {
+                for n in 1..=crate::MAX_GEMV_BATCH {
+                    defined.insert(format!("gemv_q8_{name}_{n}"));
+                }
+            }
+        }
+        let loaded: BTreeSet<String> = KERNELS
+            .iter()
+            .map(|k| k.to_string())
+            .chain(q8_gemv_kernels())
+            .collect();
+        assert_eq!(defined, loaded);
+    }
+
+    #[test]
+    fn describe_names_the_device_and_its_memory() {
+        let d = DeviceInfo {
+            ordinal: 1,
+            name: "NVIDIA H100 80GB HBM3".into(),
+            compute_capability: (9, 0),
+            total_bytes: 80 << 30,
+            free_bytes: 79 << 30,
+        };
+        assert_eq!(
+            d.describe(),
+            "cuda:1 NVIDIA H100 80GB HBM3 (sm_90, 79.0 of 80.0 GiB free)"
+        );
+    }
+}

@@ -1,0 +1,804 @@
+//! The kernels' launches, one method per operation. Every buffer argument is checked against
+//! the sizes the kernel will touch before the launch, so a wrong shape is an error here rather
+//! than an out-of-bounds access on the device.
+
+use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType};
+use cudarc::driver::{LaunchConfig, PushKernelArg};
+use engram_kernels::GgmlType;
+
+use crate::device::{Buffer, Device};
+use crate::{CudaError, Result};
+
+/// Most activation rows a GEMV launch takes (the kernels' `MAX_BATCH`); more go to cuBLAS.
+pub const MAX_GEMV_BATCH: usize = 8;
+
+/// Warps per block of the Q8_1 GEMV kernels, which split each row's groups between them, and
+/// rows per block (their `GEMV_WARPS` and `ROWS_PER_WARP`).
+const GEMV_WARPS: usize = 4;
+const GEMV_ROWS_PER_BLOCK: usize = 2;
+
+/// One weight matrix of a [`Device::matmul_many`] call: `rows` rows of the call's `cols`
+/// values, in the GGML block layout of `ty`.
+pub struct Weight<'a> {
+    pub buf: &'a Buffer,
+    pub ty: GgmlType,
+    pub rows: usize,
+}
+
+/// Scratch buffers of [`Device::matmul_many`]: `q8` for decode ([`Device::q8_scratch`]
+/// bytes), `x16` (`n * cols` f16) and `w16` (the largest matrix in f16) for prefill.
+pub struct MatmulScratch<'a> {
+    pub q8: &'a Buffer,
+    pub x16: &'a Buffer,
+    pub w16: &'a Buffer,
+}
+
+/// Whether decode runs the int8 (Q8_1 activations) GEMV for weights of type `ty`.
+fn has_q8_gemv(ty: GgmlType) -> bool {
+    !matches!(ty, GgmlType::F32 | GgmlType::F16)
+}
+
+/// Threads of the element-wise kernels' blocks.
+const THREADS: u32 = 256;
+
+/// Query rows (one warp each) per attention block.
+const ATTENTION_WARPS: usize = 16;
+/// Keys per shared-memory tile of the attention kernel (its `KEY_TILE`).
+const KEY_TILE: usize = 32;
+/// Calls of at most this many queries (decode, small recomputes) run the decode attention
+/// kernel, split over ranges of slots (flash decoding) so that one query still spreads over the
+/// GPU's multiprocessors; longer calls run the tiled kernel, whose query tiles fill the GPU.
+const DECODE_QUERIES: usize = 8;
+/// Slots per split of the decode kernel at least, and most splits.
+const DECODE_SLOTS_PER_SPLIT: usize = 64;
+const DECODE_MAX_SPLITS: usize = 64;
+/// Warps of the decode kernel's blocks (its `DECODE_WARPS`).
+const DECODE_WARPS: u32 = 4;
+
+/// The GEMV / dequantise kernel suffix of a weight type, if the GPU path has one.
+fn kernel_suffix(ty: GgmlType) -> Option<&'static str> {
+    Some(match ty {
+        GgmlType::F32 => "f32",
+        GgmlType::F16 => "f16",
+        GgmlType::Q4_0 => "q4_0",
+        GgmlType::Q4_1 => "q4_1",
+        GgmlType::Q5_0 => "q5_0",
+        GgmlType::Q5_1 => "q5_1",
+        GgmlType::Q8_0 => "q8_0",
+        GgmlType::Q4K => "q4_k",
+        GgmlType::Q5K => "q5_k",
+        GgmlType::Q6K => "q6_k",
+        _ => return None,
+    })
+}
+
+/// Whether the GPU path can multiply weights of type `ty`.
+pub fn supports(ty: GgmlType) -> bool {
+    kernel_suffix(ty).is_some()
+}
+
+fn blocks(n: usize) -> u32 {
+    n.div_ceil(THREADS as usize) as u32
+}
+
+fn need(buf: &Buffer, bytes: usize, what: &str) -> Result<()> {
+    if buf.bytes() < bytes {
+        return Err(CudaError::Driver(format!(
+            "{what}: buffer of {} bytes, kernel needs {bytes}",
+            buf.bytes()
+        )));
+    }
+    Ok(())
+}
+
+fn i32_of(v: usize, what: &str) -> Result<i32> {
+    i32::try_from(v).map_err(|_| CudaError::Unsupported(format!("{what} {v} exceeds i32")))
+}
+
+/// One layer's attention call: see [`Device::attention`].
+pub struct AttentionArgs<'a> {
+    /// Queries, `[n_q][n_head * head_dim]` f32, already rotated.
+    pub q: &'a Buffer,
+    /// Query positions, `[n_q]` i32.
+    pub q_pos: &'a Buffer,
+    /// Row of `q`, `q_pos` and `out` where this call's queries start (a batch's sequence).
+    pub first_row: usize,
+    /// The layer's caches, `[kv_heads][capacity][head_dim]` f16, starting at `cache_offset`.
+    pub keys: &'a Buffer,
+    pub values: &'a Buffer,
+    pub cache_offset: usize,
+    /// Position of every cache slot, `[capacity]` i32.
+    pub kv_pos: &'a Buffer,
+    pub n_q: usize,
+    pub n_head: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub capacity: usize,
+    /// Slots in use.
+    pub kv_len: usize,
+    pub scale: f32,
+    /// Scratch for the splits' partial results: at least [`Device::attention_scratch`] bytes.
+    pub partial: &'a Buffer,
+    /// Output, `[n_q][n_head * head_dim]` f32.
+    pub out: &'a Buffer,
+}
+
+impl Device {
+    /// `y = W x` for one matrix: [`Device::matmul_many`] with one.
+    #[allow(clippy::too_many_arguments)]
+    pub fn matmul(
+        &self,
+        w: &Weight<'_>,
+        cols: usize,
+        x: &Buffer,
+        n: usize,
+        y: &Buffer,
+        scratch: &MatmulScratch<'_>,
+    ) -> Result<()> {
+        self.matmul_many(std::slice::from_ref(w), cols, x, n, &[y], scratch)
+    }
+
+    /// `ys[i][j] = ws[i] x[j]` for the `n` rows of `x` (`[n][cols]` f32), each weight matrix
+    /// in its GGML block layout. Up to [`MAX_GEMV_BATCH`] rows run the GEMV kernels: the
+    /// activations are quantised to Q8_1 once (into `scratch.q8`) for every quantised matrix,
+    /// whose weights are then read once for all rows. More rows dequantise each matrix into
+    /// `scratch.w16` and the activations (once) into `scratch.x16`, then run cuBLAS (f16 tensor
+    /// cores, f32 accumulation).
+    pub fn matmul_many(
+        &self,
+        ws: &[Weight<'_>],
+        cols: usize,
+        x: &Buffer,
+        n: usize,
+        ys: &[&Buffer],
+        scratch: &MatmulScratch<'_>,
+    ) -> Result<()> {
+        if ws.len() != ys.len() {
+            return Err(CudaError::Driver(format!(
+                "{} matrices and {} outputs",
+                ws.len(),
+                ys.len()
+            )));
+        }
+        need(x, n * cols * 4, "matmul input")?;
+        let cols_i = i32_of(cols, "cols")?;
+        let n_i = i32_of(n, "n")?;
+        for (w, y) in ws.iter().zip(ys) {
+            let suffix = kernel_suffix(w.ty).ok_or_else(|| {
+                CudaError::Unsupported(format!("weights of type {}", w.ty.name()))
+            })?;
+            let _ = suffix;
+            if !cols.is_multiple_of(w.ty.block_size()) || !cols.is_multiple_of(32) {
+                return Err(CudaError::Unsupported(format!(
+                    "{cols}-wide rows of {}",
+                    w.ty.name()
+                )));
+            }
+            let row_bytes = w.ty.row_bytes(cols).expect("multiple of the block size");
+            need(w.buf, w.rows * row_bytes, "matmul weights")?;
+            need(y, n * w.rows * 4, "matmul output")?;
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        if n <= MAX_GEMV_BATCH {
+            let q8_off = (n * cols).next_multiple_of(16);
+            if ws.iter().any(|w| has_q8_gemv(w.ty)) {
+                need(
+                    scratch.q8,
+                    q8_off + n * cols / 32 * 8,
+                    "matmul Q8_1 scratch",
+                )?;
+                let (xp, qp, dp, len) = (
+                    x.at(0),
+                    scratch.q8.at(0),
+                    scratch.q8.at(q8_off),
+                    (n * cols) as u64,
+                );
+                let mut b = self.stream.launch_builder(self.func("quantize_q8_1")?);
+                b.arg(&xp).arg(&qp).arg(&dp).arg(&len);
+                // SAFETY: n * cols floats in, as many bytes and n * cols / 32 pairs out
+                // (checked above).
+                unsafe { b.launch(elementwise(n * cols)) }?;
+            }
+            // Runs of up to three matrices of one quantised type share a launch.
+            let mut i = 0;
+            while i < ws.len() {
+                let w = &ws[i];
+                let suffix = kernel_suffix(w.ty).expect("checked above");
+                if !has_q8_gemv(w.ty) {
+                    let rows_i = i32_of(w.rows, "rows")?;
+                    let (wp, xp, yp, warps) = (w.buf.at(0), x.at(0), ys[i].at(0), 4usize);
+                    let f = self.func(&format!("gemv_{suffix}"))?;
+                    let cfg = LaunchConfig {
+                        grid_dim: (w.rows.div_ceil(warps) as u32, 1, 1),
+                        block_dim: (32 * warps as u32, 1, 1),
+                        shared_mem_bytes: 0,
+                    };
+                    let mut b = self.stream.launch_builder(f);
+                    b.arg(&wp)
+                        .arg(&xp)
+                        .arg(&yp)
+                        .arg(&rows_i)
+                        .arg(&cols_i)
+                        .arg(&n_i);
+                    // SAFETY: reads rows * row_bytes of w, n * cols floats of x, writes
+                    // n * rows floats of y (checked above).
+                    unsafe { b.launch(cfg) }?;
+                    i += 1;
+                    continue;
+                }
+                let run = ws[i..].iter().take(3).take_while(|v| v.ty == w.ty).count();
+                let per_block = GEMV_ROWS_PER_BLOCK;
+                let mut ptrs = [(0u64, 0u64, 0i32); 3];
+                let mut blocks = 0usize;
+                for (k, slot) in ptrs.iter_mut().enumerate().take(run) {
+                    let (wk, yk) = (&ws[i + k], ys[i + k]);
+                    *slot = (wk.buf.at(0), yk.at(0), i32_of(wk.rows, "rows")?);
+                    blocks += wk.rows.div_ceil(per_block);
+                }
+                let f = self.func(&format!("gemv_q8_{suffix}_{n}"))?;
+                let (qp, dp) = (scratch.q8.at(0), scratch.q8.at(q8_off));
+                let cfg = LaunchConfig {
+                    grid_dim: (blocks as u32, 1, 1),
+                    block_dim: (32 * GEMV_WARPS as u32, 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                let mut b = self.stream.launch_builder(f);
+                for (wp, yp, rows) in &ptrs {
+                    b.arg(wp).arg(yp).arg(rows);
+                }
+                b.arg(&qp).arg(&dp).arg(&cols_i);
+                // SAFETY: each of the run's matrices is read for rows * row_bytes and its
+                // output written for n * rows floats (checked above); absent slots have 0 rows
+                // and get no blocks.
+                unsafe { b.launch(cfg) }?;
+                i += run;
+            }
+            return Ok(());
+        }
+        need(scratch.x16, n * cols * 2, "matmul f16 input scratch")?;
+        self.to_f16(x, scratch.x16, n * cols)?;
+        for (w, y) in ws.iter().zip(ys) {
+            need(scratch.w16, w.rows * cols * 2, "matmul f16 weights scratch")?;
+            let suffix = kernel_suffix(w.ty).expect("checked above");
+            let rows_i = i32_of(w.rows, "rows")?;
+            let f = self.func(&format!("dequant_f16_{suffix}"))?;
+            let (wp, w16p) = (w.buf.at(0), scratch.w16.at(0));
+            let mut b = self.stream.launch_builder(f);
+            b.arg(&wp).arg(&w16p).arg(&rows_i).arg(&cols_i);
+            // SAFETY: one thread per 32-value group of the rows x cols matrix, inside both
+            // buffers (checked above).
+            unsafe { b.launch(elementwise(w.rows * cols / 32)) }?;
+            let (alpha, beta) = (1.0f32, 0.0f32);
+            // Column-major view: C (rows x n) = W-as-stored transposed (cols x rows, so
+            // rows x cols) times X (cols x n).
+            // SAFETY: the handle is bound to this device's stream; A is rows x cols f16 (lda
+            // cols), B is n x cols f16 (ldb cols), C is n x rows f32 (ldc rows), all inside
+            // their buffers (checked above).
+            unsafe {
+                cudarc::cublas::result::gemm_ex(
+                    *self.blas.handle(),
+                    cublasOperation_t::CUBLAS_OP_T,
+                    cublasOperation_t::CUBLAS_OP_N,
+                    rows_i,
+                    n_i,
+                    cols_i,
+                    (&alpha as *const f32).cast(),
+                    scratch.w16.at(0) as *const _,
+                    cudaDataType::CUDA_R_16F,
+                    cols_i,
+                    scratch.x16.at(0) as *const _,
+                    cudaDataType::CUDA_R_16F,
+                    cols_i,
+                    (&beta as *const f32).cast(),
+                    y.at(0) as *mut _,
+                    cudaDataType::CUDA_R_32F,
+                    rows_i,
+                    cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                    cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT_TENSOR_OP,
+                )
+            }?;
+        }
+        Ok(())
+    }
+
+    /// Bytes of [`MatmulScratch::q8`] for `n` rows of `cols` activations.
+    pub fn q8_scratch(n: usize, cols: usize) -> usize {
+        (n * cols).next_multiple_of(16) + n * cols / 32 * 8
+    }
+
+    /// `out = f16(x)` for `n` values.
+    pub fn to_f16(&self, x: &Buffer, out: &Buffer, n: usize) -> Result<()> {
+        need(x, n * 4, "to_f16 input")?;
+        need(out, n * 2, "to_f16 output")?;
+        let (xp, op, n64) = (x.at(0), out.at(0), n as u64);
+        let mut b = self.stream.launch_builder(self.func("f32_to_f16")?);
+        b.arg(&xp).arg(&op).arg(&n64);
+        // SAFETY: n values of each buffer, checked above.
+        unsafe { b.launch(elementwise(n)) }?;
+        Ok(())
+    }
+
+    /// RMSNorm of `rows` rows of `width` values of `x` times `w`, into `out` (may be `x`).
+    pub fn rms_norm(
+        &self,
+        x: &Buffer,
+        w: &Buffer,
+        out: &Buffer,
+        rows: usize,
+        width: usize,
+        eps: f32,
+    ) -> Result<()> {
+        need(x, rows * width * 4, "rms_norm input")?;
+        need(out, rows * width * 4, "rms_norm output")?;
+        need(w, width * 4, "rms_norm weight")?;
+        if rows == 0 {
+            return Ok(());
+        }
+        let (xp, wp, op, width_i) = (x.at(0), w.at(0), out.at(0), i32_of(width, "width")?);
+        let mut b = self.stream.launch_builder(self.func("rms_norm")?);
+        b.arg(&xp).arg(&wp).arg(&op).arg(&width_i).arg(&eps);
+        let cfg = LaunchConfig {
+            grid_dim: (rows as u32, 1, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: one block per row, each touching its own `width` values (checked above).
+        unsafe { b.launch(cfg) }?;
+        Ok(())
+    }
+
+    /// Adds the `width`-long bias `b` to every row of the first `n` values of `x`.
+    pub fn add_bias(&self, x: &Buffer, bias: &Buffer, width: usize, n: usize) -> Result<()> {
+        need(x, n * 4, "add_bias input")?;
+        need(bias, width * 4, "add_bias bias")?;
+        let (xp, bp, w, n64) = (x.at(0), bias.at(0), i32_of(width, "width")?, n as u64);
+        let mut b = self.stream.launch_builder(self.func("add_bias")?);
+        b.arg(&xp).arg(&bp).arg(&w).arg(&n64);
+        // SAFETY: n values of x and width of the bias, checked above.
+        unsafe { b.launch(elementwise(n)) }?;
+        Ok(())
+    }
+
+    /// `x += y` over `n` values.
+    pub fn add(&self, x: &Buffer, y: &Buffer, n: usize) -> Result<()> {
+        need(x, n * 4, "add x")?;
+        need(y, n * 4, "add y")?;
+        let (xp, yp, n64) = (x.at(0), y.at(0), n as u64);
+        let mut b = self.stream.launch_builder(self.func("add")?);
+        b.arg(&xp).arg(&yp).arg(&n64);
+        // SAFETY: n values of each, checked above.
+        unsafe { b.launch(elementwise(n)) }?;
+        Ok(())
+    }
+
+    /// `gate = silu(gate) * up` over `n` values.
+    pub fn swiglu(&self, gate: &Buffer, up: &Buffer, n: usize) -> Result<()> {
+        need(gate, n * 4, "swiglu gate")?;
+        need(up, n * 4, "swiglu up")?;
+        let (gp, up_p, n64) = (gate.at(0), up.at(0), n as u64);
+        let mut b = self.stream.launch_builder(self.func("swiglu")?);
+        b.arg(&gp).arg(&up_p).arg(&n64);
+        // SAFETY: n values of each, checked above.
+        unsafe { b.launch(elementwise(n)) }?;
+        Ok(())
+    }
+
+    /// Rotates the `heads` heads of each of `rows` rows of `x` by the row's `(cos, sin)` pairs in
+    /// `angles` (`[rows][pairs]` pairs of f32): pairs `(i, i + pairs)` when `neox`, else
+    /// `(2i, 2i + 1)`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn rope(
+        &self,
+        x: &Buffer,
+        angles: &Buffer,
+        rows: usize,
+        heads: usize,
+        head_dim: usize,
+        pairs: usize,
+        neox: bool,
+    ) -> Result<()> {
+        need(x, rows * heads * head_dim * 4, "rope input")?;
+        need(angles, rows * pairs * 8, "rope angles")?;
+        if rows == 0 || pairs == 0 {
+            return Ok(());
+        }
+        if 2 * pairs > head_dim {
+            return Err(CudaError::Unsupported(format!(
+                "{pairs} rotary pairs in {head_dim}-wide heads"
+            )));
+        }
+        let (xp, ap) = (x.at(0), angles.at(0));
+        let (h, hd, p, nx) = (
+            i32_of(heads, "heads")?,
+            i32_of(head_dim, "head_dim")?,
+            i32_of(pairs, "pairs")?,
+            i32::from(neox),
+        );
+        let mut b = self.stream.launch_builder(self.func("rope")?);
+        b.arg(&xp).arg(&ap).arg(&h).arg(&hd).arg(&p).arg(&nx);
+        let cfg = LaunchConfig {
+            grid_dim: (rows as u32, 1, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: block t touches row t of x and of angles only (sizes checked above).
+        unsafe { b.launch(cfg) }?;
+        Ok(())
+    }
+
+    /// Stores rows `first_row..first_row + rows` of keys and values (`[rows][kv_heads *
+    /// head_dim]` f32) as f16 into the slots `slots[row]` (i32, each `< capacity`) of one
+    /// layer's caches starting at byte `cache_offset` of `keys` and `values`
+    /// (`[kv_heads][capacity][head_dim]`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn kv_store(
+        &self,
+        k: &Buffer,
+        v: &Buffer,
+        keys: &Buffer,
+        values: &Buffer,
+        cache_offset: usize,
+        slots: &Buffer,
+        first_row: usize,
+        rows: usize,
+        kv_heads: usize,
+        head_dim: usize,
+        capacity: usize,
+    ) -> Result<()> {
+        let width = kv_heads * head_dim;
+        let end = first_row + rows;
+        need(k, end * width * 4, "kv_store keys")?;
+        need(v, end * width * 4, "kv_store values")?;
+        need(slots, end * 4, "kv_store slots")?;
+        let layer = kv_heads * capacity * head_dim * 2;
+        need(keys, cache_offset + layer, "kv_store key cache")?;
+        need(values, cache_offset + layer, "kv_store value cache")?;
+        if rows == 0 {
+            return Ok(());
+        }
+        let (kp, vp, kc, vc, sp) = (
+            k.at(first_row * width * 4),
+            v.at(first_row * width * 4),
+            keys.at(cache_offset),
+            values.at(cache_offset),
+            slots.at(first_row * 4),
+        );
+        let (h, hd, cap) = (
+            i32_of(kv_heads, "kv_heads")?,
+            i32_of(head_dim, "head_dim")?,
+            i32_of(capacity, "capacity")?,
+        );
+        let mut b = self.stream.launch_builder(self.func("kv_store")?);
+        b.arg(&kp)
+            .arg(&vp)
+            .arg(&kc)
+            .arg(&vc)
+            .arg(&sp)
+            .arg(&h)
+            .arg(&hd)
+            .arg(&cap);
+        let cfg = LaunchConfig {
+            grid_dim: (rows as u32, 1, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: sizes checked above; the caller guarantees every slot is below `capacity`
+        // (the cache's host-side bookkeeping hands them out).
+        unsafe { b.launch(cfg) }?;
+        Ok(())
+    }
+
+    /// Bytes of partial results [`Device::attention`] needs for `n_q` queries over `kv_len`
+    /// slots.
+    pub fn attention_scratch(n_q: usize, n_head: usize, head_dim: usize, kv_len: usize) -> usize {
+        match gemm_attention_layout(n_q, n_head, head_dim, kv_len) {
+            Some(layout) => layout.total,
+            None => n_q * n_head * attention_splits(n_q, kv_len) * (head_dim + 2) * 4,
+        }
+    }
+
+    /// Scaled dot-product attention of each query over the slots of one layer's cache whose
+    /// position is at most the query's (the CPU kernel's mask), split over ranges of slots and
+    /// merged (flash decoding).
+    pub fn attention(&self, a: &AttentionArgs<'_>) -> Result<()> {
+        if !a.head_dim.is_multiple_of(32) || a.head_dim > 256 {
+            return Err(CudaError::Unsupported(format!(
+                "attention heads of {} values (multiples of 32 up to 256 run on the GPU)",
+                a.head_dim
+            )));
+        }
+        if a.kv_heads == 0 || !a.n_head.is_multiple_of(a.kv_heads) {
+            return Err(CudaError::Unsupported(format!(
+                "{} query heads over {} KV heads",
+                a.n_head, a.kv_heads
+            )));
+        }
+        let q_width = a.n_head * a.head_dim;
+        let rows = a.first_row + a.n_q;
+        need(a.q, rows * q_width * 4, "attention queries")?;
+        need(a.q_pos, rows * 4, "attention query positions")?;
+        need(a.out, rows * q_width * 4, "attention output")?;
+        need(a.kv_pos, a.kv_len * 4, "attention slot positions")?;
+        let layer = a.kv_heads * a.capacity * a.head_dim * 2;
+        need(a.keys, a.cache_offset + layer, "attention key cache")?;
+        need(a.values, a.cache_offset + layer, "attention value cache")?;
+        let splits = attention_splits(a.n_q, a.kv_len);
+        need(
+            a.partial,
+            Self::attention_scratch(a.n_q, a.n_head, a.head_dim, a.kv_len),
+            "attention partials",
+        )?;
+        if a.n_q == 0 {
+            return Ok(());
+        }
+        let part_o = a.partial.at(0);
+        let part_ml = a.partial.at(a.n_q * a.n_head * splits * a.head_dim * 4);
+        let (qp, kc, vc, kvp, qpp, op) = (
+            a.q.at(a.first_row * q_width * 4),
+            a.keys.at(a.cache_offset),
+            a.values.at(a.cache_offset),
+            a.kv_pos.at(0),
+            a.q_pos.at(a.first_row * 4),
+            a.out.at(a.first_row * q_width * 4),
+        );
+        let (n_q, n_head, kv_heads, hd, cap, kv_len) = (
+            i32_of(a.n_q, "queries")?,
+            i32_of(a.n_head, "heads")?,
+            i32_of(a.kv_heads, "kv heads")?,
+            i32_of(a.head_dim, "head_dim")?,
+            i32_of(a.capacity, "capacity")?,
+            i32_of(a.kv_len, "kv_len")?,
+        );
+        if let Some(layout) = gemm_attention_layout(a.n_q, a.n_head, a.head_dim, a.kv_len) {
+            return self.attention_gemm(a, &layout);
+        }
+        if a.n_q <= DECODE_QUERIES {
+            let per_split = i32_of(a.kv_len.div_ceil(splits), "slots per split")?;
+            let mut b = self.stream.launch_builder(self.func("attention_decode")?);
+            b.arg(&qp)
+                .arg(&kc)
+                .arg(&vc)
+                .arg(&kvp)
+                .arg(&qpp)
+                .arg(&part_o)
+                .arg(&part_ml)
+                .arg(&n_head)
+                .arg(&kv_heads)
+                .arg(&hd)
+                .arg(&cap)
+                .arg(&kv_len)
+                .arg(&a.scale)
+                .arg(&per_split);
+            let cfg = LaunchConfig {
+                grid_dim: (a.n_head as u32, splits as u32, a.n_q as u32),
+                block_dim: (32 * DECODE_WARPS, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: reads the n_q queries, kv_len slots of the layer's caches and their
+            // positions; writes n_q * n_head * splits partials (sizes checked above).
+            unsafe { b.launch(cfg) }?;
+        } else {
+            let tiles = i32_of(a.kv_len.div_ceil(KEY_TILE), "tiles")?;
+            let smem = (2 * KEY_TILE * (a.head_dim + 4) + ATTENTION_WARPS * a.head_dim) * 4;
+            let f = self.func("attention")?;
+            if smem > 48 * 1024 {
+                f.set_attribute(
+                    cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    smem as i32,
+                )?;
+            }
+            let mut b = self.stream.launch_builder(f);
+            b.arg(&qp)
+                .arg(&kc)
+                .arg(&vc)
+                .arg(&kvp)
+                .arg(&qpp)
+                .arg(&part_o)
+                .arg(&part_ml)
+                .arg(&n_q)
+                .arg(&n_head)
+                .arg(&kv_heads)
+                .arg(&hd)
+                .arg(&cap)
+                .arg(&kv_len)
+                .arg(&a.scale)
+                .arg(&tiles);
+            let cfg = LaunchConfig {
+                grid_dim: (a.n_q.div_ceil(ATTENTION_WARPS) as u32, a.n_head as u32, 1),
+                block_dim: (32 * ATTENTION_WARPS as u32, 1, 1),
+                shared_mem_bytes: smem as u32,
+            };
+            // SAFETY: reads kv_len slots of the layer's caches and their positions, n_q
+            // queries; writes n_q * n_head partials; all sizes checked above.
+            unsafe { b.launch(cfg) }?;
+        }
+        let splits_i = splits as i32;
+        let mut b = self.stream.launch_builder(self.func("attention_combine")?);
+        b.arg(&part_o)
+            .arg(&part_ml)
+            .arg(&op)
+            .arg(&n_head)
+            .arg(&hd)
+            .arg(&splits_i);
+        let cfg = LaunchConfig {
+            grid_dim: ((a.n_q * a.n_head) as u32, 1, 1),
+            block_dim: (a.head_dim as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: one block per (query, head) reading its splits' partials, writing its head.
+        unsafe { b.launch(cfg) }?;
+        Ok(())
+    }
+}
+
+/// How many slot ranges one attention call is split into.
+impl Device {
+    /// [`Device::attention`] of a prefill-sized call: per KV head, the scores of its stacked
+    /// query heads against the slots (one strided batched GEMM over the KV heads, f16 inputs,
+    /// f32 scores), a masked softmax to f16 probabilities, and their product with the values
+    /// (a second batched GEMM), as dense-attention libraries do without a fused kernel.
+    fn attention_gemm(&self, a: &AttentionArgs<'_>, l: &GemmAttention) -> Result<()> {
+        let (n, hd, heads) = (a.n_q, a.head_dim, a.n_head);
+        let group = heads / a.kv_heads;
+        let q_width = heads * hd;
+        let (n_i, heads_i, hd_i, kv_i) = (
+            i32_of(n, "queries")?,
+            i32_of(heads, "heads")?,
+            i32_of(hd, "head_dim")?,
+            i32_of(a.kv_len, "kv_len")?,
+        );
+        let gn = i32_of(group * n, "stacked queries")?;
+        let batch = i32_of(a.kv_heads, "kv heads")?;
+        let (qp, q16, sp, pp, op) = (
+            a.q.at(a.first_row * q_width * 4),
+            a.partial.at(l.q16),
+            a.partial.at(l.scores),
+            a.partial.at(l.probs),
+            a.partial.at(l.out),
+        );
+        let mut b = self.stream.launch_builder(self.func("heads_to_f16")?);
+        b.arg(&qp).arg(&q16).arg(&n_i).arg(&heads_i).arg(&hd_i);
+        // SAFETY: n * q_width values in (checked by the caller) and out (scratch layout).
+        unsafe { b.launch(elementwise(n * q_width)) }?;
+        let (scale, zero, one) = (a.scale, 0.0f32, 1.0f32);
+        let cache_stride = (a.capacity * hd) as i64;
+        // Scores, column-major S^T (kv_len x group*n) = K (as stored: hd x kv_len, transposed)
+        // times the head-major queries (hd x group*n), per KV head.
+        // SAFETY: the handle is bound to this stream; every operand lies inside its buffer: the
+        // caches hold kv_heads * capacity * hd f16 from cache_offset, the scratch the layout.
+        unsafe {
+            cudarc::cublas::result::gemm_strided_batched_ex(
+                *self.blas.handle(),
+                cublasOperation_t::CUBLAS_OP_T,
+                cublasOperation_t::CUBLAS_OP_N,
+                kv_i,
+                gn,
+                hd_i,
+                (&scale as *const f32).cast(),
+                a.keys.at(a.cache_offset) as *const _,
+                cudaDataType::CUDA_R_16F,
+                hd_i,
+                cache_stride,
+                q16 as *const _,
+                cudaDataType::CUDA_R_16F,
+                hd_i,
+                (group * n * hd) as i64,
+                (&zero as *const f32).cast(),
+                sp as *mut _,
+                cudaDataType::CUDA_R_32F,
+                kv_i,
+                (group * n * a.kv_len) as i64,
+                batch,
+                cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT_TENSOR_OP,
+            )
+        }?;
+        let (kvp, qpp) = (a.kv_pos.at(0), a.q_pos.at(a.first_row * 4));
+        let mut b = self.stream.launch_builder(self.func("softmax_masked")?);
+        b.arg(&sp).arg(&pp).arg(&kvp).arg(&qpp).arg(&n_i).arg(&kv_i);
+        let cfg = LaunchConfig {
+            grid_dim: ((heads * n) as u32, 1, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: one block per score row, inside the scratch layout; kv_len slot positions
+        // and n query positions (checked by the caller).
+        unsafe { b.launch(cfg) }?;
+        // Outputs, column-major O^T (hd x group*n) = V (hd x kv_len) times P^T (kv_len x
+        // group*n), per KV head.
+        // SAFETY: as for the scores.
+        unsafe {
+            cudarc::cublas::result::gemm_strided_batched_ex(
+                *self.blas.handle(),
+                cublasOperation_t::CUBLAS_OP_N,
+                cublasOperation_t::CUBLAS_OP_N,
+                hd_i,
+                gn,
+                kv_i,
+                (&one as *const f32).cast(),
+                a.values.at(a.cache_offset) as *const _,
+                cudaDataType::CUDA_R_16F,
+                hd_i,
+                cache_stride,
+                pp as *const _,
+                cudaDataType::CUDA_R_16F,
+                kv_i,
+                (group * n * a.kv_len) as i64,
+                (&zero as *const f32).cast(),
+                op as *mut _,
+                cudaDataType::CUDA_R_32F,
+                hd_i,
+                (group * n * hd) as i64,
+                batch,
+                cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT_TENSOR_OP,
+            )
+        }?;
+        let out = a.out.at(a.first_row * q_width * 4);
+        let mut b = self.stream.launch_builder(self.func("heads_from")?);
+        b.arg(&op).arg(&out).arg(&n_i).arg(&heads_i).arg(&hd_i);
+        // SAFETY: n * q_width values each way (checked by the caller, scratch layout).
+        unsafe { b.launch(elementwise(n * q_width)) }?;
+        Ok(())
+    }
+}
+
+/// Byte offsets of the cuBLAS attention's scratch: f16 queries by head, f32 scores, f16
+/// probabilities, f32 outputs by head.
+struct GemmAttention {
+    q16: usize,
+    scores: usize,
+    probs: usize,
+    out: usize,
+    total: usize,
+}
+
+/// Calls of more than [`DECODE_QUERIES`] queries run attention as batched cuBLAS GEMMs when
+/// the scores fit in this many bytes (a 512-token prefill piece over 4,096 slots of 32 heads
+/// needs 400 MiB); beyond it, the tiled kernel.
+const GEMM_ATTENTION_LIMIT: usize = 2 << 30;
+
+fn gemm_attention_layout(
+    n_q: usize,
+    n_head: usize,
+    head_dim: usize,
+    kv_len: usize,
+) -> Option<GemmAttention> {
+    if n_q <= DECODE_QUERIES {
+        return None;
+    }
+    let align = |b: usize| b.next_multiple_of(256);
+    let q16 = 0;
+    let scores = align(n_q * n_head * head_dim * 2);
+    let probs = scores + align(n_head * n_q * kv_len * 4);
+    let out = probs + align(n_head * n_q * kv_len * 2);
+    let total = out + n_q * n_head * head_dim * 4;
+    (total <= GEMM_ATTENTION_LIMIT).then_some(GemmAttention {
+        q16,
+        scores,
+        probs,
+        out,
+        total,
+    })
+}
+
+/// Only decode-sized calls are split: a prefill's query blocks already fill the GPU, and its
+/// partials would grow with queries times slots.
+fn attention_splits(n_q: usize, kv_len: usize) -> usize {
+    if n_q > DECODE_QUERIES {
+        return 1;
+    }
+    kv_len
+        .div_ceil(DECODE_SLOTS_PER_SPLIT)
+        .clamp(1, DECODE_MAX_SPLITS)
+}
+
+fn elementwise(n: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (blocks(n).max(1), 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}

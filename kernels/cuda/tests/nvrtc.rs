@@ -1,0 +1,37 @@
+//! The CUDA source compiles with NVRTC for every architecture the appliance supports. Needs
+//! libnvrtc.so.13 (no GPU): `scripts/test.sh` installs NVIDIA's NVRTC wheel and points
+//! `LD_LIBRARY_PATH` at it; set `ENGRAM_REQUIRE_NVRTC=1` to make its absence a failure.
+
+use engram_kernels_cuda::{compile_ptx, CudaError};
+
+#[test]
+fn kernels_compile_for_every_supported_architecture() {
+    // Ampere (A100, A10), Ada (L40S, L4), Hopper (H100, H200), Blackwell (B200).
+    for arch in [
+        "compute_80",
+        "compute_86",
+        "compute_89",
+        "compute_90",
+        "compute_100",
+    ] {
+        match compile_ptx(arch) {
+            Ok(ptx) => {
+                for kernel in ["gemv_q4_0", "gemv_q4_k", "gemv_q6_k", "attention", "rope"] {
+                    assert!(
+                        ptx.contains(&format!(".entry {kernel}")),
+                        "{arch}: no {kernel} in the PTX"
+                    );
+                }
+            }
+            Err(CudaError::Unavailable(why)) => {
+                assert!(
+                    std::env::var_os("ENGRAM_REQUIRE_NVRTC").is_none(),
+                    "ENGRAM_REQUIRE_NVRTC is set but {why}"
+                );
+                eprintln!("skipped: {why}");
+                return;
+            }
+            Err(e) => panic!("{arch}: {e}"),
+        }
+    }
+}
