@@ -23,6 +23,40 @@ enum GpuCmd {
     Check(CheckArgs),
     /// Measure prefill and decode on the GPU, and the device's copy bandwidth.
     Bench(BenchArgs),
+    /// Fused prefill on the GPU: a RAG prompt from chunks whose KV waits in host memory,
+    /// against full prefill of the same tokens (time to first token, agreement).
+    Fusion(FusionArgs),
+}
+
+#[derive(Args)]
+struct FusionArgs {
+    /// GGUF model file.
+    #[arg(long)]
+    model: PathBuf,
+    /// CUDA device ordinal.
+    #[arg(long, default_value_t = 0)]
+    device: usize,
+    /// Passages (chunks) in the prompt.
+    #[arg(long, default_value_t = 10)]
+    passages: usize,
+    /// Tokens per passage.
+    #[arg(long, default_value_t = 600)]
+    passage_tokens: usize,
+    /// Tokens before the passages (system prompt) and after them (the question).
+    #[arg(long, default_value_t = 16)]
+    prefix_tokens: usize,
+    #[arg(long, default_value_t = 32)]
+    question_tokens: usize,
+    /// Leading tokens of each passage recomputed (the chunk-boundary policy), comma-separated
+    /// variants; 0 uses the stored KV as it is.
+    #[arg(long, value_delimiter = ',', default_values_t = [0, 4, 16])]
+    recompute: Vec<usize>,
+    /// Tokens per prefill call of the full prefill.
+    #[arg(long, default_value_t = 512)]
+    ubatch: usize,
+    /// Runs of each figure; the median is reported.
+    #[arg(long, default_value_t = 3)]
+    repetitions: usize,
 }
 
 #[derive(Args)]
@@ -134,6 +168,7 @@ mod imp {
             GpuCmd::Info => info(),
             GpuCmd::Check(c) => check(c),
             GpuCmd::Bench(b) => bench(b),
+            GpuCmd::Fusion(f) => fusion(f),
         }
     }
 
@@ -469,6 +504,135 @@ mod imp {
 
     fn into_device(gpu: GpuModel) -> Device {
         gpu.into_device()
+    }
+
+    /// log-softmax of `v` (f64).
+    fn log_softmax(v: &[f32]) -> Vec<f64> {
+        let m = v.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+        let z = v.iter().map(|&x| (x as f64 - m).exp()).sum::<f64>().ln() + m;
+        v.iter().map(|&x| x as f64 - z).collect()
+    }
+
+    /// KL(p || q) of two logit rows.
+    fn kl(p: &[f32], q: &[f32]) -> f64 {
+        let (lp, lq) = (log_softmax(p), log_softmax(q));
+        lp.iter().zip(&lq).map(|(a, b)| a.exp() * (a - b)).sum()
+    }
+
+    fn fusion(f: FusionArgs) -> Result<()> {
+        let model = Arc::new(Model::load(&f.model, cores(None))?);
+        let cfg = model.config().clone();
+        let dev = open(f.device)?;
+        let mut gpu = GpuModel::new(model.clone(), dev, cfg.n_layer)?;
+        let name = f
+            .model
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned());
+        let v = cfg.vocab_size;
+        let prefix = pseudo_tokens(f.prefix_tokens, v, 21);
+        let question = pseudo_tokens(f.question_tokens, v, 22);
+        let passages: Vec<Vec<u32>> = (0..f.passages)
+            .map(|i| pseudo_tokens(f.passage_tokens, v, 100 + i as u64))
+            .collect();
+        let mut prompt = prefix.clone();
+        let mut starts = Vec::new();
+        for p in &passages {
+            starts.push(prompt.len());
+            prompt.extend_from_slice(p);
+        }
+        let q_start = prompt.len();
+        prompt.extend_from_slice(&question);
+        let total = prompt.len();
+
+        // Ingest: each passage's KV computed alone at positions 0.., kept in host memory.
+        let mut stored = Vec::new();
+        for p in &passages {
+            let mut kv = gpu.new_cache(p.len())?;
+            gpu.forward(p, &positions(0, p.len()), &mut kv, Logits::None)?;
+            stored.push(gpu.export_kv(&kv, 0..p.len())?);
+        }
+        let kv_bytes: usize = stored.iter().map(engram_model::HostKv::bytes).sum();
+
+        // Full prefill of the same tokens, in --ubatch calls.
+        let mut full_logits = Vec::new();
+        let mut full_s = Vec::new();
+        for _ in 0..f.repetitions + 1 {
+            let mut kv = gpu.new_cache(total)?;
+            let start = Instant::now();
+            for (i, chunk) in prompt.chunks(f.ubatch.max(1)).enumerate() {
+                let pos = positions(i * f.ubatch, chunk.len());
+                full_logits = gpu.forward(chunk, &pos, &mut kv, Logits::Last)?;
+            }
+            full_s.push(start.elapsed().as_secs_f64());
+        }
+        full_s.remove(0);
+        let full_ttft = median(&mut full_s);
+        println!(
+            "{}",
+            json!({"model": name, "prompt_tokens": total, "passages": f.passages,
+                   "passage_tokens": f.passage_tokens, "stored_kv_bytes": kv_bytes,
+                   "policy": "full", "ttft_ms": 1e3 * full_ttft})
+        );
+
+        for &r in &f.recompute {
+            let r = r.min(f.passage_tokens);
+            let mut runs = Vec::new();
+            let mut logits = Vec::new();
+            let (mut load_ms, mut compute_ms) = (Vec::new(), Vec::new());
+            for _ in 0..f.repetitions + 1 {
+                let mut kv = gpu.new_cache(total)?;
+                let start = Instant::now();
+                // Slots need not follow positions: the stored chunks go in first.
+                for (s, &at) in stored.iter().zip(&starts) {
+                    gpu.import_kv(&mut kv, s, at as i32)?;
+                }
+                gpu.device().synchronize()?;
+                let loaded = start.elapsed().as_secs_f64();
+                // One call: each passage's first r tokens recomputed in place, then the prefix
+                // and the question appended.
+                let mut toks = Vec::new();
+                let mut pos = Vec::new();
+                let mut slots = Vec::new();
+                let mut slot_base = 0;
+                for (p, &at) in passages.iter().zip(&starts) {
+                    for (j, &t) in p.iter().take(r).enumerate() {
+                        toks.push(t);
+                        pos.push((at + j) as i32);
+                        slots.push(slot_base + j);
+                    }
+                    slot_base += p.len();
+                }
+                toks.extend_from_slice(&prefix);
+                pos.extend(positions(0, prefix.len()));
+                toks.extend_from_slice(&question);
+                pos.extend(positions(q_start, question.len()));
+                logits = gpu.forward_fused(&toks, &pos, &slots, &mut kv, Logits::Last)?;
+                let done = start.elapsed().as_secs_f64();
+                runs.push(done);
+                load_ms.push(1e3 * loaded);
+                compute_ms.push(1e3 * (done - loaded));
+            }
+            runs.remove(0);
+            load_ms.remove(0);
+            compute_ms.remove(0);
+            let ttft = median(&mut runs);
+            let (tf, tg) = (top(&full_logits, 5), top(&logits, 5));
+            println!(
+                "{}",
+                json!({"model": name, "prompt_tokens": total, "policy": format!("boundary:{r}"),
+                       "recomputed_tokens": r * f.passages + prefix.len() + question.len(),
+                       "ttft_ms": 1e3 * ttft, "speedup_vs_full": full_ttft / ttft,
+                       "load_ms": median(&mut load_ms), "compute_ms": median(&mut compute_ms),
+                       "load_gbs": kv_bytes as f64 / (median(&mut load_ms) / 1e3) / 1e9,
+                       "first_token_equal": argmax(&full_logits) == argmax(&logits),
+                       "top5_overlap": tf.iter().filter(|i| tg.contains(i)).count(),
+                       "kl_full_fused": kl(&full_logits, &logits),
+                       "logits_max_abs": full_logits.iter().zip(&logits)
+                           .map(|(a, b)| (a - b).abs()).fold(0f32, f32::max),
+                       "logits_max": full_logits.iter().map(|a| a.abs()).fold(0f32, f32::max)})
+            );
+        }
+        Ok(())
     }
 
     /// Prints milliseconds per call of each kind of work of a profiled pass of `calls` calls.

@@ -12,7 +12,9 @@
 use std::sync::Arc;
 
 use engram_kernels::GgmlType;
-use engram_kernels_cuda::{AttentionArgs, Buffer, Device, MatmulScratch, Weight, MAX_GEMV_BATCH};
+use engram_kernels_cuda::{
+    AttentionArgs, Buffer, Device, MatmulScratch, Pinned, Weight, MAX_GEMV_BATCH,
+};
 
 use crate::config::RopeStyle;
 use crate::error::{ModelError, Result};
@@ -66,6 +68,35 @@ struct Scratch {
     logits: Option<Buffer>,
     /// Q8_1 activations of decode's GEMV.
     q8: Option<Buffer>,
+    /// Stored KV on its way into a cache ([`GpuModel::import_kv`]): keys, values, shift angles.
+    stage: Option<(Buffer, Buffer)>,
+    shift: Option<Buffer>,
+}
+
+/// Keys (after RoPE at `positions`) and values of a run of slots of every layer, in page-locked
+/// host memory, `[layer][kv_head][slot][head_dim]` f16: a chunk's stored KV once read from the
+/// DRAM or NVMe tier, ready to be copied to the GPU at the bus's full rate.
+pub struct HostKv {
+    pub positions: Vec<i32>,
+    keys: Pinned,
+    values: Pinned,
+}
+
+impl HostKv {
+    /// Slots held.
+    pub fn len(&self) -> usize {
+        self.positions.len()
+    }
+
+    /// Whether no slot is held.
+    pub fn is_empty(&self) -> bool {
+        self.positions.is_empty()
+    }
+
+    /// Bytes of keys and values.
+    pub fn bytes(&self) -> usize {
+        self.keys.bytes().len() + self.values.bytes().len()
+    }
 }
 
 /// Indices into [`Scratch::bufs`].
@@ -301,6 +332,124 @@ impl GpuModel {
         })
     }
 
+    /// Copies slots `range` of `kv` (every layer; the model must be wholly on the GPU) to
+    /// page-locked host memory: how chunk KV computed on the GPU is kept in DRAM.
+    pub fn export_kv(&self, kv: &GpuCache, range: std::ops::Range<usize>) -> Result<HostKv> {
+        let cfg = self.model.config();
+        if self.output.is_none() {
+            return Err(gpu_unsupported("exporting KV with layers on the CPU"));
+        }
+        if range.end > kv.len() || range.start > range.end {
+            return Err(ModelError::Gpu(format!(
+                "slots {range:?} of a cache holding {}",
+                kv.len()
+            )));
+        }
+        let (len, hd, heads) = (range.len(), cfg.head_dim, cfg.n_head_kv);
+        let bytes = cfg.n_layer * heads * len * hd * 2;
+        let mut keys = self.dev.pinned(bytes).map_err(gpu)?;
+        let mut values = self.dev.pinned(bytes).map_err(gpu)?;
+        let mut row = vec![0u16; len * hd];
+        for (cache, host) in [(&kv.keys, &mut keys), (&kv.values, &mut values)] {
+            let out = host.bytes_mut().map_err(gpu)?;
+            for lh in 0..cfg.n_layer * heads {
+                let src = (lh * kv.capacity + range.start) * hd * 2;
+                self.dev.read(cache, src, &mut row).map_err(gpu)?;
+                let dst = &mut out[lh * len * hd * 2..(lh + 1) * len * hd * 2];
+                for (d, v) in dst.chunks_exact_mut(2).zip(&row) {
+                    d.copy_from_slice(&v.to_le_bytes());
+                }
+            }
+        }
+        Ok(HostKv {
+            positions: kv.positions[range].to_vec(),
+            keys,
+            values,
+        })
+    }
+
+    /// Appends `stored` to `kv` moved by `shift` positions: one asynchronous copy each of the
+    /// keys and values from page-locked memory, then a kernel that places every layer's slots
+    /// and rotates the keys on by `shift` ([`crate::Rope::shift`], so YaRN's magnitude is not
+    /// applied twice). Returns once the work is queued.
+    pub fn import_kv(&mut self, kv: &mut GpuCache, stored: &HostKv, shift: i32) -> Result<()> {
+        let cfg = self.model.config().clone();
+        if self.output.is_none() {
+            return Err(gpu_unsupported("importing KV with layers on the CPU"));
+        }
+        let len = stored.len();
+        if kv.len() + len > kv.capacity {
+            return Err(ModelError::CacheFull {
+                used: kv.len(),
+                capacity: kv.capacity,
+                requested: len,
+            });
+        }
+        let bytes = stored.keys.bytes().len();
+        if bytes != cfg.n_layer * cfg.n_head_kv * len * cfg.head_dim * 2 {
+            return Err(ModelError::Gpu(format!(
+                "stored KV of {bytes} bytes for {len} slots does not fit this model"
+            )));
+        }
+        let positions: Vec<i32> = stored
+            .positions
+            .iter()
+            .map(|&p| p.checked_add(shift).filter(|p| *p >= 0))
+            .collect::<Option<_>>()
+            .ok_or(ModelError::BadPosition {
+                position: i64::from(shift),
+            })?;
+        if self
+            .scratch
+            .stage
+            .as_ref()
+            .is_none_or(|(k, _)| k.bytes() < bytes)
+        {
+            self.scratch.stage = None;
+            let k = self.dev.alloc(bytes).map_err(gpu)?;
+            let v = self.dev.alloc(bytes).map_err(gpu)?;
+            self.scratch.stage = Some((k, v));
+        }
+        if self.scratch.shift.is_none() {
+            self.scratch.shift = Some(self.dev.alloc(cfg.head_dim * 8).map_err(gpu)?);
+        }
+        let (stage_k, stage_v) = self.scratch.stage.as_ref().expect("allocated above");
+        let shift_buf = self.scratch.shift.as_ref().expect("allocated above");
+        let dev = &self.dev;
+        dev.write_pinned(stage_k, 0, &stored.keys, 0, bytes)
+            .map_err(gpu)?;
+        dev.write_pinned(stage_v, 0, &stored.values, 0, bytes)
+            .map_err(gpu)?;
+        let angles: Vec<f32> = self
+            .model
+            .rope
+            .shift_angles(shift)
+            .iter()
+            .flat_map(|&(c, s)| [c, s])
+            .collect();
+        dev.write(shift_buf, 0, &angles).map_err(gpu)?;
+        let first = kv.len();
+        dev.kv_import(
+            stage_k,
+            stage_v,
+            &kv.keys,
+            &kv.values,
+            first,
+            len,
+            cfg.n_layer,
+            cfg.n_head_kv,
+            cfg.head_dim,
+            kv.capacity,
+            shift_buf,
+            self.model.rope.pairs(),
+            cfg.rope_style == RopeStyle::NeoX,
+        )
+        .map_err(gpu)?;
+        dev.write(&kv.kv_pos, first * 4, &positions).map_err(gpu)?;
+        kv.positions.extend_from_slice(&positions);
+        Ok(())
+    }
+
     /// [`Model::forward`] on the GPU: runs `tokens` at `positions`, appending their keys and
     /// values to `kv`, and returns the logits asked for. The same position mask as the CPU path:
     /// token `i` attends to every slot whose position is `<= positions[i]`.
@@ -322,6 +471,45 @@ impl GpuModel {
         seqs: &mut [(&[u32], &[i32], &mut GpuCache)],
         logits: Logits,
     ) -> Result<Vec<f32>> {
+        self.forward_inner(seqs, &[], logits)
+    }
+
+    /// Fused prefill's recompute: the first `overwrite.len()` tokens are already in `kv` (slot
+    /// `overwrite[i]` holds position `positions[i]`, e.g. stored chunk KV placed by
+    /// [`GpuModel::import_kv`]) and get fresh keys and values in place; the rest are appended.
+    /// Masking stays by position, as in [`Model::forward_blend`]'s recompute.
+    pub fn forward_fused(
+        &mut self,
+        tokens: &[u32],
+        positions: &[i32],
+        overwrite: &[usize],
+        kv: &mut GpuCache,
+        logits: Logits,
+    ) -> Result<Vec<f32>> {
+        if overwrite.len() > tokens.len() {
+            return Err(ModelError::OverwriteCount {
+                overwrite: overwrite.len(),
+                tokens: tokens.len(),
+            });
+        }
+        for (i, &slot) in overwrite.iter().enumerate() {
+            if kv.positions.get(slot) != positions.get(i) {
+                return Err(ModelError::OverwriteSlot {
+                    index: i,
+                    slot,
+                    position: positions.get(i).copied().unwrap_or(-1),
+                });
+            }
+        }
+        self.forward_inner(&mut [(tokens, positions, kv)], overwrite, logits)
+    }
+
+    fn forward_inner(
+        &mut self,
+        seqs: &mut [(&[u32], &[i32], &mut GpuCache)],
+        overwrite: &[usize],
+        logits: Logits,
+    ) -> Result<Vec<f32>> {
         let cfg = self.model.config().clone();
         let mut bounds = vec![0usize];
         for (tokens, positions, kv) in seqs.iter() {
@@ -340,11 +528,12 @@ impl GpuModel {
             if let Some(&p) = positions.iter().find(|&&p| p < 0) {
                 return Err(ModelError::BadPosition { position: p.into() });
             }
-            if kv.len() + tokens.len() > kv.capacity {
+            let appended = tokens.len() - overwrite.len().min(tokens.len());
+            if kv.len() + appended > kv.capacity {
                 return Err(ModelError::CacheFull {
                     used: kv.len(),
                     capacity: kv.capacity,
-                    requested: tokens.len(),
+                    requested: appended,
                 });
             }
             bounds.push(bounds.last().unwrap() + tokens.len());
@@ -353,8 +542,13 @@ impl GpuModel {
         if n == 0 {
             return Ok(Vec::new());
         }
+        if !overwrite.is_empty() && self.output.is_none() {
+            return Err(gpu_unsupported(
+                "recomputing stored slots with layers on the CPU (place every layer on the GPU)",
+            ));
+        }
         let first_slots: Vec<usize> = seqs.iter().map(|s| s.2.len()).collect();
-        let result = self.run(seqs, &bounds, logits);
+        let result = self.run(seqs, &bounds, overwrite, logits);
         if result.is_err() {
             for (s, &first) in seqs.iter_mut().zip(&first_slots) {
                 s.2.truncate(first);
@@ -363,10 +557,13 @@ impl GpuModel {
         result
     }
 
+    /// Runs the call: the first `overwrite.len()` tokens of the first sequence recompute those
+    /// slots, every other token is appended to its sequence's cache.
     fn run(
         &mut self,
         seqs: &mut [(&[u32], &[i32], &mut GpuCache)],
         bounds: &[usize],
+        overwrite: &[usize],
         logits: Logits,
     ) -> Result<Vec<f32>> {
         let model = self.model.clone();
@@ -406,11 +603,14 @@ impl GpuModel {
         }
         let angles: Vec<f32> = angles.iter().flat_map(|&(c, s)| [c, s]).collect();
         let mut slots = Vec::with_capacity(n);
-        for (tokens, pos, kv) in seqs.iter_mut() {
+        for (si, (tokens, pos, kv)) in seqs.iter_mut().enumerate() {
+            let skip = if si == 0 { overwrite.len() } else { 0 };
+            slots.extend(overwrite[..skip].iter().map(|&s| s as i32));
             let first = kv.len();
-            slots.extend((first..first + tokens.len()).map(|s| s as i32));
-            dev.write(&kv.kv_pos, first * 4, pos).map_err(gpu)?;
-            kv.positions.extend_from_slice(pos);
+            slots.extend((first..first + tokens.len() - skip).map(|s| s as i32));
+            dev.write(&kv.kv_pos, first * 4, &pos[skip..])
+                .map_err(gpu)?;
+            kv.positions.extend_from_slice(&pos[skip..]);
         }
         dev.write(b(X), 0, &x).map_err(gpu)?;
         dev.write(b(ANGLES), 0, &angles).map_err(gpu)?;

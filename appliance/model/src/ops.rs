@@ -146,6 +146,12 @@ impl Rope {
     /// Moves already-rotated heads by `delta` positions. Rotations compose, but YaRN's magnitude
     /// was applied when the key was first rotated, so the shift is a pure rotation.
     pub fn shift(&self, x: &mut [f32], delta: i32) {
+        let angles = self.shift_angles(delta);
+        self.rotate(x, &angles);
+    }
+
+    /// The `(cos, sin)` of every pair that [`Rope::shift`] rotates by.
+    pub fn shift_angles(&self, delta: i32) -> Vec<(f32, f32)> {
         let mut angles = Vec::with_capacity(self.pairs());
         self.angles(delta, &mut angles);
         let inv = 1.0 / self.mscale;
@@ -153,7 +159,7 @@ impl Rope {
             *c *= inv;
             *s *= inv;
         }
-        self.rotate(x, &angles);
+        angles
     }
 }
 
