@@ -2,7 +2,8 @@
 # The GPU checks and benchmarks of docs/bench/2026-11-26-gpu.md, as run on the GPU machine:
 # random-weight models made there by `engram gen-model` (the machine has no network and only
 # small files reach it), the GPU path checked against the CPU path on the quantised and on
-# f32-dequantised weights, then prefill and decode speed with per-kind profiles.
+# f32-dequantised weights, then prefill and decode speed with per-kind profiles, and fused
+# prefill from host-memory chunk KV against full prefill.
 #
 #   bench/gpu.sh ENGRAM_BINARY [OUT_DIR] [SMOLLM2_GGUF GOLDEN_JSON]
 #
@@ -53,4 +54,11 @@ for t in q4_0 q4_k; do
         timeout 120 "$B" gpu bench --model "$G/7b-$t.gguf" --layers half --prefill 512 --decode 16 --batch 1 --repetitions 1 2>&1 | quiet
     fi
     rm -f "$G/7b-$t.gguf"
+done
+
+# Fused prefill from host-memory chunk KV against full prefill (10 passages of 600 tokens).
+for shape in 1b 7b; do
+    "$B" gen-model --shape $shape --type q4_0 --out "$G/$shape.gguf" >/dev/null
+    timeout 200 "$B" gpu fusion --model "$G/$shape.gguf" --recompute 0,4,16,600 2>&1 | quiet
+    rm -f "$G/$shape.gguf"
 done
