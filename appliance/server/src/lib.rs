@@ -16,6 +16,7 @@ mod config;
 pub mod console;
 mod engine;
 mod error;
+pub mod gpu;
 mod kbtask;
 mod lifecycle;
 mod metrics;

@@ -61,6 +61,9 @@ pub struct Metrics {
     /// Free bytes on the data directory's disk, and whether the daemon is read-only for lack
     /// of them.
     pub storage_available: IntGauge,
+    /// GPUs usable by the GPU path, found at start.
+    pub gpu_devices: IntGauge,
+    pub gpu_memory_total: IntGaugeVec,
     pub storage_read_only: IntGauge,
 }
 
@@ -182,6 +185,19 @@ impl Metrics {
             "1 while the data directory's disk is short of its reserve (uploads and ingestion paused)",
         )
         .expect("valid metric");
+        let gpu_devices = IntGauge::new(
+            "engram_gpu_devices",
+            "GPUs the GPU path can use, found at start (0 without a driver or the cuda build)",
+        )
+        .expect("valid metric");
+        let gpu_memory_total = IntGaugeVec::new(
+            Opts::new(
+                "engram_gpu_memory_total_bytes",
+                "Memory of each GPU found at start",
+            ),
+            &["device"],
+        )
+        .expect("valid metric");
         let prefix_tokens = IntCounterVec::new(
             Opts::new(
                 "engram_prefix_cache_tokens_total",
@@ -195,6 +211,8 @@ impl Metrics {
             Box::new(prefix_tokens.clone()),
             Box::new(storage_available.clone()),
             Box::new(storage_read_only.clone()),
+            Box::new(gpu_devices.clone()),
+            Box::new(gpu_memory_total.clone()),
             Box::new(ingest_chunks.clone()),
             Box::new(ingest_pending.clone()),
             Box::new(ingested.clone()),
@@ -232,6 +250,8 @@ impl Metrics {
             ingest_chunks,
             storage_available,
             storage_read_only,
+            gpu_devices,
+            gpu_memory_total,
         }
     }
 

@@ -59,6 +59,8 @@ impl Daemon {
             disk_free_gib = machine.disk_free_bytes.map(|b| b >> 30),
             "machine detected"
         );
+        let gpu = Arc::new(crate::gpu::GpuStatus::detect(machine.gpus));
+        gpu.log();
         let chosen = profile::choose(&profiles, &machine, config.profile.as_deref())?;
         for r in &chosen.reasons {
             tracing::info!(profile = %chosen.profile.name, "{r}");
@@ -234,6 +236,7 @@ impl Daemon {
             data_dir: config.data_dir.clone(),
             kv_dir: (kv_nvme_gib > 0).then(|| config.kv_dir.clone()),
             token_vocab: token_vocab(&config.token_vocab),
+            gpu,
         };
         Ok(Daemon {
             listener,

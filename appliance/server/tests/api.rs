@@ -605,6 +605,16 @@ fn readyz_and_metrics() {
     let r = s.call("GET", "/readyz", Some(&s.search_only), None);
     assert_eq!(r.status, 200, "{}", r.text());
     assert_eq!(r.json()["ready"], true);
+    // The GPUs found at start, or why none is usable; generation runs on the CPU.
+    let gpu = &r.json()["gpu"];
+    assert_eq!(gpu["serving"], "cpu", "{gpu}");
+    assert!(
+        gpu["available"].is_boolean() && gpu["devices"].is_array(),
+        "{gpu}"
+    );
+    if gpu["available"] == false {
+        assert!(!gpu["reason"].as_str().unwrap_or("").is_empty(), "{gpu}");
+    }
     let r = s.call("GET", "/metrics", Some(&s.search_only), None);
     assert_eq!(r.status, 403);
     let r = s.call("GET", "/metrics", Some(&s.admin), None);
@@ -612,6 +622,7 @@ fn readyz_and_metrics() {
     let text = r.text();
     assert!(text.contains("engram_http_requests_total"), "{text}");
     assert!(text.contains("engram_generation_queue_depth"));
+    assert!(text.contains("engram_gpu_devices"), "{text}");
     let r = s.call("GET", "/api/v1/openapi.json", Some(&s.search_only), None);
     assert_eq!(r.json()["openapi"], "3.1.0");
 }

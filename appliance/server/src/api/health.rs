@@ -17,7 +17,8 @@ pub async fn healthz() -> axum::Json<serde_json::Value> {
 
 /// Whether every dependency is ready: models loaded, knowledge base open, KV tiers open. A
 /// daemon whose disk is short of its reserve is ready but `read_only` (queries are served,
-/// uploads get 507), and `checks.storage.reason` says why.
+/// uploads get 507), and `checks.storage.reason` says why. `gpu` lists the GPUs found at start
+/// (or why none is usable) and where generation runs; it does not affect readiness.
 #[utoipa::path(get, path = "/readyz", tag = "health",
     responses((status = 200, description = "ready"), (status = 503, description = "not ready")),
     security(("bearer" = [])))]
@@ -44,6 +45,7 @@ pub async fn readyz(State(s): State<AppState>) -> impl IntoResponse {
                 "storage": s.storage.status_json(),
             },
             "read_only": s.storage.read_only(),
+            "gpu": &*s.gpu,
         })),
     )
 }
@@ -56,6 +58,13 @@ pub async fn metrics(
     caller: Caller,
 ) -> Result<impl IntoResponse, ApiError> {
     caller.require(Scope::Admin)?;
+    s.metrics.gpu_devices.set(s.gpu.devices.len() as i64);
+    for d in &s.gpu.devices {
+        s.metrics
+            .gpu_memory_total
+            .with_label_values(&[&d.ordinal.to_string()])
+            .set(d.total_bytes as i64);
+    }
     Ok((
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
         s.metrics.render(),

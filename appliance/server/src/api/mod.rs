@@ -88,6 +88,8 @@ pub struct AppState {
     pub kv_dir: Option<std::path::PathBuf>,
     /// cl100k_base, to read token-id embedding inputs; `None` when its file is absent.
     pub token_vocab: Option<Arc<engram_tokenizer::TiktokenVocab>>,
+    /// The GPUs found at start (`/readyz`, `/metrics`).
+    pub gpu: Arc<crate::gpu::GpuStatus>,
 }
 
 /// The whole router.

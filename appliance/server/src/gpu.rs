@@ -1,0 +1,123 @@
+//! The GPUs `engramd` finds at start, for `/readyz`, `/metrics` and the log. With the `cuda`
+//! feature the CUDA driver is probed (a missing library is a reason, never a crash); without it
+//! the NVIDIA device files are only counted. Generation runs on the CPU either way in this
+//! version: `serving` says so, so nobody mistakes a detected GPU for one in use.
+
+use serde::Serialize;
+
+/// One GPU as probed.
+#[derive(Debug, Clone, Serialize)]
+pub struct GpuDevice {
+    pub ordinal: usize,
+    pub name: String,
+    /// "9.0" for Hopper.
+    pub compute_capability: String,
+    pub total_bytes: u64,
+    pub free_bytes: u64,
+}
+
+/// What the daemon knows of its GPUs.
+#[derive(Debug, Clone, Serialize)]
+pub struct GpuStatus {
+    /// Whether the GPU path could run here (driver, NVRTC and cuBLAS present, a device found).
+    pub available: bool,
+    pub devices: Vec<GpuDevice>,
+    /// Why no GPU is available, when none is.
+    pub reason: Option<String>,
+    /// Where generation runs: `cpu` (the daemon does not serve from the GPU yet).
+    pub serving: &'static str,
+    /// `/dev/nvidiaN` files present (what the hardware profile counts).
+    pub device_files: usize,
+}
+
+impl GpuStatus {
+    /// Probes the GPUs (`device_files`: the NVIDIA device files the profile detection counted).
+    pub fn detect(device_files: usize) -> GpuStatus {
+        let (devices, reason) = probe(device_files);
+        GpuStatus {
+            available: !devices.is_empty(),
+            devices,
+            reason,
+            serving: "cpu",
+            device_files,
+        }
+    }
+
+    /// The one log line at start.
+    pub fn log(&self) {
+        if self.available {
+            for d in &self.devices {
+                tracing::info!(
+                    device = d.ordinal,
+                    name = %d.name,
+                    compute_capability = %d.compute_capability,
+                    total_mib = d.total_bytes >> 20,
+                    free_mib = d.free_bytes >> 20,
+                    "GPU found; generation stays on the CPU in this version"
+                );
+            }
+        } else {
+            tracing::info!(
+                reason = self.reason.as_deref().unwrap_or("unknown"),
+                "no GPU in use: generation runs on the CPU"
+            );
+        }
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn probe(_device_files: usize) -> (Vec<GpuDevice>, Option<String>) {
+    match engram_kernels_cuda::probe() {
+        Ok(found) => (
+            found
+                .into_iter()
+                .map(|d| GpuDevice {
+                    ordinal: d.ordinal,
+                    name: d.name,
+                    compute_capability: format!(
+                        "{}.{}",
+                        d.compute_capability.0, d.compute_capability.1
+                    ),
+                    total_bytes: d.total_bytes,
+                    free_bytes: d.free_bytes,
+                })
+                .collect(),
+            None,
+        ),
+        Err(e) => (Vec::new(), Some(e.to_string())),
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+fn probe(device_files: usize) -> (Vec<GpuDevice>, Option<String>) {
+    let reason = if device_files > 0 {
+        format!(
+            "{device_files} NVIDIA device files present, but this engramd was built without the \
+             `cuda` feature"
+        )
+    } else {
+        "no NVIDIA device, and this engramd was built without the `cuda` feature".into()
+    };
+    (Vec::new(), Some(reason))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The build machines have no GPU: the status says so with a reason and serving stays on
+    /// the CPU; with a GPU, every device is listed.
+    #[test]
+    fn detection_lists_devices_or_gives_a_reason() {
+        let s = GpuStatus::detect(0);
+        assert_eq!(s.serving, "cpu");
+        if s.available {
+            assert!(!s.devices.is_empty() && s.reason.is_none());
+        } else {
+            assert!(s.devices.is_empty());
+            assert!(!s.reason.as_deref().unwrap_or("").is_empty());
+        }
+        let json = serde_json::to_value(&s).unwrap();
+        assert!(json["available"].is_boolean() && json["devices"].is_array());
+    }
+}
