@@ -21,7 +21,7 @@ cargo fmt --all --check
 cargo clippy --workspace --all-targets --locked -- -D warnings
 # The GPU code builds and lints without CUDA (loaded at run time); its kernels' CUDA source is
 # compiled by NVRTC, which needs no GPU.
-cargo clippy -p engram-cli --features cuda --all-targets --locked -- -D warnings
+cargo clippy -p engram-cli -p engram-server --features engram-cli/cuda,engram-server/cuda --all-targets --locked -- -D warnings
 nvrtc_lib="$(scripts/fetch-nvrtc.sh)"
 ENGRAM_REQUIRE_NVRTC=1 LD_LIBRARY_PATH="$nvrtc_lib" cargo test -p engram-kernels-cuda --locked
 cargo test --workspace --locked
