@@ -43,6 +43,7 @@ const KERNELS: &[&str] = &[
     "swiglu",
     "rope",
     "kv_store",
+    "kv_import",
     "attention",
     "attention_decode",
     "attention_combine",
@@ -293,6 +294,85 @@ impl Device {
     /// Waits until everything queued on the device's stream has run.
     pub fn synchronize(&self) -> Result<()> {
         self.stream.synchronize()?;
+        Ok(())
+    }
+}
+
+/// Page-locked host memory: copies from it to the device run asynchronously at the bus's full
+/// rate (stored chunk KV staged for upload). Freed on drop, after the device has finished
+/// every queued copy; [`Pinned::bytes_mut`] also waits for them first, so a copy in flight never
+/// sees its source change.
+pub struct Pinned {
+    ptr: *mut u8,
+    len: usize,
+    ctx: Arc<CudaContext>,
+}
+
+impl Pinned {
+    /// The memory, to read.
+    pub fn bytes(&self) -> &[u8] {
+        // SAFETY: `ptr` is a live page-locked allocation of `len` bytes owned by `self`.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+
+    /// The memory, to fill, once every queued copy from it has finished.
+    pub fn bytes_mut(&mut self) -> Result<&mut [u8]> {
+        self.ctx.bind_to_thread()?;
+        self.ctx.synchronize()?;
+        // SAFETY: as in `bytes`, and no copy from it is in flight (synchronised above).
+        Ok(unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) })
+    }
+}
+
+impl Drop for Pinned {
+    fn drop(&mut self) {
+        if self.ctx.bind_to_thread().is_ok() && self.ctx.synchronize().is_ok() {
+            // SAFETY: `ptr` came from `malloc_host` and is freed exactly once, here, after the
+            // device finished every queued copy from it.
+            let _ = unsafe { cudarc::driver::result::free_host(self.ptr.cast()) };
+        }
+    }
+}
+
+impl Device {
+    /// `bytes` of zeroed page-locked host memory.
+    pub fn pinned(&self, bytes: usize) -> Result<Pinned> {
+        self.ctx.bind_to_thread()?;
+        // SAFETY: a plain page-locked allocation, freed once by `Pinned::drop`.
+        let ptr = unsafe { cudarc::driver::result::malloc_host(bytes.max(1), 0) }?.cast::<u8>();
+        // SAFETY: the allocation holds at least `bytes` bytes.
+        unsafe { std::ptr::write_bytes(ptr, 0, bytes) };
+        Ok(Pinned {
+            ptr,
+            len: bytes,
+            ctx: self.ctx.clone(),
+        })
+    }
+
+    /// Queues a copy of `bytes` from `src` at `src_offset` to `dst` at `dst_offset`; returns at
+    /// once (the DMA runs while the device computes).
+    pub fn write_pinned(
+        &self,
+        dst: &Buffer,
+        dst_offset: usize,
+        src: &Pinned,
+        src_offset: usize,
+        bytes: usize,
+    ) -> Result<()> {
+        if dst_offset + bytes > dst.bytes || src_offset + bytes > src.len {
+            return Err(CudaError::Driver("pinned copy out of bounds".into()));
+        }
+        self.ctx.bind_to_thread()?;
+        // SAFETY: both ranges are inside their allocations (checked above); the source stays
+        // allocated and unchanged until the copy ran, since `Pinned` waits for the device
+        // before it is freed or handed out for writing.
+        unsafe {
+            cudarc::driver::result::memcpy_htod_async(
+                dst.ptr + dst_offset as u64,
+                &src.bytes()[src_offset..src_offset + bytes],
+                self.stream.cu_stream(),
+            )
+        }?;
         Ok(())
     }
 }

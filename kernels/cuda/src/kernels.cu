@@ -632,6 +632,45 @@ extern "C" __global__ void kv_store(const float* k, const float* v, u16* kc, u16
     }
 }
 
+// Stored chunk KV into the cache: stage_k/stage_v hold `len` slots of every layer and KV head
+// ([layer][kv_head][len][head_dim], f16, keys after RoPE at their stored positions); they go to
+// slots first_slot.. of every layer's cache, the keys rotated on by the shift's (cos, sin) per
+// pair (`shift`: [pairs]) as Rope::shift does on the CPU. One thread per value.
+extern "C" __global__ void kv_import(const u16* stage_k, const u16* stage_v, u16* kc, u16* vc,
+                                     int first_slot, int len, int n_layer, int kv_heads,
+                                     int head_dim, int capacity, const float2* shift, int pairs,
+                                     int neox) {
+    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    size_t total = (size_t)n_layer * kv_heads * len * head_dim;
+    if (i >= total) return;
+    int d = i % head_dim;
+    size_t row = i / head_dim;  // (layer * kv_heads + head) * len + t
+    int t = row % len;
+    size_t lh = row / len;
+    const u16* kr = stage_k + row * head_dim;
+    float out;
+    if (neox) {
+        if (d < pairs) {
+            float2 cs = shift[d];
+            out = h2f(kr[d]) * cs.x - h2f(kr[d + pairs]) * cs.y;
+        } else if (d < 2 * pairs) {
+            float2 cs = shift[d - pairs];
+            out = h2f(kr[d - pairs]) * cs.y + h2f(kr[d]) * cs.x;
+        } else {
+            out = h2f(kr[d]);
+        }
+    } else if (d < 2 * pairs) {
+        float2 cs = shift[d / 2];
+        out = (d & 1) ? h2f(kr[d - 1]) * cs.y + h2f(kr[d]) * cs.x
+                      : h2f(kr[d]) * cs.x - h2f(kr[d + 1]) * cs.y;
+    } else {
+        out = h2f(kr[d]);
+    }
+    size_t dst = (lh * capacity + first_slot + t) * head_dim + d;
+    kc[dst] = f2h(out);
+    vc[dst] = stage_v[i];
+}
+
 // Attention of queries q ([n_q][n_head * head_dim]) at positions q_pos over the first kv_len
 // slots of one layer's cache (slot j visible to query i when kv_pos[j] <= q_pos[i]), split over
 // gridDim.z ranges of the slots: each (query tile, head, split) block writes its running max,

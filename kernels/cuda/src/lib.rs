@@ -14,7 +14,7 @@
 mod device;
 mod ops;
 
-pub use device::{compile_ptx, probe, Buffer, Device, DeviceInfo};
+pub use device::{compile_ptx, probe, Buffer, Device, DeviceInfo, Pinned};
 pub use ops::{supports, AttentionArgs, MatmulScratch, Weight, MAX_GEMV_BATCH};
 
 /// Errors of the GPU path.

@@ -490,6 +490,86 @@ impl Device {
         Ok(())
     }
 
+    /// Appends stored KV to one sequence's caches: `stage_k`/`stage_v` hold `len` slots of
+    /// every layer and KV head (`[layer][kv_head][len][head_dim]` f16, keys after RoPE), which
+    /// go to slots `first_slot..` of every layer, the keys rotated on by `shift` (`[pairs]`
+    /// (cos, sin) pairs, pairs as in [`Device::rope`]).
+    #[allow(clippy::too_many_arguments)]
+    pub fn kv_import(
+        &self,
+        stage_k: &Buffer,
+        stage_v: &Buffer,
+        keys: &Buffer,
+        values: &Buffer,
+        first_slot: usize,
+        len: usize,
+        n_layer: usize,
+        kv_heads: usize,
+        head_dim: usize,
+        capacity: usize,
+        shift: &Buffer,
+        pairs: usize,
+        neox: bool,
+    ) -> Result<()> {
+        let total = n_layer * kv_heads * len * head_dim;
+        need(stage_k, total * 2, "kv_import staged keys")?;
+        need(stage_v, total * 2, "kv_import staged values")?;
+        need(
+            keys,
+            n_layer * kv_heads * capacity * head_dim * 2,
+            "kv_import key cache",
+        )?;
+        need(
+            values,
+            n_layer * kv_heads * capacity * head_dim * 2,
+            "kv_import value cache",
+        )?;
+        need(shift, pairs * 8, "kv_import shift")?;
+        if first_slot + len > capacity || 2 * pairs > head_dim {
+            return Err(CudaError::Unsupported(format!(
+                "{len} slots at {first_slot} of {capacity}, {pairs} pairs in {head_dim}"
+            )));
+        }
+        if total == 0 {
+            return Ok(());
+        }
+        let (sk, sv, kc, vc, sh) = (
+            stage_k.at(0),
+            stage_v.at(0),
+            keys.at(0),
+            values.at(0),
+            shift.at(0),
+        );
+        let (first, len_i, layers, heads, hd, cap, pairs_i, neox_i) = (
+            i32_of(first_slot, "slot")?,
+            i32_of(len, "len")?,
+            i32_of(n_layer, "layers")?,
+            i32_of(kv_heads, "kv heads")?,
+            i32_of(head_dim, "head_dim")?,
+            i32_of(capacity, "capacity")?,
+            i32_of(pairs, "pairs")?,
+            i32::from(neox),
+        );
+        let mut b = self.stream.launch_builder(self.func("kv_import")?);
+        b.arg(&sk)
+            .arg(&sv)
+            .arg(&kc)
+            .arg(&vc)
+            .arg(&first)
+            .arg(&len_i)
+            .arg(&layers)
+            .arg(&heads)
+            .arg(&hd)
+            .arg(&cap)
+            .arg(&sh)
+            .arg(&pairs_i)
+            .arg(&neox_i);
+        // SAFETY: one thread per staged value; every destination slot is below `capacity`
+        // (checked above) inside caches of n_layer layers.
+        unsafe { b.launch(elementwise(total)) }?;
+        Ok(())
+    }
+
     /// Bytes of partial results [`Device::attention`] needs for `n_q` queries over `kv_len`
     /// slots.
     pub fn attention_scratch(n_q: usize, n_head: usize, head_dim: usize, kv_len: usize) -> usize {
