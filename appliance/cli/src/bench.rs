@@ -45,7 +45,7 @@ pub struct BenchReport {
 
 /// Deterministic pseudo-random token ids (as llama-bench, the content does not change the
 /// work), avoiding the special ids at the bottom of the vocabulary.
-fn tokens(n: usize, vocab: usize, seed: u64) -> Vec<u32> {
+pub(crate) fn tokens(n: usize, vocab: usize, seed: u64) -> Vec<u32> {
     let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
     (0..n)
         .map(|_| {

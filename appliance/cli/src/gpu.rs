@@ -239,16 +239,9 @@ mod imp {
         })
     }
 
+    /// `engram bench`'s pseudo-random prompt ids.
     fn pseudo_tokens(n: usize, vocab: usize, seed: u64) -> Vec<u32> {
-        let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-        (0..n)
-            .map(|_| {
-                s ^= s << 13;
-                s ^= s >> 7;
-                s ^= s << 17;
-                (100 + s % (vocab as u64 - 100)) as u32
-            })
-            .collect()
+        crate::bench::tokens(n, vocab, seed)
     }
 
     fn positions(from: usize, n: usize) -> Vec<i32> {
@@ -299,15 +292,20 @@ mod imp {
         steps: Vec<Vec<f32>>,
     }
 
-    fn cpu_run(model: &Model, ids: &[u32], decode: usize) -> Result<Run> {
-        let mut kv = model.new_cache(ids.len() + decode + 1);
-        let logits = model.prefill(ids, &positions(0, ids.len()), &mut kv, Logits::All)?;
-        let v = model.config().vocab_size;
-        let mut greedy = vec![argmax(&logits[logits.len() - v..])];
+    /// Prefills `ids` (logits of every position), then decodes `decode` greedy tokens, each
+    /// fed back: `prefill` and `step` (token, position) are the side's forward calls.
+    fn greedy_run(
+        ids: &[u32],
+        vocab: usize,
+        decode: usize,
+        prefill: impl FnOnce(&[u32], &[i32]) -> Result<Vec<f32>>,
+        mut step: impl FnMut(u32, i32) -> Result<Vec<f32>>,
+    ) -> Result<Run> {
+        let logits = prefill(ids, &positions(0, ids.len()))?;
+        let mut greedy = vec![argmax(&logits[logits.len() - vocab..])];
         let mut steps = Vec::new();
-        for step in 0..decode {
-            let p = [(ids.len() + step) as i32];
-            let l = model.forward(&[*greedy.last().unwrap()], &p, &mut kv, Logits::Last)?;
+        for i in 0..decode {
+            let l = step(*greedy.last().expect("one token"), (ids.len() + i) as i32)?;
             greedy.push(argmax(&l));
             steps.push(l);
         }
@@ -318,23 +316,36 @@ mod imp {
         })
     }
 
+    fn cpu_run(model: &Model, ids: &[u32], decode: usize) -> Result<Run> {
+        let kv = std::cell::RefCell::new(model.new_cache(ids.len() + decode + 1));
+        greedy_run(
+            ids,
+            model.config().vocab_size,
+            decode,
+            |t, p| Ok(model.prefill(t, p, &mut kv.borrow_mut(), Logits::All)?),
+            |t, p| Ok(model.forward(&[t], &[p], &mut kv.borrow_mut(), Logits::Last)?),
+        )
+    }
+
     fn gpu_run(gpu: &mut GpuModel, ids: &[u32], decode: usize) -> Result<Run> {
-        let mut kv = gpu.new_cache(ids.len() + decode + 1)?;
-        let logits = gpu.forward(ids, &positions(0, ids.len()), &mut kv, Logits::All)?;
-        let v = gpu.model().config().vocab_size;
-        let mut greedy = vec![argmax(&logits[logits.len() - v..])];
-        let mut steps = Vec::new();
-        for step in 0..decode {
-            let p = [(ids.len() + step) as i32];
-            let l = gpu.forward(&[*greedy.last().unwrap()], &p, &mut kv, Logits::Last)?;
-            greedy.push(argmax(&l));
-            steps.push(l);
-        }
-        Ok(Run {
-            logits,
-            greedy,
-            steps,
-        })
+        let kv = std::cell::RefCell::new(gpu.new_cache(ids.len() + decode + 1)?);
+        let vocab = gpu.model().config().vocab_size;
+        let gpu = std::cell::RefCell::new(gpu);
+        greedy_run(
+            ids,
+            vocab,
+            decode,
+            |t, p| {
+                Ok(gpu
+                    .borrow_mut()
+                    .forward(t, p, &mut kv.borrow_mut(), Logits::All)?)
+            },
+            |t, p| {
+                Ok(gpu
+                    .borrow_mut()
+                    .forward(&[t], &[p], &mut kv.borrow_mut(), Logits::Last)?)
+            },
+        )
     }
 
     fn compare(gpu: &Run, cpu: &Run, v: usize) -> serde_json::Value {

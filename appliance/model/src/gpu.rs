@@ -510,24 +510,9 @@ impl GpuModel {
         overwrite: &[usize],
         logits: Logits,
     ) -> Result<Vec<f32>> {
-        let cfg = self.model.config().clone();
         let mut bounds = vec![0usize];
         for (tokens, positions, kv) in seqs.iter() {
-            if tokens.len() != positions.len() {
-                return Err(ModelError::PositionCount {
-                    tokens: tokens.len(),
-                    positions: positions.len(),
-                });
-            }
-            if let Some(&id) = tokens.iter().find(|&&t| t as usize >= cfg.vocab_size) {
-                return Err(ModelError::TokenOutOfRange {
-                    id,
-                    vocab_size: cfg.vocab_size,
-                });
-            }
-            if let Some(&p) = positions.iter().find(|&&p| p < 0) {
-                return Err(ModelError::BadPosition { position: p.into() });
-            }
+            self.model.check_tokens(tokens, positions)?;
             let appended = tokens.len() - overwrite.len().min(tokens.len());
             if kv.len() + appended > kv.capacity {
                 return Err(ModelError::CacheFull {

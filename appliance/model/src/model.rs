@@ -454,6 +454,13 @@ impl Model {
     }
 
     fn check_call(&self, tokens: &[u32], positions: &[i32], kv: &KvCache) -> Result<()> {
+        self.check_tokens(tokens, positions)?;
+        kv.check_layout(&self.cfg)
+    }
+
+    /// One position per token, every token in the vocabulary, no negative position (the checks
+    /// every forward entry point makes, on the CPU or the GPU, before touching a cache).
+    pub(crate) fn check_tokens(&self, tokens: &[u32], positions: &[i32]) -> Result<()> {
         let cfg = &self.cfg;
         if tokens.len() != positions.len() {
             return Err(ModelError::PositionCount {
@@ -470,7 +477,7 @@ impl Model {
         if let Some(&p) = positions.iter().find(|&&p| p < 0) {
             return Err(ModelError::BadPosition { position: p.into() });
         }
-        kv.check_layout(cfg)
+        Ok(())
     }
 
     /// Appends the call's new slots to each sequence's cache (`kvs[s]` for sequence `s`; only

@@ -339,11 +339,7 @@ impl Device {
         let (xp, wp, op, width_i) = (x.at(0), w.at(0), out.at(0), i32_of(width, "width")?);
         let mut b = self.stream.launch_builder(self.func("rms_norm")?);
         b.arg(&xp).arg(&wp).arg(&op).arg(&width_i).arg(&eps);
-        let cfg = LaunchConfig {
-            grid_dim: (rows as u32, 1, 1),
-            block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        let cfg = per_row(rows);
         // SAFETY: one block per row, each touching its own `width` values (checked above).
         unsafe { b.launch(cfg) }?;
         Ok(())
@@ -418,11 +414,7 @@ impl Device {
         );
         let mut b = self.stream.launch_builder(self.func("rope")?);
         b.arg(&xp).arg(&ap).arg(&h).arg(&hd).arg(&p).arg(&nx);
-        let cfg = LaunchConfig {
-            grid_dim: (rows as u32, 1, 1),
-            block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        let cfg = per_row(rows);
         // SAFETY: block t touches row t of x and of angles only (sizes checked above).
         unsafe { b.launch(cfg) }?;
         Ok(())
@@ -479,11 +471,7 @@ impl Device {
             .arg(&h)
             .arg(&hd)
             .arg(&cap);
-        let cfg = LaunchConfig {
-            grid_dim: (rows as u32, 1, 1),
-            block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        let cfg = per_row(rows);
         // SAFETY: sizes checked above; the caller guarantees every slot is below `capacity`
         // (the cache's host-side bookkeeping hands them out).
         unsafe { b.launch(cfg) }?;
@@ -873,6 +861,15 @@ fn attention_splits(n_q: usize, kv_len: usize) -> usize {
     kv_len
         .div_ceil(DECODE_SLOTS_PER_SPLIT)
         .clamp(1, DECODE_MAX_SPLITS)
+}
+
+/// One block of [`THREADS`] per row.
+fn per_row(rows: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (rows as u32, 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    }
 }
 
 fn elementwise(n: usize) -> LaunchConfig {
