@@ -505,16 +505,12 @@ mod imp {
                     })
                 );
             }
-            dev = Some(into_device(gpu));
+            dev = Some(gpu.into_device());
         }
         if failed {
             bail!("the GPU path disagrees with the CPU path (see the lines above)");
         }
         Ok(())
-    }
-
-    fn into_device(gpu: GpuModel) -> Device {
-        gpu.into_device()
     }
 
     /// log-softmax of `v` (f64).

@@ -222,7 +222,7 @@ impl Model {
         kv: &mut KvCache,
         logits: Logits,
     ) -> Result<Vec<f32>> {
-        self.forward_with(tokens, positions, kv, logits, None)
+        self.forward_with(tokens, positions, kv, logits, None, 0, None)
     }
 
     /// Runs `tokens` at `positions` in calls of at most [`PREFILL_CHUNK`] tokens (bounding the
@@ -327,7 +327,7 @@ impl Model {
     ) -> Result<Vec<f32>> {
         // Shorten the observer's own lifetime to the borrow's (`Call` holds one lifetime).
         let observer: &mut LayerObserver<'_> = observer;
-        self.forward_with(tokens, positions, kv, logits, Some(observer))
+        self.forward_with(tokens, positions, kv, logits, Some(observer), 0, None)
     }
 
     /// Runs layers `first_layer..` and the output head on `input`, the residual stream the
@@ -344,30 +344,26 @@ impl Model {
         kv: &mut KvCache,
         logits: Logits,
     ) -> Result<Vec<f32>> {
-        self.check_call(tokens, positions, kv)?;
         if input.len() != tokens.len() * self.cfg.n_embd {
             return Err(ModelError::PositionCount {
                 tokens: input.len() / self.cfg.n_embd.max(1),
                 positions: tokens.len(),
             });
         }
-        if tokens.is_empty() {
-            return Ok(Vec::new());
-        }
-        let call = Call {
+        self.forward_with(
             tokens,
             positions,
-            bounds: &[0, tokens.len()],
-            overwrite: &[],
+            kv,
             logits,
-            observer: None,
-            blend: None,
+            None,
             first_layer,
-            input: Some(input),
-        };
-        self.run(call, &mut [kv]).map(|(logits, _)| logits)
+            Some(input),
+        )
     }
 
+    /// One sequence's forward call from layer `first_layer` (0: from the embeddings of
+    /// `tokens`, else from `input`, the residual stream entering that layer).
+    #[allow(clippy::too_many_arguments)]
     fn forward_with<'f>(
         &self,
         tokens: &[u32],
@@ -375,6 +371,8 @@ impl Model {
         kv: &mut KvCache,
         logits: Logits,
         observer: Option<&'f mut LayerObserver<'f>>,
+        first_layer: usize,
+        input: Option<&'f [f32]>,
     ) -> Result<Vec<f32>> {
         self.check_call(tokens, positions, kv)?;
         if tokens.is_empty() {
@@ -388,8 +386,8 @@ impl Model {
             logits,
             observer,
             blend: None,
-            first_layer: 0,
-            input: None,
+            first_layer,
+            input,
         };
         self.run(call, &mut [kv]).map(|(logits, _)| logits)
     }

@@ -219,12 +219,7 @@ impl Device {
     /// is pageable, so the call returns once the driver has staged it: `data` may be dropped.
     pub fn write<T: Copy>(&self, buf: &Buffer, offset: usize, data: &[T]) -> Result<()> {
         let bytes = std::mem::size_of_val(data);
-        if offset + bytes > buf.bytes {
-            return Err(CudaError::Driver(format!(
-                "write of {bytes} bytes at {offset} past a {}-byte buffer",
-                buf.bytes
-            )));
-        }
+        buf.check(offset, bytes, "write")?;
         if bytes == 0 {
             return Ok(());
         }
@@ -244,12 +239,7 @@ impl Device {
     /// Copies `out.len()` values from `buf` at byte `offset` after everything queued before.
     pub fn read<T: Copy>(&self, buf: &Buffer, offset: usize, out: &mut [T]) -> Result<()> {
         let bytes = std::mem::size_of_val(out);
-        if offset + bytes > buf.bytes {
-            return Err(CudaError::Driver(format!(
-                "read of {bytes} bytes at {offset} past a {}-byte buffer",
-                buf.bytes
-            )));
-        }
+        buf.check(offset, bytes, "read")?;
         if bytes == 0 {
             return Ok(());
         }
@@ -275,9 +265,8 @@ impl Device {
         dst_offset: usize,
         bytes: usize,
     ) -> Result<()> {
-        if src_offset + bytes > src.bytes || dst_offset + bytes > dst.bytes {
-            return Err(CudaError::Driver("device copy out of bounds".into()));
-        }
+        src.check(src_offset, bytes, "device copy from")?;
+        dst.check(dst_offset, bytes, "device copy to")?;
         self.ctx.bind_to_thread()?;
         // SAFETY: both ranges are inside their buffers (checked above).
         unsafe {
@@ -359,8 +348,9 @@ impl Device {
         src_offset: usize,
         bytes: usize,
     ) -> Result<()> {
-        if dst_offset + bytes > dst.bytes || src_offset + bytes > src.len {
-            return Err(CudaError::Driver("pinned copy out of bounds".into()));
+        dst.check(dst_offset, bytes, "pinned copy to")?;
+        if src_offset + bytes > src.len {
+            return Err(CudaError::Driver("pinned copy past its host buffer".into()));
         }
         self.ctx.bind_to_thread()?;
         // SAFETY: both ranges are inside their allocations (checked above); the source stays
@@ -388,6 +378,17 @@ impl Buffer {
     /// Size in bytes.
     pub fn bytes(&self) -> usize {
         self.bytes
+    }
+
+    /// An error unless `bytes` bytes from `offset` lie inside the buffer.
+    fn check(&self, offset: usize, bytes: usize, what: &str) -> Result<()> {
+        if offset.checked_add(bytes).is_none_or(|end| end > self.bytes) {
+            return Err(CudaError::Driver(format!(
+                "{what} of {bytes} bytes at {offset} past a {}-byte buffer",
+                self.bytes
+            )));
+        }
+        Ok(())
     }
 
     /// The device address `offset` bytes in (for kernel arguments).

@@ -164,10 +164,12 @@ impl Device {
         let cols_i = i32_of(cols, "cols")?;
         let n_i = i32_of(n, "n")?;
         for (w, y) in ws.iter().zip(ys) {
-            let suffix = kernel_suffix(w.ty).ok_or_else(|| {
-                CudaError::Unsupported(format!("weights of type {}", w.ty.name()))
-            })?;
-            let _ = suffix;
+            if kernel_suffix(w.ty).is_none() {
+                return Err(CudaError::Unsupported(format!(
+                    "weights of type {}",
+                    w.ty.name()
+                )));
+            }
             if !cols.is_multiple_of(w.ty.block_size()) || !cols.is_multiple_of(32) {
                 return Err(CudaError::Unsupported(format!(
                     "{cols}-wide rows of {}",
@@ -359,25 +361,23 @@ impl Device {
 
     /// `x += y` over `n` values.
     pub fn add(&self, x: &Buffer, y: &Buffer, n: usize) -> Result<()> {
-        need(x, n * 4, "add x")?;
-        need(y, n * 4, "add y")?;
-        let (xp, yp, n64) = (x.at(0), y.at(0), n as u64);
-        let mut b = self.stream.launch_builder(self.func("add")?);
-        b.arg(&xp).arg(&yp).arg(&n64);
-        // SAFETY: n values of each, checked above.
-        unsafe { b.launch(elementwise(n)) }?;
-        Ok(())
+        self.pairwise("add", x, y, n)
     }
 
     /// `gate = silu(gate) * up` over `n` values.
     pub fn swiglu(&self, gate: &Buffer, up: &Buffer, n: usize) -> Result<()> {
-        need(gate, n * 4, "swiglu gate")?;
-        need(up, n * 4, "swiglu up")?;
-        let (gp, up_p, n64) = (gate.at(0), up.at(0), n as u64);
-        let mut b = self.stream.launch_builder(self.func("swiglu")?);
-        b.arg(&gp).arg(&up_p).arg(&n64);
+        self.pairwise("swiglu", gate, up, n)
+    }
+
+    /// Runs the element-wise `kernel(a, b, n)`, which updates `n` f32 values of `a` from `b`.
+    fn pairwise(&self, kernel: &str, a: &Buffer, b: &Buffer, n: usize) -> Result<()> {
+        need(a, n * 4, kernel)?;
+        need(b, n * 4, kernel)?;
+        let (ap, bp, n64) = (a.at(0), b.at(0), n as u64);
+        let mut l = self.stream.launch_builder(self.func(kernel)?);
+        l.arg(&ap).arg(&bp).arg(&n64);
         // SAFETY: n values of each, checked above.
-        unsafe { b.launch(elementwise(n)) }?;
+        unsafe { l.launch(elementwise(n)) }?;
         Ok(())
     }
 
