@@ -87,6 +87,19 @@ pub(crate) fn k4_scales_mins(s: &[u8; 12]) -> ([u8; 8], [u8; 8]) {
     (sc, mn)
 }
 
+/// Scale and min `j` (0..8) of a Q4_K / Q5_K `scales` field: one entry of [`k4_scales_mins`].
+#[inline(always)]
+pub(crate) fn k4_scale_min(s: &[u8; 12], j: usize) -> (u8, u8) {
+    if j < 4 {
+        (s[j] & 63, s[j + 4] & 63)
+    } else {
+        (
+            (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4),
+            (s[j + 4] >> 4) | ((s[j] >> 6) << 4),
+        )
+    }
+}
+
 /// The `scales` field of a Q4_K / Q5_K block (bytes 4..16).
 #[inline(always)]
 pub(crate) fn k4_scales_field(b: &[u8]) -> &[u8; 12] {
@@ -137,5 +150,21 @@ mod tests {
         assert_eq!(sc[5], 0b10_1101);
         assert_eq!(mn[1], 9);
         assert_eq!(mn[5], 0b01_0011);
+        for j in 0..8 {
+            assert_eq!(k4_scale_min(&s, j), (sc[j], mn[j]), "entry {j}");
+        }
+    }
+
+    #[test]
+    fn k4_scale_min_matches_the_whole_unpack() {
+        for seed in 0u32..64 {
+            let s: [u8; 12] = std::array::from_fn(|i| {
+                (seed.wrapping_mul(2_654_435_761) >> (i % 24)) as u8 ^ (i as u8).wrapping_mul(37)
+            });
+            let (sc, mn) = k4_scales_mins(&s);
+            for j in 0..8 {
+                assert_eq!(k4_scale_min(&s, j), (sc[j], mn[j]), "seed {seed} entry {j}");
+            }
+        }
     }
 }

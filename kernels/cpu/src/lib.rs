@@ -9,8 +9,9 @@
 //! takes integer dot products. This crate does the same, with the same rounding, so the model
 //! crate gets llama.cpp's numerics from one entry point, [`matmul`].
 //!
-//! Matmuls run on a persistent [`ThreadPool`] (no thread is spawned per call). Q4_0, Q4_1 and
-//! Q8_0 weights go through register-tiled integer kernels (AVX-512 VNNI or AVX2) that reuse each
+//! Matmuls run on a persistent [`ThreadPool`] (no thread is spawned per call). Every quantised
+//! weight format (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) goes through register-tiled
+//! integer kernels (AVX-512 VNNI or AVX2) that reuse each
 //! unpacked weight block across several tokens and each activation block across several rows.
 //!
 //! The f32 embedding model takes another route: its weights are packed once into row panels

@@ -9,8 +9,9 @@ use crate::pool::ThreadPool;
 use crate::quantize::quantize_into;
 
 /// Weight bytes times tokens per pool task of the per-pair dot loop (formats without a tiled
-/// kernel): about 64 KiB of streamed weights, tens of microseconds of work, which dwarfs the
-/// ~100 ns of claiming a task and still splits a 576 x 576 Q4_K matrix into ~4 tasks.
+/// kernel: f16, bf16, and any format on the scalar ISA): about 64 KiB of streamed weights, tens
+/// of microseconds of work, which dwarfs the ~100 ns of claiming a task and still splits a
+/// 576 x 576 f16 matrix into ~10 tasks.
 const DOT_BYTES_PER_TASK: usize = 64 * 1024;
 
 /// A row-major weight matrix in a GGML format: `rows` rows of `cols` elements each.
@@ -77,9 +78,9 @@ impl<'a> QMatrix<'a> {
 /// `out[t * rows + r] = dot(w.row(r), x[t * cols .. (t + 1) * cols])` for `t` in `0..n_tokens`.
 ///
 /// Each token's activations are quantised once to `w.ty`'s vec-dot type, as llama.cpp does (in
-/// parallel on `pool`), then every (row, token) pair is an integer dot product. Q4_0, Q4_1 and
-/// Q8_0 weights use the register-tiled kernels (tiles of rows x tokens, split over `pool` by row
-/// blocks and token chunks); other types take one dot per pair, rows split over `pool`. Either
+/// parallel on `pool`), then every (row, token) pair is an integer dot product. The quantised
+/// formats use the register-tiled kernels (tiles of rows x tokens, split over `pool` by row
+/// blocks and token chunks); float types take one dot per pair, rows split over `pool`. Either
 /// way a pair's result does not depend on `n_tokens`, the tiling or the thread count, and equals
 /// [`vec_dot`](crate::vec_dot) of that pair bit for bit.
 pub fn matmul(

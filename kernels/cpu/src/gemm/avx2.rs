@@ -6,8 +6,11 @@
 
 use std::arch::x86_64::*;
 
-use super::raw::{h16, ld16, prefetch, Raw};
-use super::{unpack_row, with_wbuf, Chunk, OutPtr, Span, Q4_0, Q4_1, Q8_0};
+use super::raw::{h16, ld16, prefetch, Raw, RawK};
+use super::{
+    has_mins, is_k, offset, unpack_row, with_wbuf, x_chunks, Chunk, OutPtr, Span, Q4_0, Q4_1, Q4_K,
+    Q5_0, Q5_1, Q5_K, Q6_K, Q8_0,
+};
 
 /// Rows per register tile: 2 x 4 accumulators leave 8 of the 16 ymm registers for operands.
 const R_MAX: usize = 2;
@@ -31,6 +34,11 @@ fn run_span_avx2(s: &Span<'_>, out: OutPtr) {
     match s.g.fmt {
         Q4_0 => span_fmt::<Q4_0>(s, out),
         Q4_1 => span_fmt::<Q4_1>(s, out),
+        Q5_0 => span_fmt::<Q5_0>(s, out),
+        Q5_1 => span_fmt::<Q5_1>(s, out),
+        Q4_K => span_fmt::<Q4_K>(s, out),
+        Q5_K => span_fmt::<Q5_K>(s, out),
+        Q6_K => span_fmt::<Q6_K>(s, out),
         _ => span_fmt::<Q8_0>(s, out),
     }
 }
@@ -65,7 +73,10 @@ fn span_fmt<const F: u8>(s: &Span<'_>, out: OutPtr) {
                 let x = &s.panel[t0 * xs..(t0 + nt) * xs];
                 macro_rules! tile {
                     ($r:literal, $t:literal) => {{
-                        let acc = if direct {
+                        let acc = if direct && is_k(F) {
+                            let raw = RawK::<F, $r>::new(std::array::from_fn(row), g.nb);
+                            tile::<F, $r, $t>(&raw, x, xs, g.np, g.nc)
+                        } else if direct {
                             let raw = Raw::<F, $r>::new(std::array::from_fn(row), g.nb);
                             tile::<F, $r, $t>(&raw, x, xs, g.np, g.nc)
                         } else {
@@ -103,9 +114,10 @@ fn span_fmt<const F: u8>(s: &Span<'_>, out: OutPtr) {
 trait WSrc {
     /// Quants of row `r`, pair `k`: both 256-bit halves of the chunk.
     fn q(&self, r: usize, k: usize) -> [__m256i; 2];
-    /// Scales `[d0 x4, d1 x4]` of row `r`, pair `k`.
-    fn d(&self, r: usize, k: usize) -> __m256;
-    /// Q4_1 mins of row `r`, blocks `16 c .. 16 c + 16`, as two halves of 8.
+    /// Scales of row `r`, pair `k`, for each 256-bit half of its quants (`[d0 x4, d1 x4]` twice
+    /// for the 32-element formats, per sub-block for the K-quants).
+    fn d(&self, r: usize, k: usize) -> [__m256; 2];
+    /// Mins of row `r`, blocks `16 c .. 16 c + 16`, as two halves of 8.
     fn m(&self, r: usize, c: usize) -> [__m256; 2];
 }
 
@@ -123,8 +135,9 @@ impl WSrc for Unpacked<'_> {
         [ld(c, 0), ld(c, 1)]
     }
     #[inline(always)]
-    fn d(&self, r: usize, k: usize) -> __m256 {
-        ldps(&self.w[r * self.ws + k * 2 + 1], 0)
+    fn d(&self, r: usize, k: usize) -> [__m256; 2] {
+        let c = &self.w[r * self.ws + k * 2 + 1];
+        [ldps(c, 0), ldps(c, 1)]
     }
     #[inline(always)]
     fn m(&self, r: usize, c: usize) -> [__m256; 2] {
@@ -169,21 +182,32 @@ impl<const F: u8, const R: usize> WSrc for Raw<'_, F, R> {
                 return [lo, _mm256_set_m128i(hi1, hi0)];
             }
             let m = _mm256_set1_epi8(0x0F);
-            [
+            let q = [
                 _mm256_and_si256(lo, m),
                 _mm256_and_si256(_mm256_srli_epi16::<4>(lo), m),
+            ];
+            if !Self::Q5 {
+                return q;
+            }
+            // The fifth bits: bit j of a block's qh is element j's; the low half holds elements
+            // 0..16 of blocks b0, b1, the high half elements 16..32.
+            let (h0, h1) = (self.qh(r, b0), self.qh(r, b1));
+            [
+                _mm256_or_si256(q[0], bits_to_bytes((h0 & 0xFFFF) | h1 << 16)),
+                _mm256_or_si256(q[1], bits_to_bytes(h0 >> 16 | (h1 >> 16) << 16)),
             ]
         }
     }
     #[inline(always)]
-    fn d(&self, r: usize, k: usize) -> __m256 {
+    fn d(&self, r: usize, k: usize) -> [__m256; 2] {
         let bits =
             h16(self.block(r, 2 * k), 0) as i32 | (h16(self.block(r, 2 * k + 1), 0) as i32) << 16;
         // SAFETY: only called from `tile`, which enables AVX2 and F16C.
         unsafe {
             let d01 = _mm_cvtph_ps(_mm_cvtsi32_si128(bits));
             let idx = _mm256_set_epi32(1, 1, 1, 1, 0, 0, 0, 0);
-            _mm256_permutevar8x32_ps(_mm256_castps128_ps256(d01), idx)
+            let d = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(d01), idx);
+            [d, d]
         }
     }
     #[inline(always)]
@@ -199,6 +223,100 @@ impl<const F: u8, const R: usize> WSrc for Raw<'_, F, R> {
                 _mm256_cvtph_ps(_mm_loadu_si128(h.as_ptr().add(8).cast())),
             ]
         }
+    }
+}
+
+impl<const F: u8, const R: usize> WSrc for RawK<'_, F, R> {
+    #[inline(always)]
+    fn q(&self, r: usize, k: usize) -> [__m256i; 2] {
+        let (p, j) = (self.ptr(r, k / 4), k % 4);
+        // SAFETY: as in the AVX-512 `RawK::q`: `p` is a whole super-block of the row and every
+        // load reads inside it, unaligned. Only called from `tile`, which enables AVX2.
+        unsafe {
+            let m4 = _mm256_set1_epi8(0x0F);
+            if F == Q6_K {
+                let (n, odd) = (j / 2, j % 2 == 1);
+                let nib = |v: __m256i| {
+                    if odd {
+                        _mm256_and_si256(_mm256_srli_epi16::<4>(v), m4)
+                    } else {
+                        _mm256_and_si256(v, m4)
+                    }
+                };
+                let ql0 = _mm256_loadu_si256(p.add(64 * n).cast());
+                let ql1 = _mm256_loadu_si256(p.add(64 * n + 32).cast());
+                let qh = _mm256_loadu_si256(p.add(128 + 32 * n).cast());
+                let sh = 4 * odd as i32;
+                let high = |s: i32| {
+                    let h = _mm256_srl_epi16(qh, _mm_cvtsi32_si128(s));
+                    _mm256_slli_epi16::<4>(_mm256_and_si256(h, _mm256_set1_epi8(3)))
+                };
+                return [
+                    _mm256_or_si256(nib(ql0), high(sh)),
+                    _mm256_or_si256(nib(ql1), high(sh + 2)),
+                ];
+            }
+            let qo = if F == Q5_K { 48 } else { 16 };
+            let v = _mm256_loadu_si256(p.add(qo + 32 * j).cast());
+            let q = [
+                _mm256_and_si256(v, m4),
+                _mm256_and_si256(_mm256_srli_epi16::<4>(v), m4),
+            ];
+            if F != Q5_K {
+                return q;
+            }
+            let qh = _mm256_loadu_si256(p.add(16).cast());
+            let bit = |s: i32| {
+                let h = _mm256_srl_epi16(qh, _mm_cvtsi32_si128(s));
+                _mm256_slli_epi16::<4>(_mm256_and_si256(h, _mm256_set1_epi8(1)))
+            };
+            let sh = 2 * j as i32;
+            [
+                _mm256_or_si256(q[0], bit(sh)),
+                _mm256_or_si256(q[1], bit(sh + 1)),
+            ]
+        }
+    }
+    #[inline(always)]
+    fn d(&self, r: usize, k: usize) -> [__m256; 2] {
+        let [a, b, c, d] = self.scales(r, k);
+        // SAFETY: only called from `tile`, which enables AVX.
+        unsafe {
+            [
+                _mm256_setr_ps(a, a, a, a, b, b, b, b),
+                _mm256_setr_ps(c, c, c, c, d, d, d, d),
+            ]
+        }
+    }
+    #[inline(always)]
+    fn m(&self, r: usize, c: usize) -> [__m256; 2] {
+        let m = self.mins(r, c);
+        // SAFETY: `m` is 64 readable bytes; only called from `tile`, which enables AVX.
+        unsafe {
+            [
+                _mm256_loadu_ps(m.as_ptr()),
+                _mm256_loadu_ps(m.as_ptr().add(8)),
+            ]
+        }
+    }
+}
+
+/// 0x10 in byte `i` where bit `i` of `m` is set, else 0 (a Q5 fifth bit per element).
+#[inline(always)]
+fn bits_to_bytes(m: u32) -> __m256i {
+    // SAFETY: only called from `Raw::q`, inlined into `tile`, which enables AVX2.
+    unsafe {
+        // Byte i takes byte i / 8 of m (each 128-bit lane holds all four), then bit i % 8.
+        let v = _mm256_shuffle_epi8(
+            _mm256_set1_epi32(m as i32),
+            _mm256_setr_epi8(
+                0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3,
+                3, 3, 3, 3,
+            ),
+        );
+        let bit = _mm256_set1_epi64x(0x8040_2010_0804_0201_u64 as i64);
+        let set = _mm256_cmpeq_epi8(_mm256_and_si256(v, bit), bit);
+        _mm256_and_si256(set, _mm256_set1_epi8(0x10))
     }
 }
 
@@ -242,7 +360,7 @@ fn tile<const F: u8, const R: usize, const T: usize>(
     np: usize,
     nc: usize,
 ) -> [[f32; T]; R] {
-    let xf = if F == Q4_0 { 3 } else { 2 };
+    let xf = x_chunks(F);
     assert!(x.len() >= T * xs && xs >= np * xf + nc);
     let ones = _mm256_set1_epi16(1);
     let mut acc = [[_mm256_setzero_ps(); T]; R];
@@ -261,7 +379,17 @@ fn tile<const F: u8, const R: usize, const T: usize>(
             };
             for t in 0..T {
                 let xb = t * xs + k * xf;
-                let d = _mm256_mul_ps(wd, ldps(&x[xb + 1], 0));
+                // The activations' scales are the same in both halves.
+                let xd = ldps(&x[xb + 1], 0);
+                let d0 = _mm256_mul_ps(wd[0], xd);
+                let d = [
+                    d0,
+                    if is_k(F) {
+                        _mm256_mul_ps(wd[1], xd)
+                    } else {
+                        d0
+                    },
+                ];
                 for h in 0..2 {
                     let xq = ld(&x[xb], h);
                     let xq = if F == Q8_0 {
@@ -270,15 +398,15 @@ fn tile<const F: u8, const R: usize, const T: usize>(
                         xq
                     };
                     let mut lanes = _mm256_madd_epi16(_mm256_maddubs_epi16(wa[h], xq), ones);
-                    if F == Q4_0 {
+                    if offset(F) != 0 {
                         lanes = _mm256_add_epi32(lanes, ld(&x[xb + 2], h));
                     }
-                    acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes), d, acc[r][t]);
+                    acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes), d[h], acc[r][t]);
                 }
             }
         }
     }
-    if F == Q4_1 {
+    if has_mins(F) {
         for c in 0..nc {
             for r in 0..R {
                 let m = w.m(r, c);

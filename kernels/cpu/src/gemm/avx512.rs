@@ -7,13 +7,17 @@
 //! `is_x86_feature_detected!` confirmed avx512f, avx512bw, avx512vl, avx512vnni, avx2, fma and
 //! f16c; `run_span::<false>` only as `Isa::Avx512Bw` (the same without avx512vnni). Without
 //! VNNI, Q8_0 takes the sign trick (`|w| * (x * sign w)`, at most 2 x 128 x 127 per i16 pair, so
-//! `vpmaddubsw` cannot saturate) on unbiased activations, and the Q4 formats multiply nibbles
-//! (at most 15 x 127 x 2). Both give the same exact lane sums as `vpdpbusd`.
+//! `vpmaddubsw` cannot saturate) on unbiased activations, and the other formats multiply their
+//! unsigned quants of at most 6 bits (at most 2 x 63 x 128). Both give the same exact lane sums
+//! as `vpdpbusd`.
 
 use std::arch::x86_64::*;
 
-use super::raw::{h16, ld16, prefetch, Raw};
-use super::{unpack_row, with_wbuf, Chunk, OutPtr, Span, Q4_0, Q4_1, Q8_0};
+use super::raw::{h16, ld16, prefetch, Raw, RawK};
+use super::{
+    has_mins, is_k, offset, unpack_row, with_wbuf, x_chunks, Chunk, OutPtr, Span, Q4_0, Q4_1, Q4_K,
+    Q5_0, Q5_1, Q5_K, Q6_K, Q8_0,
+};
 
 /// Rows per register tile. 4 x 4 accumulators (16 zmm) plus 4 activation quants, 4 activation
 /// scales, 4 Q4_0 corrections and the current row's quants and scales fit the 32 registers.
@@ -77,6 +81,11 @@ macro_rules! variant {
                 match s.g.fmt {
                     Q4_0 => span_fmt::<Q4_0>(s, out),
                     Q4_1 => span_fmt::<Q4_1>(s, out),
+                    Q5_0 => span_fmt::<Q5_0>(s, out),
+                    Q5_1 => span_fmt::<Q5_1>(s, out),
+                    Q4_K => span_fmt::<Q4_K>(s, out),
+                    Q5_K => span_fmt::<Q5_K>(s, out),
+                    Q6_K => span_fmt::<Q6_K>(s, out),
                     _ => span_fmt::<Q8_0>(s, out),
                 }
             }
@@ -155,8 +164,13 @@ macro_rules! variant {
                 let acc = match unpacked {
                     None => {
                         let row = |i: usize| &s.w[(r0 + i) * s.wrb..(r0 + i + 1) * s.wrb];
-                        let raw = Raw::<F, R>::new(std::array::from_fn(row), g.nb);
-                        tile::<F, R, T>(&raw, x, xs, g.np, g.nc)
+                        if is_k(F) {
+                            let raw = RawK::<F, R>::new(std::array::from_fn(row), g.nb);
+                            tile::<F, R, T>(&raw, x, xs, g.np, g.nc)
+                        } else {
+                            let raw = Raw::<F, R>::new(std::array::from_fn(row), g.nb);
+                            tile::<F, R, T>(&raw, x, xs, g.np, g.nc)
+                        }
                     }
                     Some(u) => tile::<F, R, T>(u, x, xs, g.np, g.nc),
                 };
@@ -169,7 +183,7 @@ macro_rules! variant {
             }
 
             /// One tile: `R` weight rows from `w` times `T` packed tokens (`x`, stride `xs` chunks), `np`
-            /// block pairs and `nc` Q4_1 min chunks. Returns `[row][token]` dots.
+            /// block pairs and `nc` min chunks. Returns `[row][token]` dots.
             ///
             /// Per (row, token, pair): `acc += float(lanes) * (dw * dx)` with exact i32 lane sums; the
             /// order of operations per pair does not depend on `R`, `T` or the source (see the module
@@ -185,7 +199,8 @@ macro_rules! variant {
                 np: usize,
                 nc: usize,
             ) -> [[f32; T]; R] {
-                let xf = if F == Q4_0 { 3 } else { 2 };
+                let xf = x_chunks(F);
+                let off = offset(F) != 0;
                 assert!(x.len() >= T * xs && xs >= np * xf + nc);
                 let zero = _mm512_setzero_si512();
                 let mut acc = [[_mm512_setzero_ps(); T]; R];
@@ -197,7 +212,7 @@ macro_rules! variant {
                         let b = t * xs + k * xf;
                         xq[t] = ld(&x[b]);
                         xd[t] = ldps(&x[b + 1]);
-                        if F == Q4_0 {
+                        if off {
                             xc[t] = ld(&x[b + 2]);
                         }
                     }
@@ -212,19 +227,20 @@ macro_rules! variant {
                             (zero, 0)
                         };
                         for t in 0..T {
-                            // Exact natural lane sums: Q4_0 (q - 8) * x = q * x - 8 * sum(x); Q8_0
-                            // (x + 128) * w - 128 * sum(w) = x * w.
-                            // SAFETY (the `true` arms): only the VNNI variant, whose
-                            // target features include avx512vnni, has `V`.
+                            // Exact natural lane sums: offset formats (q - o) * x = q * x - o *
+                            // sum(x) (the corrections `xc`); Q8_0 (x + 128) * w - 128 * sum(w) =
+                            // x * w; the others (unsigned quants, mins apart) q * x.
+                            // SAFETY (the `V` arms): only the VNNI variant, whose target
+                            // features include avx512vnni, has `V`.
                             #[allow(unused_unsafe)]
                             let lanes = unsafe {
-                                match (F, V) {
-                                    (Q4_0, true) => _mm512_dpbusd_epi32(xc[t], wq, xq[t]),
-                                    (Q4_1, true) => _mm512_dpbusd_epi32(zero, wq, xq[t]),
-                                    (_, true) => _mm512_dpbusd_epi32(wc, xq[t], wq),
-                                    (Q4_0, false) => _mm512_add_epi32(xc[t], dot_bw(wq, xq[t])),
-                                    (Q4_1, false) => dot_bw(wq, xq[t]),
-                                    (_, false) => {
+                                let c = if off { xc[t] } else { zero };
+                                match (F == Q8_0, V) {
+                                    (false, true) => _mm512_dpbusd_epi32(c, wq, xq[t]),
+                                    (true, true) => _mm512_dpbusd_epi32(wc, xq[t], wq),
+                                    (false, false) if off => _mm512_add_epi32(c, dot_bw(wq, xq[t])),
+                                    (false, false) => dot_bw(wq, xq[t]),
+                                    (true, false) => {
                                         dot_bw(wabs, _mm512_mask_sub_epi8(xq[t], wneg, zero, xq[t]))
                                     }
                                 }
@@ -234,7 +250,7 @@ macro_rules! variant {
                         }
                     }
                 }
-                if F == Q4_1 {
+                if has_mins(F) {
                     for c in 0..nc {
                         for r in 0..R {
                             let m = w.m(r, c);
@@ -354,7 +370,12 @@ impl<const F: u8, const R: usize> WSrc for Raw<'_, F, R> {
                 let v = _mm256_loadu2_m128i(p1.add(Self::QO).cast(), p0.add(Self::QO).cast());
                 let v =
                     _mm512_inserti64x4::<1>(_mm512_castsi256_si512(v), _mm256_srli_epi16::<4>(v));
-                return _mm512_and_si512(v, _mm512_set1_epi8(0x0F));
+                let v = _mm512_and_si512(v, _mm512_set1_epi8(0x0F));
+                return if Self::Q5 {
+                    self.fifth_bits(v, r, k)
+                } else {
+                    v
+                };
             }
         }
         let (b0, b1) = (self.block(r, 2 * k), self.block(r, 2 * k + 1));
@@ -370,7 +391,12 @@ impl<const F: u8, const R: usize> WSrc for Raw<'_, F, R> {
                 let m = _mm256_set1_epi8(0x0F);
                 let lo = _mm256_and_si256(v, m);
                 let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(v), m);
-                _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi)
+                let v = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi);
+                if Self::Q5 {
+                    self.fifth_bits(v, r, k)
+                } else {
+                    v
+                }
             }
         }
     }
@@ -423,6 +449,90 @@ impl<const F: u8, const R: usize> WSrc for Raw<'_, F, R> {
                 _mm512_mask_i32gather_epi32::<1>(_mm512_setzero_si512(), mask, idx, base.cast());
             _mm512_cvtph_ps(_mm512_cvtepi32_epi16(v))
         }
+    }
+}
+
+impl<const F: u8, const R: usize> WSrc for RawK<'_, F, R> {
+    #[inline(always)]
+    fn q(&self, r: usize, k: usize) -> __m512i {
+        let (p, j) = (self.ptr(r, k / 4), k % 4);
+        // SAFETY: `p` points to a whole super-block of the row (`k / 4 < nsb`: the tile only
+        // asks for the row's pairs; `new` checked the length); every load below reads inside
+        // its `BS` bytes (Q6_K: ql 0..128, qh 128..192; Q4_K: qs 16..144; Q5_K: qh 16..48, qs
+        // 48..176), unaligned. Only called from `tile`, which enables AVX-512F/BW and AVX2.
+        unsafe {
+            let m4 = _mm512_set1_epi8(0x0F);
+            if F == Q6_K {
+                // Pair j: elements 64 j .. 64 j + 64: half j / 2's ql (low nibbles for an even
+                // j, high for an odd one) and qh's 2-bit fields 2 (j % 2) * 2 and the next.
+                let (n, odd) = (j / 2, j % 2 == 1);
+                let ql = _mm512_loadu_si512(p.add(64 * n).cast());
+                let nib = if odd {
+                    _mm512_and_si512(_mm512_srli_epi16::<4>(ql), m4)
+                } else {
+                    _mm512_and_si512(ql, m4)
+                };
+                let qh = _mm256_loadu_si256(p.add(128 + 32 * n).cast());
+                let sh = 4 * odd as i32;
+                let h = _mm512_inserti64x4::<1>(
+                    _mm512_castsi256_si512(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(sh))),
+                    _mm256_srl_epi16(qh, _mm_cvtsi32_si128(sh + 2)),
+                );
+                let h = _mm512_slli_epi16::<4>(_mm512_and_si512(h, _mm512_set1_epi8(3)));
+                return _mm512_or_si512(nib, h);
+            }
+            // Q4_K / Q5_K: 32 bytes of qs, sub-block 2j in the low nibbles, 2j + 1 in the high.
+            let qo = if F == Q5_K { 48 } else { 16 };
+            let v = _mm256_loadu_si256(p.add(qo + 32 * j).cast());
+            let q = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(v), _mm256_srli_epi16::<4>(v));
+            let q = _mm512_and_si512(q, m4);
+            if F != Q5_K {
+                return q;
+            }
+            // Q5_K: bits 2j and 2j + 1 of qh[l] are the fifth bits of element l of each.
+            let qh = _mm256_loadu_si256(p.add(16).cast());
+            let sh = 2 * j as i32;
+            let h = _mm512_inserti64x4::<1>(
+                _mm512_castsi256_si512(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(sh))),
+                _mm256_srl_epi16(qh, _mm_cvtsi32_si128(sh + 1)),
+            );
+            _mm512_or_si512(
+                q,
+                _mm512_slli_epi16::<4>(_mm512_and_si512(h, _mm512_set1_epi8(1))),
+            )
+        }
+    }
+    #[inline(always)]
+    fn d(&self, r: usize, k: usize) -> __m512 {
+        let s = self.scales(r, k);
+        // SAFETY: `s` is 16 readable bytes; only called from `tile`, which enables AVX-512F.
+        unsafe {
+            let idx = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+            _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(_mm_loadu_ps(s.as_ptr())))
+        }
+    }
+    #[inline(always)]
+    fn c(&self, _q: __m512i, _r: usize, _k: usize) -> __m512i {
+        unreachable!("corrections are Q8_0's only")
+    }
+    #[inline(always)]
+    fn m(&self, r: usize, c: usize) -> __m512 {
+        let m = self.mins(r, c);
+        // SAFETY: `m` is 64 readable bytes; only called from `tile`, which enables AVX-512F.
+        unsafe { _mm512_loadu_ps(m.as_ptr()) }
+    }
+}
+
+impl<const F: u8, const R: usize> Raw<'_, F, R> {
+    /// `q` (the nibbles of pair `k` of row `r`, chunk layout) with the Q5 fifth bits added: bit
+    /// `j` of a block's `qh` is element `j`'s, so the chunk's 64 bytes take, in order, bits
+    /// 0..16 of block `2k`, 0..16 of `2k + 1`, 16..32 of `2k`, 16..32 of `2k + 1`.
+    #[inline(always)]
+    fn fifth_bits(&self, q: __m512i, r: usize, k: usize) -> __m512i {
+        let (h0, h1) = (self.qh(r, 2 * k) as u64, self.qh(r, 2 * k + 1) as u64);
+        let mask = (h0 & 0xFFFF) | (h1 & 0xFFFF) << 16 | (h0 >> 16) << 32 | (h1 >> 16) << 48;
+        // SAFETY: only called from `tile` (through `q`), which enables AVX-512F/BW.
+        unsafe { _mm512_or_si512(q, _mm512_maskz_mov_epi8(mask, _mm512_set1_epi8(0x10))) }
     }
 }
 

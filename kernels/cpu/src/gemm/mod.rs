@@ -1,4 +1,5 @@
-//! Register-tiled integer matmul for the 32-element formats (Q4_0, Q4_1, Q8_0 weights).
+//! Register-tiled integer matmul for the quantised weight formats: the 32-element ones (Q4_0,
+//! Q4_1, Q5_0, Q5_1, Q8_0) and the K-quants (Q4_K, Q5_K, Q6_K).
 //!
 //! - this file: the kernels' data layout (packed activations: [`Panel`]; unpacked weight rows),
 //!   the split of a matmul into pool tasks, and the `DotFn` wrappers that make a single dot
@@ -32,6 +33,17 @@
 //! fields of every block as f32 in chunks of 16. Unpacked weight rows mirror it: quants (u8
 //! nibbles, or i8 for Q8_0), scales, for VNNI Q8_0 the i32 corrections `-128 * (lane sum of w)`,
 //! and for Q4_1 the mins.
+//!
+//! The other formats reuse these kernels by their arithmetic shape:
+//! - Q5_0 and Q6_K are *offset* formats like Q4_0 (unsigned quants minus 16 or 32; the panel
+//!   carries `-offset * (lane sum of x)`), Q5_1, Q4_K and Q5_K *min* formats like Q4_1 (unsigned
+//!   quants times a scale plus a per-block min, `min_b * s_b` with `s_b = dx * sum(x_b)`);
+//! - the K-quants (super-blocks of 256, activations in Q8_K) are taken as 32-element sub-blocks
+//!   in their natural order: a chunk is 64 consecutive elements (sub-blocks `2k`, `2k + 1`), and
+//!   its scales chunk has one f32 per 4 elements: `d * scale` of the element's sub-block (16
+//!   elements in Q6_K, 32 in Q4_K/Q5_K; a product of an f16 and a 6- or 8-bit integer, exact in
+//!   f32) on the weight side, the super-block's `d` on the activation side. Q4_K/Q5_K mins are
+//!   `-dmin * min` per sub-block, and the panel's `s_b` is `d * (bsums of the sub-block)`.
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;
@@ -44,7 +56,11 @@ mod raw;
 
 use std::cell::RefCell;
 
-use crate::blocks::{f16_at, Q4_0_BYTES, Q4_1_BYTES, Q8_0_BYTES, Q8_1_BYTES, QK};
+use crate::blocks::{
+    f16_at, f32_at, i16_at, k4_scales_field, k4_scales_mins, q5_values, Q4K_BYTES, Q4_0_BYTES,
+    Q4_1_BYTES, Q5K_BYTES, Q5_0_BYTES, Q5_1_BYTES, Q6K_BYTES, Q8K_BYTES, Q8_0_BYTES, Q8_1_BYTES,
+    QK,
+};
 use crate::dot::{DotFn, Isa};
 use crate::dtype::GgmlType;
 use crate::error::Result;
@@ -59,6 +75,48 @@ pub(crate) const Q4_0: u8 = 0;
 pub(crate) const Q4_1: u8 = 1;
 /// Format id of Q8_0 weights.
 pub(crate) const Q8_0: u8 = 2;
+/// Format id of Q5_0 weights.
+pub(crate) const Q5_0: u8 = 3;
+/// Format id of Q5_1 weights.
+pub(crate) const Q5_1: u8 = 4;
+/// Format id of Q4_K weights.
+pub(crate) const Q4_K: u8 = 5;
+/// Format id of Q5_K weights.
+pub(crate) const Q5_K: u8 = 6;
+/// Format id of Q6_K weights.
+pub(crate) const Q6_K: u8 = 7;
+
+/// The offset format `f`'s unsigned quants carry (`w = d * (q - offset)`): Q4_0 8, Q5_0 16,
+/// Q6_K 32; 0 for the other formats. Offset formats have a corrections chunk per pair in the
+/// panel.
+pub(crate) const fn offset(f: u8) -> i32 {
+    match f {
+        Q4_0 => 8,
+        Q5_0 => 16,
+        Q6_K => 32,
+        _ => 0,
+    }
+}
+
+/// Whether format `f` has per-block mins (`w = d * q + m`): Q4_1, Q5_1, Q4_K, Q5_K.
+pub(crate) const fn has_mins(f: u8) -> bool {
+    matches!(f, Q4_1 | Q5_1 | Q4_K | Q5_K)
+}
+
+/// Whether format `f` is a K-quant (super-blocks of 256 elements, activations in Q8_K).
+pub(crate) const fn is_k(f: u8) -> bool {
+    matches!(f, Q4_K | Q5_K | Q6_K)
+}
+
+/// Chunks per pair in a panel for format `f`: quants and scales, plus the corrections of an
+/// offset format.
+pub(crate) const fn x_chunks(f: u8) -> usize {
+    if offset(f) != 0 {
+        3
+    } else {
+        2
+    }
+}
 
 /// Rows per pool task. Each task unpacks its rows once per token chunk, so more rows per task
 /// means fewer tasks; 32 rows still give >= 18 tasks on the smallest matrices of a 135M model
@@ -111,13 +169,13 @@ impl Chunk {
 /// Geometry of the packed layouts for one matrix width and format.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Geom {
-    /// Format id (`Q4_0`, `Q4_1`, `Q8_0`).
+    /// Format id (`Q4_0` ... `Q6_K`).
     pub(crate) fmt: u8,
-    /// Blocks per row.
+    /// Blocks per row (32-element sub-blocks for the K-quants).
     pub(crate) nb: usize,
     /// Block pairs per row.
     pub(crate) np: usize,
-    /// 16-block chunks of Q4_1 mins / sums (0 for other formats).
+    /// 16-block chunks of mins / sums (0 for formats without mins).
     pub(crate) nc: usize,
     /// Chunks per pair in a panel.
     pub(crate) xf: usize,
@@ -135,8 +193,8 @@ impl Geom {
             fmt,
             nb,
             np: nb.div_ceil(2),
-            nc: if fmt == Q4_1 { nb.div_ceil(16) } else { 0 },
-            xf: if fmt == Q4_0 { 3 } else { 2 },
+            nc: if has_mins(fmt) { nb.div_ceil(16) } else { 0 },
+            xf: x_chunks(fmt),
             wf: if q8_bias { 3 } else { 2 },
             q8_bias,
         }
@@ -152,17 +210,21 @@ impl Geom {
         self.np * self.wf + self.nc
     }
 
-    /// Bytes per block of the weights and of their vec-dot type, and the quants' offsets.
+    /// Bytes per block of the 32-element weight formats and the offset of their 16 (Q4, Q5: the
+    /// Q5 fifth bits are the 4 bytes before) or 32 (Q8_0) quant bytes.
     fn wblock(&self) -> (usize, usize) {
         match self.fmt {
             Q4_0 => (Q4_0_BYTES, 2),
             Q4_1 => (Q4_1_BYTES, 4),
+            Q5_0 => (Q5_0_BYTES, 6),
+            Q5_1 => (Q5_1_BYTES, 8),
             _ => (Q8_0_BYTES, 2),
         }
     }
 
+    /// Bytes per block of the 32-element vec-dot types and the offset of their quants.
     fn xblock(&self) -> (usize, usize) {
-        if self.fmt == Q4_1 {
+        if has_mins(self.fmt) {
             (Q8_1_BYTES, 4)
         } else {
             (Q8_0_BYTES, 2)
@@ -176,7 +238,23 @@ pub(crate) fn fmt_of(ty: GgmlType) -> Option<u8> {
         GgmlType::Q4_0 => Some(Q4_0),
         GgmlType::Q4_1 => Some(Q4_1),
         GgmlType::Q8_0 => Some(Q8_0),
+        GgmlType::Q5_0 => Some(Q5_0),
+        GgmlType::Q5_1 => Some(Q5_1),
+        GgmlType::Q4K => Some(Q4_K),
+        GgmlType::Q5K => Some(Q5_K),
+        GgmlType::Q6K => Some(Q6_K),
         _ => None,
+    }
+}
+
+/// The type of the activations format `f` multiplies (its weights' vec-dot type).
+fn vec_dot_type(f: u8) -> GgmlType {
+    if is_k(f) {
+        GgmlType::Q8K
+    } else if has_mins(f) {
+        GgmlType::Q8_1
+    } else {
+        GgmlType::Q8_0
     }
 }
 
@@ -241,13 +319,16 @@ fn lane_sums_chunk(c: &Chunk, scale: i32) -> Chunk {
 /// Packs one token's activations, already quantised to the vec-dot type (ggml layout, `xq`),
 /// into `out` (`g.xstride()` chunks).
 pub(crate) fn pack_token(g: &Geom, xq: &[u8], out: &mut [Chunk]) {
+    if is_k(g.fmt) {
+        return pack_token_k(g, xq, out);
+    }
     let (bs, qo) = g.xblock();
     let block = |b: usize| &xq[b * bs..(b + 1) * bs];
     for k in 0..g.np {
         let mut q = quants_chunk(g, k, |b| &block(b)[qo..]);
         let base = k * g.xf;
-        if g.fmt == Q4_0 {
-            out[base + 2] = lane_sums_chunk(&q, -8);
+        if offset(g.fmt) != 0 {
+            out[base + 2] = lane_sums_chunk(&q, -offset(g.fmt));
         }
         if g.q8_bias {
             for v in &mut q.0 {
@@ -262,11 +343,44 @@ pub(crate) fn pack_token(g: &Geom, xq: &[u8], out: &mut [Chunk]) {
     }
 }
 
+/// [`pack_token`] for the K-quants: `xq` is Q8_K (super-blocks of 256: `d: f32`, 256 quants,
+/// 16 i16 sums of 16), taken 64 elements (a pair of sub-blocks) per chunk in natural order.
+fn pack_token_k(g: &Geom, xq: &[u8], out: &mut [Chunk]) {
+    let sblock = |k: usize| &xq[k / 4 * Q8K_BYTES..(k / 4 + 1) * Q8K_BYTES];
+    for k in 0..g.np {
+        let sb = sblock(k);
+        let start = 4 + 64 * (k % 4);
+        let mut q = Chunk::ZERO;
+        q.0.copy_from_slice(&sb[start..start + 64]);
+        let base = k * g.xf;
+        if offset(g.fmt) != 0 {
+            out[base + 2] = lane_sums_chunk(&q, -offset(g.fmt));
+        }
+        out[base] = q;
+        let mut d = Chunk::ZERO;
+        let dx = f32_at(sb, 0);
+        for l in 0..16 {
+            d.set_f32(l, dx);
+        }
+        out[base + 1] = d;
+    }
+    for c in 0..g.nc {
+        out[g.np * g.xf + c] = per_block_chunk(g, c, |b| {
+            let sb = sblock(b / 2);
+            let sums = 4 + 256 + 4 * (b % 8);
+            f32_at(sb, 0) * (i16_at(sb, sums) as i32 + i16_at(sb, sums + 2) as i32) as f32
+        });
+    }
+}
+
 /// Unpacks one weight row (ggml layout) into `out` (`g.wstride()` chunks). Portable code: it
 /// runs once per row and token chunk, and the ISA files call it from `#[target_feature]`
 /// functions, where it is vectorised for that ISA.
 #[inline(always)]
 pub(crate) fn unpack_row(g: &Geom, w: &[u8], out: &mut [Chunk]) {
+    if is_k(g.fmt) {
+        return unpack_row_k(g, w, out);
+    }
     let (bs, qo) = g.wblock();
     let block = |b: usize| &w[b * bs..(b + 1) * bs];
     for k in 0..g.np {
@@ -278,16 +392,24 @@ pub(crate) fn unpack_row(g: &Geom, w: &[u8], out: &mut [Chunk]) {
             }
             out[base] = q;
         } else {
-            // Nibbles: qs[j] holds element j (low) and j + 16 (high).
+            // Nibbles: qs[j] holds element j (low) and j + 16 (high); Q5 adds bit j of qh.
             let mut q = Chunk::ZERO;
             for half in 0..2 {
                 let b = 2 * k + half;
                 if b < g.nb {
                     let qs = &block(b)[qo..qo + 16];
-                    for (j, &v) in qs.iter().enumerate() {
-                        q.0[16 * half + j] = v & 0x0F;
-                        q.0[32 + 16 * half + j] = v >> 4;
-                    }
+                    let v = if matches!(g.fmt, Q5_0 | Q5_1) {
+                        q5_values(&block(b)[qo - 4..qo], qs)
+                    } else {
+                        let mut v = [0u8; QK];
+                        for (j, &x) in qs.iter().enumerate() {
+                            v[j] = x & 0x0F;
+                            v[j + 16] = x >> 4;
+                        }
+                        v
+                    };
+                    q.0[16 * half..16 * half + 16].copy_from_slice(&v[..16]);
+                    q.0[32 + 16 * half..32 + 16 * half + 16].copy_from_slice(&v[16..]);
                 }
             }
             out[base] = q;
@@ -296,6 +418,103 @@ pub(crate) fn unpack_row(g: &Geom, w: &[u8], out: &mut [Chunk]) {
     }
     for c in 0..g.nc {
         out[g.np * g.wf + c] = per_block_chunk(g, c, |b| f16_at(block(b), 2));
+    }
+}
+
+/// One K-quant super-block in the kernels' terms: its 256 unsigned quants in natural order, the
+/// scale of every 16 elements (`d * scale`) and the min of every 32 (`-dmin * min`; zero for
+/// Q6_K).
+struct KBlock {
+    q: [u8; 256],
+    scales: [f32; 16],
+    mins: [f32; 8],
+}
+
+/// Decodes super-block `b` (`BYTES` long) of format `fmt`.
+#[inline(always)]
+fn k_block(fmt: u8, b: &[u8]) -> KBlock {
+    let mut kb = KBlock {
+        q: [0; 256],
+        scales: [0.0; 16],
+        mins: [0.0; 8],
+    };
+    if fmt == Q6_K {
+        let b: &[u8; Q6K_BYTES] = b.try_into().expect("a Q6_K block");
+        let d = f16_at(b, 208);
+        for half in 0..2 {
+            let ql = &b[64 * half..64 * half + 64];
+            let qh = &b[128 + 32 * half..128 + 32 * half + 32];
+            let q = &mut kb.q[128 * half..128 * half + 128];
+            for l in 0..32 {
+                let h = qh[l];
+                q[l] = (ql[l] & 0x0F) | ((h & 3) << 4);
+                q[l + 32] = (ql[l + 32] & 0x0F) | (((h >> 2) & 3) << 4);
+                q[l + 64] = (ql[l] >> 4) | (((h >> 4) & 3) << 4);
+                q[l + 96] = (ql[l + 32] >> 4) | (((h >> 6) & 3) << 4);
+            }
+        }
+        for (i, s) in kb.scales.iter_mut().enumerate() {
+            *s = d * (b[192 + i] as i8) as f32;
+        }
+        return kb;
+    }
+    let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
+    let (sc, mn) = k4_scales_mins(k4_scales_field(b));
+    let (qh, qs) = if fmt == Q5_K {
+        (Some(&b[16..48]), &b[48..Q5K_BYTES])
+    } else {
+        (None, &b[16..Q4K_BYTES])
+    };
+    for k in 0..4 {
+        for l in 0..32 {
+            let v = qs[32 * k + l];
+            let (mut lo, mut hi) = (v & 0x0F, v >> 4);
+            if let Some(qh) = qh {
+                lo |= ((qh[l] >> (2 * k)) & 1) << 4;
+                hi |= ((qh[l] >> (2 * k + 1)) & 1) << 4;
+            }
+            kb.q[64 * k + l] = lo;
+            kb.q[64 * k + 32 + l] = hi;
+        }
+    }
+    for j in 0..8 {
+        let s = d * sc[j] as f32;
+        kb.scales[2 * j] = s;
+        kb.scales[2 * j + 1] = s;
+        kb.mins[j] = -(dmin * mn[j] as f32);
+    }
+    kb
+}
+
+/// [`unpack_row`] for the K-quants (see the module docs' layout).
+#[inline(always)]
+fn unpack_row_k(g: &Geom, w: &[u8], out: &mut [Chunk]) {
+    let bs = match g.fmt {
+        Q4_K => Q4K_BYTES,
+        Q5_K => Q5K_BYTES,
+        _ => Q6K_BYTES,
+    };
+    for c in 0..g.nc {
+        out[g.np * g.wf + c] = Chunk::ZERO;
+    }
+    for (sbi, b) in w.chunks_exact(bs).enumerate() {
+        let kb = k_block(g.fmt, b);
+        for j in 0..4 {
+            let k = 4 * sbi + j;
+            let base = k * g.wf;
+            out[base].0.copy_from_slice(&kb.q[64 * j..64 * j + 64]);
+            let mut d = Chunk::ZERO;
+            for l in 0..16 {
+                d.set_f32(l, kb.scales[4 * j + l / 4]);
+            }
+            out[base + 1] = d;
+        }
+        if g.nc > 0 {
+            for (j, &m) in kb.mins.iter().enumerate() {
+                let b = 8 * sbi + j;
+                out[g.np * g.wf + b / 16].set_f32(b % 16, m);
+            }
+        }
     }
 }
 
@@ -422,11 +641,7 @@ pub(crate) fn matmul_tiled_many(
 ) -> Result<()> {
     assert_eq!(ws.len(), outs.len(), "one output per matrix");
     let g = Geom::new(fmt, cols, isa);
-    let vd = if fmt == Q4_1 {
-        GgmlType::Q8_1
-    } else {
-        GgmlType::Q8_0
-    };
+    let vd = vec_dot_type(fmt);
     let xrb = vd.checked_row_bytes(cols, "matmul cols")?;
     let xs = g.xstride();
     let mut panel = vec![Chunk::ZERO; xs * n_tokens];
@@ -547,9 +762,9 @@ impl OutPtrChunks {
 /// One dot product through the tiled kernel (the 1 x 1 tile): `w` and `xq` are one weight row
 /// and one quantised activation row in ggml layout. Slow (it packs both), but bit-identical to
 /// what `matmul` computes for that pair on the same ISA.
-fn dot_tiled(isa: Isa, fmt: u8, w: &[u8], xq: &[u8]) -> f32 {
-    let (bs, _) = Geom::new(fmt, QK, isa).wblock();
-    let cols = w.len() / bs * QK;
+fn dot_tiled(isa: Isa, ty: GgmlType, w: &[u8], xq: &[u8]) -> f32 {
+    let fmt = fmt_of(ty).expect("a tiled format");
+    let cols = w.len() / ty.type_size() * ty.block_size();
     let g = Geom::new(fmt, cols, isa);
     let mut panel = vec![Chunk::ZERO; g.xstride()];
     pack_token(&g, xq, &mut panel);
@@ -576,34 +791,32 @@ pub(crate) fn dot_fn(isa: Isa, ty: GgmlType) -> Option<DotFn> {
     if ty == GgmlType::F32 {
         return float::dot_fn(isa);
     }
+    fmt_of(ty)?;
+    // One function per (ISA, type): a `DotFn` is a plain `fn` pointer.
     macro_rules! f {
-        ($isa:expr, $fmt:expr) => {{
-            fn dot(w: &[u8], x: &[u8]) -> f32 {
-                dot_tiled($isa, $fmt, w, x)
+        ($isa:expr) => {
+            f!($isa; Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, Q4K, Q5K, Q6K)
+        };
+        ($isa:expr; $($ty:ident),*) => {
+            match ty {
+                $(GgmlType::$ty => {
+                    fn dot(w: &[u8], x: &[u8]) -> f32 {
+                        dot_tiled($isa, GgmlType::$ty, w, x)
+                    }
+                    Some(dot as DotFn)
+                })*
+                _ => None,
             }
-            Some(dot as DotFn)
-        }};
+        };
     }
-    match (isa, fmt_of(ty)?) {
+    match isa {
         #[cfg(target_arch = "x86_64")]
-        (Isa::Avx512, Q4_0) => f!(Isa::Avx512, Q4_0),
+        Isa::Avx512 => f!(Isa::Avx512),
         #[cfg(target_arch = "x86_64")]
-        (Isa::Avx512, Q4_1) => f!(Isa::Avx512, Q4_1),
+        Isa::Avx512Bw => f!(Isa::Avx512Bw),
         #[cfg(target_arch = "x86_64")]
-        (Isa::Avx512, _) => f!(Isa::Avx512, Q8_0),
-        #[cfg(target_arch = "x86_64")]
-        (Isa::Avx512Bw, Q4_0) => f!(Isa::Avx512Bw, Q4_0),
-        #[cfg(target_arch = "x86_64")]
-        (Isa::Avx512Bw, Q4_1) => f!(Isa::Avx512Bw, Q4_1),
-        #[cfg(target_arch = "x86_64")]
-        (Isa::Avx512Bw, _) => f!(Isa::Avx512Bw, Q8_0),
-        #[cfg(target_arch = "x86_64")]
-        (Isa::Avx2, Q4_0) => f!(Isa::Avx2, Q4_0),
-        #[cfg(target_arch = "x86_64")]
-        (Isa::Avx2, Q4_1) => f!(Isa::Avx2, Q4_1),
-        #[cfg(target_arch = "x86_64")]
-        (Isa::Avx2, _) => f!(Isa::Avx2, Q8_0),
-        _ => None,
+        Isa::Avx2 => f!(Isa::Avx2),
+        Isa::Scalar => None,
     }
 }
 
@@ -614,7 +827,16 @@ mod tests {
     use crate::quantize::quantize_activations;
     use proptest::prelude::*;
 
-    const FMTS: [GgmlType; 3] = [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0];
+    const FMTS: [GgmlType; 8] = [
+        GgmlType::Q4_0,
+        GgmlType::Q4_1,
+        GgmlType::Q8_0,
+        GgmlType::Q5_0,
+        GgmlType::Q5_1,
+        GgmlType::Q4K,
+        GgmlType::Q5K,
+        GgmlType::Q6K,
+    ];
 
     /// Decode splits a matrix into about `TASKS_PER_THREAD` contiguous tasks per thread on few
     /// threads, keeps the byte floor on many, and prefill's token chunks are unaffected.
@@ -638,17 +860,18 @@ mod tests {
         /// equals its own 1 x 1 dot bit for bit.
         #[test]
         fn tiled_matmul_matches_scalar(
-            ty_idx in 0..3usize,
+            ty_idx in 0..FMTS.len(),
             rows in 1usize..40,
+            // Blocks of 32, or super-blocks of 256 for the K-quants.
             blocks in 1usize..12,
             // Past 16 tokens a task leaves the direct (decode) path for unpacked rows.
             n_tokens in 1usize..24,
             bytes in prop::collection::vec(any::<u8>(), 64..512),
-            xs in prop::collection::vec(-4.0f32..4.0, 23 * 384),
+            xs in prop::collection::vec(-4.0f32..4.0, 23 * 1024),
             threads in 1usize..4,
         ) {
             let ty = FMTS[ty_idx];
-            let cols = blocks * QK;
+            let cols = if ty.block_size() == QK { blocks * QK } else { blocks.div_ceil(3) * 256 };
             let w: Vec<u8> = (0..rows)
                 .flat_map(|r| {
                     let rot: Vec<u8> = bytes.iter().cycle().skip(r * 7).take(bytes.len())
