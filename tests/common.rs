@@ -45,6 +45,15 @@ pub fn golden(name: &str) -> serde_json::Value {
     serde_json::from_str(&text).unwrap_or_else(|e| panic!("{} is not JSON: {e}", p.display()))
 }
 
+/// Parses one golden JSON file kept in the repository (`tests/golden`), for references made
+/// from files the tests build themselves.
+pub fn repo_golden(name: &str) -> serde_json::Value {
+    let p = workspace_root().join("tests/golden").join(name);
+    let text = std::fs::read_to_string(&p)
+        .unwrap_or_else(|e| panic!("cannot read golden file {}: {e}", p.display()));
+    serde_json::from_str(&text).unwrap_or_else(|e| panic!("{} is not JSON: {e}", p.display()))
+}
+
 /// llama.cpp's reference outputs for the default LLM.
 pub fn smollm2_golden() -> serde_json::Value {
     golden("smollm2-135m-q4_1.llamacpp.json")

@@ -5,6 +5,7 @@
 //! [`MARGIN`]; each of llama.cpp's top-5 logits within [`LOGIT_TOLERANCE`] of ours; greedy tokens
 //! equal up to the first step whose recorded margin is below [`MARGIN`].
 
+use std::path::Path;
 use std::process::Command;
 
 use serde_json::Value;
@@ -35,14 +36,31 @@ fn engram_json(args: &[&str]) -> Value {
     })
 }
 
-/// Checks one prompt's output against its golden record; returns the failures.
-fn check_prompt(p: &Value, out: &Value) -> Vec<String> {
+/// How one prompt's output compares with its golden record.
+struct Agreement {
+    /// Largest |ours - llama.cpp's| over llama.cpp's top-5 logits that we also rank.
+    worst_logit_error: f64,
+    /// Greedy tokens equal to llama.cpp's before the first difference.
+    equal_prefix: usize,
+    /// Greedy tokens that must be equal: those before llama.cpp's first margin under [`MARGIN`].
+    must_match: usize,
+    failures: Vec<String>,
+}
+
+/// Checks one prompt's output against its golden record.
+fn check_prompt(p: &Value, out: &Value) -> Agreement {
     let id = p["id"].as_str().unwrap();
-    let mut failures = Vec::new();
+    let mut a = Agreement {
+        worst_logit_error: 0.0,
+        equal_prefix: 0,
+        must_match: 0,
+        failures: Vec::new(),
+    };
     let gold_prompt = ids(&p["prompt_token_ids"]);
     if ids(&out["prompt_token_ids"]) != gold_prompt {
-        failures.push(format!("{id}: prompt token ids differ from llama.cpp's"));
-        return failures;
+        a.failures
+            .push(format!("{id}: prompt token ids differ from llama.cpp's"));
+        return a;
     }
     let margins: Vec<f64> = p["greedy_top1_top2_margin"]
         .as_array()
@@ -61,7 +79,7 @@ fn check_prompt(p: &Value, out: &Value) -> Vec<String> {
     let gold_top5 = p["top5_last_prompt_position"].as_array().unwrap();
     let gold_argmax = gold_top5[0]["id"].as_u64().unwrap();
     if margins[0] >= MARGIN && ours[0].0 != gold_argmax {
-        failures.push(format!(
+        a.failures.push(format!(
             "{id}: argmax {} (logit {:.3}) but llama.cpp's is {gold_argmax} with margin {:.3}",
             ours[0].0, ours[0].1, margins[0]
         ));
@@ -69,11 +87,15 @@ fn check_prompt(p: &Value, out: &Value) -> Vec<String> {
     for g in gold_top5 {
         let (tok, logit) = (g["id"].as_u64().unwrap(), g["logit"].as_f64().unwrap());
         match ours.iter().find(|(t, _)| *t == tok) {
-            Some((_, l)) if (l - logit).abs() <= LOGIT_TOLERANCE => {}
-            Some((_, l)) => failures.push(format!(
-                "{id}: logit of token {tok} is {l:.3}, llama.cpp's {logit:.3} (tolerance {LOGIT_TOLERANCE})"
-            )),
-            None => failures.push(format!(
+            Some((_, l)) => {
+                a.worst_logit_error = a.worst_logit_error.max((l - logit).abs());
+                if (l - logit).abs() > LOGIT_TOLERANCE {
+                    a.failures.push(format!(
+                        "{id}: logit of token {tok} is {l:.3}, llama.cpp's {logit:.3} (tolerance {LOGIT_TOLERANCE})"
+                    ));
+                }
+            }
+            None => a.failures.push(format!(
                 "{id}: llama.cpp's top-5 token {tok} ({logit:.3}) is not among our top {}",
                 ours.len()
             )),
@@ -83,12 +105,18 @@ fn check_prompt(p: &Value, out: &Value) -> Vec<String> {
     // Greedy tokens up to the first step where llama.cpp itself was nearly undecided.
     let gold_gen = ids(&p["generated_token_ids"]);
     let our_gen = ids(&out["generated_token_ids"]);
-    let must_match = margins
+    a.must_match = margins
         .iter()
         .position(|&m| m < MARGIN)
         .unwrap_or(margins.len());
+    a.equal_prefix = our_gen
+        .iter()
+        .zip(&gold_gen)
+        .take_while(|(x, y)| x == y)
+        .count();
+    let must_match = a.must_match;
     if let Some(step) = (0..must_match).find(|&i| our_gen.get(i) != gold_gen.get(i)) {
-        failures.push(format!(
+        a.failures.push(format!(
             "{id}: greedy token {step} is {:?}, llama.cpp's {} (margin {:.3}); must match up to step {must_match}\n  ours: {:?}\n  gold: {:?}",
             our_gen.get(step),
             gold_gen[step],
@@ -97,16 +125,17 @@ fn check_prompt(p: &Value, out: &Value) -> Vec<String> {
             &gold_gen[..must_match.min(gold_gen.len())],
         ));
     }
-    failures
+    a
 }
 
-#[test]
-fn greedy_generation_and_logits_match_llama_cpp() {
-    let golden = common::smollm2_golden();
-    let model = common::default_llm();
+/// Runs `engram generate` with `model` on every prompt of `golden` and holds the output to
+/// llama.cpp's: prints each prompt's worst top-5 logit error and greedy agreement (`label`
+/// names the model), then fails with every difference beyond the bars.
+pub fn check_against_golden(model: &Path, golden: &Value, label: &str) {
     let model = model.to_str().unwrap();
-    let dir = common::temp_dir("engine-golden");
+    let dir = common::temp_dir(&format!("engine-golden-{label}"));
     let mut failures = Vec::new();
+    let mut worst = 0f64;
     let prompts = golden["prompts"].as_array().unwrap();
     for p in prompts {
         let id = p["id"].as_str().unwrap();
@@ -126,20 +155,29 @@ fn greedy_generation_and_logits_match_llama_cpp() {
             "--top-logits",
             "50",
         ]);
-        assert_eq!(
-            ids(&out["generated_token_ids"]).len(),
-            32,
-            "{id}: 32 tokens"
+        let n = ids(&out["generated_token_ids"]).len();
+        assert_eq!(n, 32, "{id}: 32 tokens");
+        let a = check_prompt(p, &out);
+        eprintln!(
+            "{label} {id}: worst top-5 logit error {:.3}; greedy {}/{n} equal, {} required",
+            a.worst_logit_error, a.equal_prefix, a.must_match
         );
-        failures.extend(check_prompt(p, &out));
+        worst = worst.max(a.worst_logit_error);
+        failures.extend(a.failures);
     }
+    eprintln!("{label}: worst top-5 logit error {worst:.3} (tolerance {LOGIT_TOLERANCE})");
     assert!(
         failures.is_empty(),
-        "{} of {} prompts differ from llama.cpp:\n{}",
+        "{label}: {} differences from llama.cpp over {} prompts:\n{}",
         failures.len(),
         prompts.len(),
         failures.join("\n")
     );
+}
+
+#[test]
+fn greedy_generation_and_logits_match_llama_cpp() {
+    check_against_golden(&common::default_llm(), &common::smollm2_golden(), "q4_1");
 }
 
 /// `--messages-file` applies the chat template: same prompt tokens as llama.cpp's rendering.

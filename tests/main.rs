@@ -1,5 +1,6 @@
 //! Engram's one integration test binary (ripgrep's layout): each module tests one area end to
-//! end against the real default models and the reference outputs in `../shared/golden`.
+//! end against the real default models and the reference outputs in `../shared/golden` (and
+//! `tests/golden`, for references computed on files the tests make from those models).
 //!
 //! Models come from `$ENGRAM_MODELS_DIR` or `./models` (run `scripts/fetch-models.sh`); the
 //! reference files from `$ENGRAM_SHARED_DIR` or `../shared`. A missing model or reference file
@@ -11,6 +12,9 @@ mod common;
 mod tokenizer_golden;
 // The engine through `engram generate`/`tokenize`: logits and greedy tokens against llama.cpp.
 mod engine_golden;
+// The engine on K-quant and Q5 weights (the default model through `engram requantize`) against
+// llama.cpp's reference in tests/golden.
+mod engine_golden_kquant;
 // The BERT embedder against sentence-transformers' reference vectors.
 mod embed_golden;
 // Knowledge bases: ingest, delete, recovery, hybrid search and the `engram` kb commands.

@@ -13,6 +13,9 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
 use engram_gguf::{GgmlType, GgufWriter, TensorDecl, Value, ValueType};
+use engram_kernels::f16;
+
+use crate::quantize::pack_k4_scales;
 
 #[derive(Args)]
 pub struct GenModelArgs {
@@ -56,13 +59,13 @@ pub enum Shape {
 
 /// The hyper-parameters of one shape.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct Dims {
-    n_layer: usize,
-    n_embd: usize,
-    n_ff: usize,
-    n_head: usize,
-    n_head_kv: usize,
-    vocab: usize,
+pub(crate) struct Dims {
+    pub(crate) n_layer: usize,
+    pub(crate) n_embd: usize,
+    pub(crate) n_ff: usize,
+    pub(crate) n_head: usize,
+    pub(crate) n_head_kv: usize,
+    pub(crate) vocab: usize,
 }
 
 impl Shape {
@@ -137,7 +140,7 @@ const WEIGHT_STD: f32 = 0.02;
 const PIECE_BYTES: usize = 1 << 20;
 
 /// One tensor to generate: name, ggml dims (innermost first), type.
-type Plan = Vec<(String, Vec<u64>, GgmlType)>;
+pub(crate) type Plan = Vec<(String, Vec<u64>, GgmlType)>;
 
 /// Writes the model described by `a`.
 pub fn gen_model(a: GenModelArgs) -> Result<()> {
@@ -174,7 +177,7 @@ pub fn gen_model(a: GenModelArgs) -> Result<()> {
 /// The tensors of a Llama model in llama.cpp's order, every matrix of type `ty`, or of Q8_0
 /// where `ty` is a K-quant and a row is not a whole number of its 256-element super-blocks;
 /// the second value then says which tensors fell back.
-fn tensor_plan(d: &Dims, ty: GgmlType) -> (Plan, Option<String>) {
+pub(crate) fn tensor_plan(d: &Dims, ty: GgmlType) -> (Plan, Option<String>) {
     let head_dim = d.n_embd / d.n_head;
     let (e, q, kv, ff) = (
         d.n_embd as u64,
@@ -229,7 +232,7 @@ fn tensor_plan(d: &Dims, ty: GgmlType) -> (Plan, Option<String>) {
 /// The file's metadata: what `ModelConfig::from_metadata` reads, and a minimal SentencePiece
 /// vocabulary (`<unk>`, `<s>`, `</s>`, then `t3`, `t4`, ...) so that `engram info`, `generate`
 /// and the server, which all build the tokenizer, accept the file.
-fn metadata(name: &str, d: &Dims, context: usize) -> GgufWriter {
+pub(crate) fn metadata(name: &str, d: &Dims, context: usize) -> GgufWriter {
     let u32v = |v: usize| Value::U32(v as u32);
     let mut w = GgufWriter::new();
     w.metadata("general.architecture", Value::String("llama".into()))
@@ -274,7 +277,7 @@ fn metadata(name: &str, d: &Dims, context: usize) -> GgufWriter {
 
 /// Streams the header and then each tensor of `plan`, generated in memory one at a time, to
 /// `out`. Returns the file size.
-fn write(
+pub(crate) fn write(
     writer: &GgufWriter,
     plan: &Plan,
     out: &std::path::Path,
@@ -345,7 +348,7 @@ struct Scales {
 
 impl Scales {
     fn new(ty: GgmlType) -> Scales {
-        let f = |v: f32| f16_bits(v).to_le_bytes();
+        let f = |v: f32| f16::from_f32(v).to_le_bytes();
         let (d, second) = match ty {
             GgmlType::Q4_0 => (WEIGHT_STD / 21.5f32.sqrt(), 0.0),
             GgmlType::Q4_1 => {
@@ -408,7 +411,7 @@ fn fill_piece(ty: GgmlType, s: &Scales, bytes: &mut [u8], rng: &mut SplitMix64) 
         }
         GgmlType::F16 => {
             for v in bytes.chunks_exact_mut(2) {
-                v.copy_from_slice(&f16_bits(normalish(rng.next())).to_le_bytes());
+                v.copy_from_slice(&f16::from_f32(normalish(rng.next())).to_le_bytes());
             }
         }
         GgmlType::F32 => {
@@ -418,18 +421,6 @@ fn fill_piece(ty: GgmlType, s: &Scales, bytes: &mut [u8], rng: &mut SplitMix64) 
         }
         other => unreachable!("gen-model does not write {other}"),
     }
-}
-
-/// The 12-byte `scales` field of a Q4_K block from eight 6-bit scales and mins (the inverse of
-/// the kernels' `k4_scales_mins`).
-fn pack_k4_scales(sc: &[u8; 8], mn: &[u8; 8]) -> [u8; 12] {
-    let mut s = [0u8; 12];
-    for j in 0..4 {
-        s[j] = (sc[j] & 63) | ((sc[j + 4] >> 4) << 6);
-        s[j + 4] = (mn[j] & 63) | ((mn[j + 4] >> 4) << 6);
-        s[j + 8] = (sc[j + 4] & 0x0F) | ((mn[j + 4] & 0x0F) << 4);
-    }
-    s
 }
 
 /// A value of mean 0 and standard deviation `WEIGHT_STD` from 64 random bits: the sum of four
@@ -472,37 +463,6 @@ fn finalize(mut z: u64) -> u64 {
 /// A seed derived from `seed` and `index`, unrelated to its neighbours.
 fn mix(seed: u64, index: u64) -> u64 {
     finalize(finalize(seed) ^ index.wrapping_mul(0xD6E8_FEB8_6659_FD93))
-}
-
-/// IEEE half-precision bits of `x`, rounded to nearest even (subnormals, infinities and NaN
-/// included). The CLI does not link `half`; this is its software conversion.
-fn f16_bits(x: f32) -> u16 {
-    let x = x.to_bits();
-    let sign = ((x >> 16) & 0x8000) as u16;
-    let exp = (x >> 23) & 0xFF;
-    let man = x & 0x007F_FFFF;
-    if exp == 0xFF {
-        let nan = if man == 0 { 0 } else { 0x0200 };
-        return sign | 0x7C00 | nan | (man >> 13) as u16;
-    }
-    let e = exp as i32 - 127 + 15;
-    if e >= 0x1F {
-        return sign | 0x7C00;
-    }
-    if e <= 0 {
-        if e < -10 {
-            return sign;
-        }
-        let man = man | 0x0080_0000;
-        let shift = (14 - e) as u32;
-        let half = man >> shift;
-        let round = 1u32 << (shift - 1);
-        let up = (man & round) != 0 && (man & (3 * round - 1)) != 0;
-        return sign | (half + u32::from(up)) as u16;
-    }
-    let half = ((e as u32) << 10) | (man >> 13);
-    let up = (man & 0x1000) != 0 && (man & 0x2FFF) != 0;
-    sign | (half + u32::from(up)) as u16
 }
 
 #[cfg(test)]
@@ -602,26 +562,5 @@ mod tests {
         assert!(tensor_plan(&Shape::Llama7b.dims(), GgmlType::Q6K)
             .1
             .is_none());
-    }
-
-    #[test]
-    fn f16_conversion_matches_known_values() {
-        for (x, bits) in [
-            (0.0f32, 0x0000u16),
-            (-0.0, 0x8000),
-            (1.0, 0x3C00),
-            (-2.0, 0xC000),
-            (0.5, 0x3800),
-            (65504.0, 0x7BFF),
-            (1e6, 0x7C00),
-            (6.103_515_6e-5, 0x0400),
-            (5.960_464_5e-8, 0x0001),
-            (1e-9, 0x0000),
-            (1.000_488_3, 0x3C00), // exactly half way: rounds to even
-            (1.001, 0x3C01),
-        ] {
-            assert_eq!(f16_bits(x), bits, "{x}");
-        }
-        assert!(f16_bits(f32::NAN) & 0x7FFF > 0x7C00);
     }
 }

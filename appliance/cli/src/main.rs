@@ -9,6 +9,8 @@ mod gpu;
 mod kb;
 mod mixed_set;
 mod qa_eval;
+mod quantize;
+mod requantize;
 
 use std::io::{BufRead, Write};
 use std::path::{Path, PathBuf};
@@ -62,6 +64,8 @@ enum Command {
     Eval(eval::EvalArgs),
     /// Write a random-weight Llama GGUF of a standard shape (for benchmarks without downloads).
     GenModel(gen_model::GenModelArgs),
+    /// Rewrite a GGUF model's weights in a fixed mix of types (K-quants, Q5) for the tests.
+    Requantize(requantize::RequantizeArgs),
     /// The GPU: list devices, check the GPU forward pass against the CPU, measure it.
     Gpu(gpu::GpuArgs),
 }
@@ -243,6 +247,7 @@ fn main() -> Result<()> {
         Command::Kv(a) => ask::kv(a),
         Command::Eval(a) => eval::eval(a),
         Command::GenModel(a) => gen_model::gen_model(a),
+        Command::Requantize(a) => requantize::requantize(a),
         Command::Gpu(a) => gpu::gpu(a),
     }
 }

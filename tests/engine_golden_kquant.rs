@@ -1,0 +1,87 @@
+//! The engine on K-quant and Q5 weights against llama.cpp: the default model requantised by
+//! `engram requantize --mix kmix` (ffn_down Q4_K/Q5_K/Q6_K by layer, the other matrices
+//! Q5_0/Q5_1, token_embd Q8_0), checked byte for byte by sha256 against the file llama.cpp ran,
+//! then held to `tests/golden/smollm2-135m-kmix.llamacpp.json` with the Q4_1 test's bars.
+
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use serde_json::Value;
+use sha2::{Digest, Sha256};
+
+use crate::common;
+use crate::engine_golden::check_against_golden;
+
+/// The K-quant golden file, made by `bench/golden/make-kquant-golden.sh`.
+const GOLDEN: &str = "smollm2-135m-kmix.llamacpp.json";
+
+fn sha256_hex(path: &Path) -> String {
+    let mut f = std::fs::File::open(path).expect("opening the requantised model");
+    let mut hasher = Sha256::new();
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let n = f.read(&mut buf).expect("reading the requantised model");
+        if n == 0 {
+            break;
+        }
+        hasher.update(&buf[..n]);
+    }
+    hasher
+        .finalize()
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+/// Makes the K-quant model from the default one in a fresh folder and checks it is, byte for
+/// byte, the file llama.cpp's reference was computed on. Returns the folder and the model.
+fn kmix_model(golden: &Value, name: &str) -> (PathBuf, PathBuf) {
+    let dir = common::temp_dir(name);
+    let model = dir.join(golden["model"]["file"].as_str().unwrap());
+    let out = Command::new(common::engram_bin())
+        .args(["requantize", "--from"])
+        .arg(common::default_llm())
+        .args(["--mix", "kmix", "--threads", "2", "--out"])
+        .arg(&model)
+        .output()
+        .expect("running engram requantize");
+    assert!(
+        out.status.success(),
+        "engram requantize failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let want = golden["model"]["sha256"].as_str().unwrap();
+    let got = sha256_hex(&model);
+    assert_eq!(
+        got, want,
+        "`engram requantize --mix kmix` no longer writes the file llama.cpp's reference was \
+         computed on (sha256 {got}, the golden file's {want}): if the change is meant, \
+         regenerate with bench/golden/make-kquant-golden.sh"
+    );
+    (dir, model)
+}
+
+/// The requantiser still writes the file the reference was computed on (run in CI even while
+/// the comparison below waits for a decision on its bar).
+#[test]
+fn kmix_model_is_the_one_llama_cpp_ran() {
+    let (dir, _) = kmix_model(&common::repo_golden(GOLDEN), "kmix-sha256");
+    std::fs::remove_dir_all(&dir).expect("removing the requantised model");
+}
+
+/// The engine on the K-quant model against llama.cpp, with the Q4_1 test's bars.
+///
+/// Ignored: the greedy tokens meet the bar, the top-5 logits do not. Worst top-5 error over the
+/// 8 prompts: 0.752 with the AVX-512 kernels, 0.773 scalar, 1.330 capped at AVX2 (0.675 with the
+/// kernels before commit 5f6f7ec); the bar is 0.6, and llama.cpp's own flash-attention path
+/// moves these logits by up to 0.61 (the golden file's `flash_attn_spread`; 0.47 on the Q4_1
+/// model). Run it with `-- --ignored`.
+#[test]
+#[ignore = "top-5 logits 0.68-1.33 from llama.cpp's against the 0.6 bar; see the doc comment"]
+fn kquant_mix_matches_llama_cpp() {
+    let golden = common::repo_golden(GOLDEN);
+    let (dir, model) = kmix_model(&golden, "kmix-golden");
+    check_against_golden(&model, &golden, "kmix");
+    std::fs::remove_dir_all(&dir).expect("removing the requantised model");
+}
