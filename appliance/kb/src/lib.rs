@@ -68,8 +68,8 @@ pub use records::{
     RECORD_VERSION,
 };
 pub use search::{
-    DenseSignal, Retrieved, SearchHit, SearchMode, SearchRequest, SearchResults, BLIND_SHARE_FULL,
-    BLIND_SHARE_NONE, DEFAULT_BM25_WEIGHT, DEFAULT_CANDIDATES, DEFAULT_DENSE_WEIGHT,
-    DEFAULT_FUSION, DEFAULT_RRF_K, MAX_QUERY_BYTES,
+    rank, DenseSignal, Retrieved, SearchHit, SearchMode, SearchRequest, SearchResults,
+    BLIND_SHARE_FULL, BLIND_SHARE_NONE, DEFAULT_BM25_WEIGHT, DEFAULT_CANDIDATES,
+    DEFAULT_DENSE_WEIGHT, DEFAULT_FUSION, DEFAULT_RRF_K, MAX_QUERY_BYTES,
 };
 pub use snapshot::{copy_tree, skipped_in_snapshot, SnapshotStats};

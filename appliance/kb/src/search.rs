@@ -19,10 +19,10 @@
 use std::collections::{HashMap, HashSet};
 use std::ops::Range;
 
-use engram_index::{fuse, Fused, Fusion, FusionMode, Hit};
+use engram_index::{fuse, Bm25Index, DocFilter, Fused, Fusion, FusionMode, Hit, VectorIndex};
 
 use crate::error::Result;
-use crate::kb::KnowledgeBase;
+use crate::kb::{KnowledgeBase, Models};
 use crate::records::{Collection, Document};
 
 /// Up to this share of blind word pieces the query keeps its full dense weight: a stray emoji
@@ -189,25 +189,29 @@ pub struct SearchResults {
     pub dense_weight: f32,
 }
 
-impl KnowledgeBase {
+impl Models {
     /// How much signal the embedder's vector of `query` carries (see the module docs).
     pub fn dense_signal(&self, query: &str) -> Result<DenseSignal> {
-        if self.models.blind.is_empty() {
+        if self.blind.is_empty() {
             return Ok(DenseSignal::from_blind_share(0.0));
         }
-        let ids = self.models.embedder.tokenize(query)?;
+        let ids = self.embedder.tokenize(query)?;
         // Drop [CLS] and [SEP].
         let pieces = ids.get(1..ids.len().saturating_sub(1)).unwrap_or(&[]);
         if pieces.is_empty() {
             return Ok(DenseSignal::from_blind_share(0.0));
         }
-        let blind = pieces
-            .iter()
-            .filter(|id| self.models.blind.contains(id))
-            .count();
+        let blind = pieces.iter().filter(|id| self.blind.contains(id)).count();
         Ok(DenseSignal::from_blind_share(
             blind as f32 / pieces.len() as f32,
         ))
+    }
+}
+
+impl KnowledgeBase {
+    /// How much signal the embedder's vector of `query` carries (see the module docs).
+    pub fn dense_signal(&self, query: &str) -> Result<DenseSignal> {
+        self.models.dense_signal(query)
     }
 
     /// The documents of `coll` matching every metadata pair (`None`: no filter).
@@ -246,7 +250,6 @@ impl KnowledgeBase {
             SearchMode::Hybrid => self.dense_signal(&req.query)?,
             _ => DenseSignal::from_blind_share(0.0),
         };
-        let candidates = req.candidates.max(req.k);
         let dense_weight = match req.mode {
             SearchMode::Bm25 => 0.0,
             SearchMode::Dense => 1.0,
@@ -260,34 +263,19 @@ impl KnowledgeBase {
                 query_vector: None,
             });
         }
-        let filter = filter.as_ref();
-        let bm25: Vec<Hit> = match req.mode {
-            SearchMode::Dense => Vec::new(),
-            _ => idx.bm25.search(&req.query, candidates, filter)?,
-        };
-        let (dense, query_vector) = if dense_weight > 0.0 {
-            let q = self.models.embedder.embed_one(&req.query)?;
-            (idx.vectors.search(&q, candidates, filter)?, Some(q))
+        let query_vector = if dense_weight > 0.0 {
+            Some(self.models.embedder.embed_one(&req.query)?)
         } else {
-            (Vec::new(), None)
+            None
         };
-        let mut hits = match req.mode {
-            SearchMode::Bm25 => bm25.iter().map(|h| single(h, true)).collect(),
-            SearchMode::Dense => dense.iter().map(|h| single(h, false)).collect(),
-            SearchMode::Hybrid if dense.is_empty() => {
-                bm25.iter().map(|h| single(h, true)).collect()
-            }
-            SearchMode::Hybrid => fuse(
-                &bm25,
-                &dense,
-                Fusion {
-                    mode: req.fusion,
-                    bm25_weight: req.bm25_weight,
-                    dense_weight,
-                },
-            ),
-        };
-        hits.truncate(req.k);
+        let hits = rank(
+            &idx.bm25,
+            &idx.vectors,
+            req,
+            query_vector.as_deref(),
+            dense_weight,
+            filter.as_ref(),
+        )?;
         Ok(Retrieved {
             hits,
             signal,
@@ -379,6 +367,48 @@ impl KnowledgeBase {
         }
         Ok(if n == 0 { 1.0 } else { sum / n as f64 })
     }
+}
+
+/// The ranking half of [`KnowledgeBase::retrieve`], on one collection's two indexes: BM25's
+/// and the vector index's top `req.candidates` (at least `req.k`) among the documents `filter`
+/// allows, fused as `req` says with the dense side weighed `dense_weight` (hybrid), cut to
+/// `req.k`. The dense side runs when `query_vector` is given and `dense_weight` is above 0.
+///
+/// Public so that a benchmark can time exactly what a search runs on indexes it built itself
+/// (`examples/retrieval_bench/`: a million synthetic chunks).
+pub fn rank(
+    bm25: &Bm25Index,
+    vectors: &VectorIndex,
+    req: &SearchRequest,
+    query_vector: Option<&[f32]>,
+    dense_weight: f32,
+    filter: DocFilter<'_>,
+) -> Result<Vec<Fused>> {
+    let candidates = req.candidates.max(req.k);
+    let lexical: Vec<Hit> = match req.mode {
+        SearchMode::Dense => Vec::new(),
+        _ => bm25.search(&req.query, candidates, filter)?,
+    };
+    let dense: Vec<Hit> = match query_vector {
+        Some(q) if dense_weight > 0.0 => vectors.search(q, candidates, filter)?,
+        _ => Vec::new(),
+    };
+    let mut hits = match req.mode {
+        SearchMode::Bm25 => lexical.iter().map(|h| single(h, true)).collect(),
+        SearchMode::Dense => dense.iter().map(|h| single(h, false)).collect(),
+        SearchMode::Hybrid if dense.is_empty() => lexical.iter().map(|h| single(h, true)).collect(),
+        SearchMode::Hybrid => fuse(
+            &lexical,
+            &dense,
+            Fusion {
+                mode: req.fusion,
+                bm25_weight: req.bm25_weight,
+                dense_weight,
+            },
+        ),
+    };
+    hits.truncate(req.k);
+    Ok(hits)
 }
 
 /// One side's hit as a fused candidate.

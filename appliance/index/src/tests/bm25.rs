@@ -126,6 +126,140 @@ fn results_are_best_first_and_truncated() {
     assert_eq!(index.search("apple", 0, None).unwrap(), []);
 }
 
+/// 3,000 chunks of made-up letter words (no stop words) drawn by a Zipf law, a few in most
+/// chunks and many rare, as in natural text; in three segments, document 7 deleted. Returns
+/// the index, 300 queries of 1 to 24 words from the same law, and the live documents.
+fn zipf_index(dir: &std::path::Path) -> (Bm25Index, Vec<String>, HashSet<u64>) {
+    use rand::rngs::StdRng;
+    use rand::{Rng, SeedableRng};
+
+    let word = |mut i: usize| {
+        let mut w = String::from("zq");
+        loop {
+            w.push((b'a' + (i % 26) as u8) as char);
+            i /= 26;
+            if i == 0 {
+                break w;
+            }
+        }
+    };
+    let weights: Vec<f64> = (1..=2000).map(|r| 1.0 / r as f64).collect();
+    let total: f64 = weights.iter().sum();
+    let mut rng = StdRng::seed_from_u64(7);
+    let draw = |rng: &mut StdRng| {
+        let mut u = rng.gen::<f64>() * total;
+        weights
+            .iter()
+            .position(|w| {
+                u -= w;
+                u <= 0.0
+            })
+            .unwrap_or(weights.len() - 1)
+    };
+    let mut index = Bm25Index::open_or_create(dir).unwrap();
+    let texts: Vec<String> = (0..3000)
+        .map(|_| {
+            let n = rng.gen_range(20..60);
+            (0..n)
+                .map(|_| word(draw(&mut rng)))
+                .collect::<Vec<_>>()
+                .join(" ")
+        })
+        .collect();
+    for (part, batch) in texts.chunks(1000).enumerate() {
+        let chunks: Vec<ChunkDoc> = batch
+            .iter()
+            .enumerate()
+            .map(|(i, t)| {
+                let id = (part * 1000 + i) as u64;
+                chunk(id, id / 5, t)
+            })
+            .collect();
+        index.add(&chunks).unwrap();
+        if part == 2 {
+            index.delete_doc(7).unwrap();
+        }
+        index.commit(part as u64 + 1).unwrap();
+    }
+    let queries = (0..300)
+        .map(|_| {
+            let n = rng.gen_range(1..25);
+            (0..n)
+                .map(|_| word(draw(&mut rng)))
+                .collect::<Vec<_>>()
+                .join(" ")
+        })
+        .collect();
+    (index, queries, (0..600).filter(|&d| d != 7).collect())
+}
+
+fn close(a: f32, b: f32) -> bool {
+    (a - b).abs() <= 1e-4 * b.abs().max(1.0)
+}
+
+/// The chunks of `hits` that score above `last` (a tie at the last place may go either way).
+fn above(hits: &[crate::Hit], last: f32) -> HashSet<u64> {
+    hits.iter()
+        .filter(|h| h.score > last && !close(h.score, last))
+        .map(|h| h.chunk_id)
+        .collect()
+}
+
+/// The unfiltered search (chunks with a rare term first, then block-max WAND from their
+/// threshold) returns what tantivy's plain top k returns: the same scores, and the same
+/// chunks above the last place's score. The reference is the filtered search with every live
+/// document allowed, which runs `TopDocs`.
+#[test]
+fn unfiltered_search_matches_the_plain_top_k() {
+    let dir = tempfile::tempdir().unwrap();
+    let (index, queries, live) = zipf_index(dir.path());
+    for query in &queries {
+        let fast = index.search(query, 20, None).unwrap();
+        let plain = index.search(query, 20, Some(&live)).unwrap();
+        assert_eq!(fast.len(), plain.len(), "{query}");
+        for (a, b) in fast.iter().zip(&plain) {
+            assert!(close(a.score, b.score), "{query}");
+        }
+        if let Some(last) = plain.last().map(|h| h.score) {
+            assert_eq!(above(&fast, last), above(&plain, last), "{query}");
+        }
+        assert!(fast.iter().all(|h| h.doc_id != 7));
+    }
+}
+
+/// With the chunks that hold common terms only skipped (as at a million chunks, here by
+/// lowering the postings budget to 0), every hit keeps its exact score, the list is as long,
+/// its i-th score is at most the plain search's i-th (it ranks a subset of the chunks), and
+/// most queries still get the plain top k (197 of 300 here, where a fifth of the vocabulary
+/// is common in short chunks; 191 of 200 top 100s at a million chunks).
+#[test]
+fn skipping_common_only_chunks_keeps_exact_scores() {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut index, queries, live) = zipf_index(dir.path());
+    index.set_common_postings_max(0);
+    let mut same = 0;
+    for query in &queries {
+        let fast = index.search(query, 20, None).unwrap();
+        let plain = index.search(query, 20, Some(&live)).unwrap();
+        assert_eq!(fast.len(), plain.len(), "{query}");
+        for (a, b) in fast.iter().zip(&plain) {
+            assert!(a.score <= b.score || close(a.score, b.score), "{query}");
+        }
+        for h in &fast {
+            if let Some(p) = plain.iter().find(|p| p.chunk_id == h.chunk_id) {
+                assert!(close(h.score, p.score), "{query}");
+            }
+        }
+        let last = plain.last().map_or(0.0, |h| h.score);
+        same += usize::from(above(&fast, last) == above(&plain, last));
+    }
+    assert!(
+        same * 2 >= queries.len(),
+        "{same} of {} the same",
+        queries.len()
+    );
+}
+
 #[test]
 fn filter_is_applied_inside_the_search() {
     let dir = tempfile::tempdir().unwrap();
