@@ -489,11 +489,11 @@ impl TopK {
         }
     }
 
-    /// The score a chunk must beat to enter: the `k`-th best so far, or none until `k` are in.
     fn is_full(&self) -> bool {
         self.heap.len() == self.k
     }
 
+    /// The score a chunk must beat to enter: the `k`-th best so far, or none until `k` are in.
     fn threshold(&self) -> Score {
         match self.heap.peek() {
             Some(Reverse(worst)) if self.is_full() => worst.0,
