@@ -14,8 +14,9 @@ use std::time::Duration;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use engram_fusion::{
-    bos_frame, chunk_tokens, fused_prefill, kl_divergence, rag_frame, rag_prefix_frame, rag_prompt,
-    ChunkStore, FuseStats, OutputText, Policy, PrefixCache, DEFAULT_SYSTEM,
+    bos_frame, chunk_tokens, fused_prefill, kl_divergence, rag_frame, rag_prefix_frame,
+    rag_prompt_with, ChunkStore, FuseStats, Layout, OutputText, Policy, PrefixCache,
+    DEFAULT_LAYOUT, DEFAULT_SYSTEM,
 };
 use engram_kvstore::{DramTier, IoMode, KvDtype, KvStore, NvmeOptions, NvmeTier};
 use engram_model::{argmax, Logits};
@@ -53,6 +54,11 @@ pub struct FusionArgs {
     /// the default), `prefix` (the prefix alone), `bos` (the model's BOS token) or `none`.
     #[arg(long, default_value = "context", value_parser = ["context", "prefix", "bos", "none"])]
     frame: String,
+    /// Prompt layout (`engram eval qa --layouts` lists them): the default, `grounded`, opens
+    /// the passages with the frame's neutral passages; `grounded-plain` is the same without
+    /// them (the layout before 2026-11-26).
+    #[arg(long, default_value = DEFAULT_LAYOUT.name)]
+    layout: String,
     /// Greedy tokens generated per policy for answer F1.
     #[arg(long, default_value_t = 32)]
     answer_tokens: usize,
@@ -114,6 +120,9 @@ pub fn run(a: FusionArgs) -> Result<()> {
     if examples.is_empty() {
         bail!("{}: no questions", a.data.display());
     }
+    let Some(layout) = Layout::named(&a.layout) else {
+        bail!("unknown layout `{}`", a.layout);
+    };
     let loaded = a.model.load()?;
     let (model, tokenizer) = (&loaded.model, &loaded.tokenizer);
     let dtype = KvDtype::parse(&a.kv_dtype)?;
@@ -166,7 +175,8 @@ pub fn run(a: FusionArgs) -> Result<()> {
                 chunk_tokens(tokenizer, &t)
             })
             .collect::<engram_tokenizer::Result<_>>()?;
-        let prompt = rag_prompt(
+        let prompt = rag_prompt_with(
+            layout,
             tokenizer,
             loaded.template.as_ref(),
             DEFAULT_SYSTEM,
@@ -340,6 +350,7 @@ pub fn run(a: FusionArgs) -> Result<()> {
             "tier": a.tier,
             "kv_dtype": a.kv_dtype,
             "frame": a.frame,
+            "layout": layout.name,
             "threads": model.threads(),
             "answer_tokens": a.answer_tokens,
         },

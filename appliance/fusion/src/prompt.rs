@@ -51,23 +51,41 @@ a narrow railway once carried timber from the forest to a sawmill in the village
 /// computes (measured in `docs/bench/2026-11-21-fusion.md`: mean KL of `reuse` 0.25 with the
 /// prefix alone, 0.02-0.03 with these passages; 700 tokens gave 0.03, 2,800 no better than
 /// 1,400).
+///
+/// The default layout also opens every prompt's passages with the same neutral passages
+/// ([`Layout::frame_in_prompt`]), so a prompt's prefix is this frame: the first chunk's stored
+/// KV is then exact (up to rounding), and every later chunk finds at question time the context
+/// it was computed after, followed by the chunks before it.
 pub fn rag_frame(
     tokenizer: &Tokenizer,
     template: Option<&ChatTemplate>,
 ) -> engram_tokenizer::Result<Vec<u32>> {
-    let mut frame = rag_prompt(tokenizer, template, DEFAULT_SYSTEM, Vec::new(), "")?.prefix;
-    for passage in FRAME_CONTEXT {
-        frame.extend(chunk_tokens(tokenizer, passage)?);
-    }
+    let mut frame = rag_prefix_frame(tokenizer, template)?;
+    extend_with_frame_context(tokenizer, &mut frame)?;
     Ok(frame)
 }
 
-/// The RAG prompt's prefix alone (no context passage): an alternative frame for comparison.
+/// The RAG prompt's prefix without the neutral passages: an alternative frame for comparison.
 pub fn rag_prefix_frame(
     tokenizer: &Tokenizer,
     template: Option<&ChatTemplate>,
 ) -> engram_tokenizer::Result<Vec<u32>> {
-    Ok(rag_prompt(tokenizer, template, DEFAULT_SYSTEM, Vec::new(), "")?.prefix)
+    let layout = Layout {
+        frame_in_prompt: false,
+        ..DEFAULT_LAYOUT
+    };
+    Ok(rag_prompt_with(layout, tokenizer, template, DEFAULT_SYSTEM, Vec::new(), "")?.prefix)
+}
+
+/// Appends [`FRAME_CONTEXT`]'s passages, tokenized as chunks are.
+fn extend_with_frame_context(
+    tokenizer: &Tokenizer,
+    ids: &mut Vec<u32>,
+) -> engram_tokenizer::Result<()> {
+    for passage in FRAME_CONTEXT {
+        ids.extend(chunk_tokens(tokenizer, passage)?);
+    }
+    Ok(())
 }
 
 /// How the RAG prompt asks its question: compared by `engram eval qa --layouts`.
@@ -85,6 +103,12 @@ pub struct Layout {
     pub seed_zh: &'static str,
     /// The chunks go in reverse order, the best (first retrieved) next to the question.
     pub best_last: bool,
+    /// The passages open with [`FRAME_CONTEXT`], the neutral passages every chunk's KV is
+    /// computed after (APE's shared prefix): the prompt's prefix is then [`rag_frame`], so the
+    /// first chunk's stored KV is exact (up to the f16 rounding of stored keys) and a later
+    /// chunk's misses only the chunks before it.
+    /// Measured with `engram eval fusion --frame-in-prompt` (docs/bench/2026-11-21-fusion.md).
+    pub frame_in_prompt: bool,
 }
 
 /// [`QUESTION_INSTRUCTION`] for a question in Chinese.
@@ -97,7 +121,10 @@ pub const QUESTION_INSTRUCTION_ZH: &str =
 /// little (0.19); the question also before the passages, with an "I don't know" instruction,
 /// made answers longer and worse (0.12-0.16). On XQuAD-zh the instruction in Chinese
 /// (`grounded-zh`) is repeated back instead of followed, so Chinese questions get the English
-/// one too.
+/// one too. `grounded` opens the passages with the frame's neutral passages (see
+/// [`Layout::frame_in_prompt`]); `grounded-plain` is the same without them, the default until
+/// fusion was measured on held-out questions (docs/bench/2026-11-26-fusion-frame.md): on
+/// XQuAD-en (150 questions, `boundary:4`) both answer about as well (F1 0.236 and 0.232).
 pub const LAYOUTS: &[Layout] = &[
     Layout {
         name: "grounded",
@@ -107,6 +134,17 @@ pub const LAYOUTS: &[Layout] = &[
         instruction_zh: QUESTION_INSTRUCTION,
         seed_zh: "Answer:",
         best_last: true,
+        frame_in_prompt: true,
+    },
+    Layout {
+        name: "grounded-plain",
+        question_first: false,
+        instruction: QUESTION_INSTRUCTION,
+        seed: "Answer:",
+        instruction_zh: QUESTION_INSTRUCTION,
+        seed_zh: "Answer:",
+        best_last: true,
+        frame_in_prompt: false,
     },
     Layout {
         name: "grounded-zh",
@@ -116,6 +154,7 @@ pub const LAYOUTS: &[Layout] = &[
         instruction_zh: QUESTION_INSTRUCTION_ZH,
         seed_zh: "答案：",
         best_last: true,
+        frame_in_prompt: true,
     },
     Layout {
         name: "question-first",
@@ -125,6 +164,7 @@ pub const LAYOUTS: &[Layout] = &[
         instruction_zh: "只根据上面的段落回答问题，用几个字回答。如果段落中没有答案，就说\"我不知道\"。\n问题：",
         seed_zh: "答案：",
         best_last: true,
+        frame_in_prompt: true,
     },
     Layout {
         name: "v1",
@@ -134,6 +174,7 @@ pub const LAYOUTS: &[Layout] = &[
         instruction_zh: QUESTION_INSTRUCTION,
         seed_zh: "",
         best_last: false,
+        frame_in_prompt: false,
     },
 ];
 
@@ -225,8 +266,12 @@ pub fn rag_prompt_with(
     let (before, after) = rendered
         .split_once(MARKER)
         .unwrap_or((rendered.as_str(), ""));
+    let mut prefix = tokenizer.encode_prompt(before)?;
+    if layout.frame_in_prompt {
+        extend_with_frame_context(tokenizer, &mut prefix)?;
+    }
     Ok(FusedPrompt {
-        prefix: tokenizer.encode_prompt(before)?,
+        prefix,
         chunks,
         suffix: tokenizer.encode(after, true)?,
     })
