@@ -41,6 +41,9 @@ enum EvalCommand {
     /// Writes a mixed Chinese/English retrieval set (BEIR form) built from XQuAD's parallel
     /// paragraphs: English documents quoting Chinese sentences, with `zh` and `en` query splits.
     MixedSet(crate::mixed_set::MixedSetArgs),
+    /// Writes held-out fusion questions (MuSiQue-shaped JSON for `eval fusion`) from a QA
+    /// set: each gold paragraph among distractors of other articles, up to a token budget.
+    FusionSet(crate::fusion_set::FusionSetArgs),
 }
 
 #[derive(Args)]
@@ -191,6 +194,7 @@ pub fn eval(a: EvalArgs) -> Result<()> {
         EvalCommand::Fusion(f) => crate::fusion_eval::run(f),
         EvalCommand::Qa(q) => crate::qa_eval::run(q),
         EvalCommand::MixedSet(m) => crate::mixed_set::run(m),
+        EvalCommand::FusionSet(f) => crate::fusion_set::run(f),
     }
 }
 

@@ -431,13 +431,26 @@ fn normalish(bits: u64) -> f32 {
 }
 
 /// SplitMix64 (Steele, Lea, Flood 2014): one add and three multiply-xorshifts per 64 bits,
-/// plenty for weights whose only job is to look like weights.
-struct SplitMix64(u64);
+/// plenty for weights whose only job is to look like weights, and for the seeded draws of
+/// the evaluation sets (`eval fusion-set`).
+pub(crate) struct SplitMix64(pub(crate) u64);
 
 impl SplitMix64 {
-    fn next(&mut self) -> u64 {
+    pub(crate) fn next(&mut self) -> u64 {
         self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
         finalize(self.0)
+    }
+
+    /// Uniform in `0..n` (`n` > 0; the modulo bias is below 2^-40 for any `n` under 2^24).
+    pub(crate) fn below(&mut self, n: usize) -> usize {
+        (self.next() % n as u64) as usize
+    }
+
+    /// Fisher-Yates.
+    pub(crate) fn shuffle<T>(&mut self, v: &mut [T]) {
+        for i in (1..v.len()).rev() {
+            v.swap(i, self.below(i + 1));
+        }
     }
 
     fn fill(&mut self, out: &mut [u8]) {

@@ -4,6 +4,7 @@ mod ask;
 mod bench;
 mod eval;
 mod fusion_eval;
+mod fusion_set;
 mod gen_model;
 mod gpu;
 mod kb;
