@@ -126,35 +126,17 @@ pub const QUESTION_INSTRUCTION_ZH: &str =
 /// fusion was measured on held-out questions (docs/bench/2026-11-26-fusion-frame.md): on
 /// XQuAD-en (150 questions, `boundary:4`) both answer about as well (F1 0.236 and 0.232).
 pub const LAYOUTS: &[Layout] = &[
-    Layout {
-        name: "grounded",
-        question_first: false,
-        instruction: QUESTION_INSTRUCTION,
-        seed: "Answer:",
-        instruction_zh: QUESTION_INSTRUCTION,
-        seed_zh: "Answer:",
-        best_last: true,
-        frame_in_prompt: true,
-    },
+    GROUNDED,
     Layout {
         name: "grounded-plain",
-        question_first: false,
-        instruction: QUESTION_INSTRUCTION,
-        seed: "Answer:",
-        instruction_zh: QUESTION_INSTRUCTION,
-        seed_zh: "Answer:",
-        best_last: true,
         frame_in_prompt: false,
+        ..GROUNDED
     },
     Layout {
         name: "grounded-zh",
-        question_first: false,
-        instruction: QUESTION_INSTRUCTION,
-        seed: "Answer:",
         instruction_zh: QUESTION_INSTRUCTION_ZH,
         seed_zh: "答案：",
-        best_last: true,
-        frame_in_prompt: true,
+        ..GROUNDED
     },
     Layout {
         name: "question-first",
@@ -177,6 +159,18 @@ pub const LAYOUTS: &[Layout] = &[
         frame_in_prompt: false,
     },
 ];
+
+/// The default layout (see [`LAYOUTS`]).
+const GROUNDED: Layout = Layout {
+    name: "grounded",
+    question_first: false,
+    instruction: QUESTION_INSTRUCTION,
+    seed: "Answer:",
+    instruction_zh: QUESTION_INSTRUCTION,
+    seed_zh: "Answer:",
+    best_last: true,
+    frame_in_prompt: true,
+};
 
 /// The layout answers are asked with.
 pub const DEFAULT_LAYOUT: Layout = LAYOUTS[0];
