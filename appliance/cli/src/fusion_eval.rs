@@ -81,6 +81,16 @@ struct Ctx {
     text: String,
 }
 
+/// A passage as one chunk: its title on a line of its own, then its text (the text alone
+/// when it has no title). `eval fusion-set` measures passages this way too.
+pub(crate) fn passage_text(title: &str, text: &str) -> String {
+    if title.is_empty() {
+        text.to_string()
+    } else {
+        format!("{title}\n{text}")
+    }
+}
+
 /// What `full` gave for a question: its first token, its answer's tokens with the logits each
 /// was chosen from, and its answer.
 type Reference = (u32, Vec<u32>, Vec<Vec<f32>>, String);
@@ -167,11 +177,7 @@ pub fn run(a: FusionArgs) -> Result<()> {
             .ctxs
             .iter()
             .map(|c| {
-                let t = if c.title.is_empty() {
-                    c.text.clone()
-                } else {
-                    format!("{}\n{}", c.title, c.text)
-                };
+                let t = passage_text(&c.title, &c.text);
                 chunk_tokens(tokenizer, &t)
             })
             .collect::<engram_tokenizer::Result<_>>()?;

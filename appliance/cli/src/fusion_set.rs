@@ -16,6 +16,7 @@ use engram_fusion::chunk_tokens;
 use serde::{Deserialize, Serialize};
 
 use crate::eval::{read_jsonl, CorpusDoc};
+use crate::fusion_eval::passage_text;
 use crate::gen_model::SplitMix64;
 use crate::ModelArgs;
 
@@ -69,15 +70,7 @@ struct Ctx<'a> {
 }
 
 pub fn run(a: FusionSetArgs) -> Result<()> {
-    let (qa, contexts) = match a.set.as_str() {
-        "xquad-en" => ("xquad/qa.en.jsonl", "xquad/contexts.en.jsonl"),
-        "xquad-zh" => ("xquad/qa.zh.jsonl", "xquad/contexts.zh.jsonl"),
-        "cmrc2018" => (
-            "cmrc2018-dev-subset/qa.jsonl",
-            "cmrc2018-dev-subset/contexts.jsonl",
-        ),
-        other => bail!("unknown QA set `{other}` (xquad-en, xquad-zh or cmrc2018)"),
-    };
+    let (qa, contexts, _) = crate::qa_eval::set_files(&a.qa_root, &a.set)?;
     if a.tokens > a.max_tokens {
         bail!(
             "--tokens {} is above --max-tokens {}",
@@ -85,12 +78,12 @@ pub fn run(a: FusionSetArgs) -> Result<()> {
             a.max_tokens
         );
     }
-    let mut questions: Vec<QaLine> = read_jsonl(&a.qa_root.join(qa))?;
-    let paragraphs: Vec<CorpusDoc> = read_jsonl(&a.qa_root.join(contexts))?;
+    let mut questions: Vec<QaLine> = read_jsonl(&qa)?;
+    let paragraphs: Vec<CorpusDoc> = read_jsonl(&contexts)?;
     let loaded = a.model.load()?;
     let tokens: Vec<usize> = paragraphs
         .iter()
-        .map(|p| Ok(chunk_tokens(&loaded.tokenizer, &passage(p))?.len()))
+        .map(|p| Ok(chunk_tokens(&loaded.tokenizer, &passage_text(&p.title, &p.text))?.len()))
         .collect::<Result<_>>()?;
     let by_id: HashMap<&str, usize> = paragraphs
         .iter()
@@ -108,8 +101,10 @@ pub fn run(a: FusionSetArgs) -> Result<()> {
         }
         let Some(&gold) = by_id.get(q.context_id.as_str()) else {
             bail!(
-                "{qa}: question's context {} is not in {contexts}",
-                q.context_id
+                "{}: question's context {} is not in {}",
+                qa.display(),
+                q.context_id,
+                contexts.display()
             );
         };
         if tokens[gold] > a.max_tokens {
@@ -169,13 +164,4 @@ pub fn run(a: FusionSetArgs) -> Result<()> {
         lengths[lengths.len() - 1]
     );
     Ok(())
-}
-
-/// A paragraph as `engram eval fusion` turns it into a chunk (title line, then text).
-fn passage(p: &CorpusDoc) -> String {
-    if p.title.is_empty() {
-        p.text.clone()
-    } else {
-        format!("{}\n{}", p.title, p.text)
-    }
 }

@@ -79,7 +79,7 @@ struct QaItem {
 }
 
 /// The files of a set: (questions, paragraphs, scored as Chinese).
-fn set_files(root: &Path, set: &str) -> Result<(PathBuf, PathBuf, bool)> {
+pub(crate) fn set_files(root: &Path, set: &str) -> Result<(PathBuf, PathBuf, bool)> {
     Ok(match set {
         "xquad-en" => (
             root.join("xquad/qa.en.jsonl"),

@@ -107,7 +107,8 @@ pub struct Layout {
     /// computed after (APE's shared prefix): the prompt's prefix is then [`rag_frame`], so the
     /// first chunk's stored KV is exact (up to the f16 rounding of stored keys) and a later
     /// chunk's misses only the chunks before it.
-    /// Measured with `engram eval fusion --frame-in-prompt` (docs/bench/2026-11-21-fusion.md).
+    /// Measured with `engram eval fusion --layout grounded|grounded-plain`
+    /// (docs/bench/2026-11-26-fusion-frame.md).
     pub frame_in_prompt: bool,
 }
 
