@@ -69,7 +69,7 @@ fi
 [[ "$threads" =~ ^[1-9][0-9]*$ ]] || die "--threads must be a positive integer"
 [[ "$reps" =~ ^[1-9][0-9]*$ ]] || die "--reps must be a positive integer"
 if [[ $quick -eq 1 ]]; then
-    figures=(load prefill512 decode512)
+    figures=(load prefill512 prefill2048 decode512)
     [[ $reps_set -eq 1 ]] || reps=3
 else
     figures=(load prefill128 prefill512 prefill2048 prefill4096 decode512)
@@ -210,7 +210,7 @@ engram_args() {
 
 llama_args() {
     local fig="$1" fa="$2"
-    local args=(-m "$model" -t "$threads" -r 1 -fa "$fa" -o json)
+    local args=(-m "$model" -t "$threads" -r 1 -fa "$fa" -o json "${llama_extra[@]}")
     case "$fig" in
         # Same work as Engram's load run: load, then 16 prompt tokens (Engram's fixed warm-up).
         load) args+=(-p 16 -n 0 --no-warmup) ;;
@@ -270,9 +270,31 @@ echo "priority    ${nice_cmd[*]:-plain (nice -n -5 not permitted)}"
 echo "raw output  $work"
 echo "load start  $(uptime)"
 
+# llama.cpp's own settings for the model in $model: its defaults, unless a short run with them
+# fails. llama.cpp 0.3.36 built natively on an AMX CPU (Sapphire Rapids) takes Q4_0, Q4_1, Q8_0
+# and the K-quants through its AMX weight buffers, whose kernel dies with SIGILL on a worker
+# thread that never loaded a tile configuration (seen 2026-11-26 on a Xeon with AMX); then
+# llama.cpp runs with `--repack 0` (plain CPU weight buffers, its AVX-512 kernels), the fastest
+# setting that works, and the output says so.
+llama_extra=()
+probe_llama() {
+    llama_extra=()
+    if ! "$llama_bench" -m "$model" -t "$threads" -p 64 -n 0 -r 1 -o json \
+        > "$work/probe.json" 2> "$work/probe.err"; then
+        [[ "$llama_help" == *--repack* ]] || { tail -n 20 "$work/probe.err" >&2; die "llama-bench failed on $model"; }
+        llama_extra=(--repack 0)
+        log "llama-bench failed with its default weight buffers on $model; using --repack 0"
+        echo "llama.cpp note: $(basename "$model"): the default (repacked/AMX) weight buffers crash; llama.cpp runs with --repack 0"
+        "$llama_bench" -m "$model" -t "$threads" -p 64 -n 0 -r 1 -o json "${llama_extra[@]}" \
+            > "$work/probe.json" 2> "$work/probe.err" \
+            || { tail -n 20 "$work/probe.err" >&2; die "llama-bench failed on $model with --repack 0 too"; }
+    fi
+}
+
 # Every figure for the model in $model, its raw files in $work.
 run_figures() {
     local fig rep fa
+    probe_llama
     for fig in "${figures[@]}"; do
         mapfile -t e_args < <(engram_args "$fig")
         for ((rep = 1; rep <= reps; rep++)); do

@@ -7,6 +7,9 @@
 //! - `avx512` (x86_64): AVX-512 VNNI (`vpdpbusd`) micro-kernels, tiles of up to 4 rows x 4
 //!   tokens;
 //! - `avx2` (x86_64): AVX2 + FMA (`vpmaddubsw`) micro-kernels, tiles of up to 2 rows x 4 tokens;
+//! - `amx` (x86_64): AMX int8 tiles (`tdpbusd`, 16 tokens x 16 rows per tile) for matmuls of
+//!   at least `amx::MIN_TOKENS` tokens (prefill) of every format but Q6_K, on CPUs that have
+//!   them (Sapphire Rapids and later; `ENGRAM_KERNELS_AMX=0` turns them off);
 //! - `float`: f32 weights times f32 activations (no quantisation), AVX2 + FMA tiles.
 //! - `packed`: f32 weights packed once into 32-row panels ([`PackedF32`]) times f32
 //!   activations, outer-product micro-kernels (AVX-512 F, AVX2 + FMA): [`matmul_packed`].
@@ -24,8 +27,11 @@
 //! `acc += float(lanes) * (dw * dx)` lane by lane, adds Q4_1's min term
 //! `sum_b m_b * s_b` in 16-lane chunks and sums the lanes in a fixed order. A product is
 //! therefore bit-identical whatever tile computed it (a decode step and a prefill give the same
-//! bits, which the model's consistency tests rely on); it differs from the scalar reference
-//! only in float summation order.
+//! bits); it differs from the scalar reference only in float summation order. The AMX tiles
+//! take exact per-block dots and sum them block by block (see `amx`): the same bits whatever
+//! tile, task split or thread count computed them, but not the VNNI kernels' bits, so on an
+//! AMX CPU a token's results in a matmul of at least `amx::MIN_TOKENS` tokens differ from a
+//! smaller call's by float rounding (the model's consistency tests hold both to `TOL_SAME`).
 //!
 //! Per token, a panel holds for each pair `k`: the quants chunk (i8; for the VNNI Q8_0 kernel
 //! biased by +128 to u8), a chunk of 16 f32 scales `[d0 x4, d1 x4, d0 x4, d1 x4]`, and for
@@ -46,6 +52,8 @@
 //!   `-dmin * min` per sub-block, and the panel's `s_b` is `d * (bsums of the sub-block)`.
 
 #[cfg(target_arch = "x86_64")]
+mod amx;
+#[cfg(target_arch = "x86_64")]
 mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
@@ -55,6 +63,7 @@ mod packed;
 mod raw;
 
 use std::cell::RefCell;
+use std::sync::Mutex;
 
 use crate::blocks::{
     f16_at, f32_at, i16_at, k4_scales_field, k4_scales_mins, q5_values, Q4K_BYTES, Q4_0_BYTES,
@@ -557,6 +566,23 @@ impl OutPtr {
         // SAFETY: `i` is in bounds (asserted) and the caller guarantees exclusive access.
         unsafe { *self.ptr.add(i) = v };
     }
+
+    /// Writes `v` as the results of rows `r0..r0 + v.len()`, token `t`.
+    ///
+    /// # Safety
+    ///
+    /// No other thread may access those cells during the call; they lie in row range and
+    /// inside the buffer (checked).
+    pub(crate) unsafe fn write_run(&self, r0: usize, t: usize, v: &[f32]) {
+        let i = t * self.rows + r0;
+        assert!(
+            r0 + v.len() <= self.rows && i + v.len() <= self.len,
+            "output cells ({r0}.., {t}) out of range"
+        );
+        // SAFETY: `i..i + v.len()` is in bounds (asserted) and the caller guarantees exclusive
+        // access; `v` cannot overlap the output, which no one else may reference.
+        unsafe { std::ptr::copy_nonoverlapping(v.as_ptr(), self.ptr.add(i), v.len()) };
+    }
 }
 
 /// The work of one task: rows `r0..r1` of the weights against tokens `t0..t1` of the panel.
@@ -643,6 +669,10 @@ pub(crate) fn matmul_tiled_many(
     let g = Geom::new(fmt, cols, isa);
     let vd = vec_dot_type(fmt);
     let xrb = vd.checked_row_bytes(cols, "matmul cols")?;
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx512 && n_tokens >= amx::MIN_TOKENS && amx::supports(fmt) && amx::enabled() {
+        return matmul_amx(g, ws, cols, x, n_tokens, outs, pool);
+    }
     let xs = g.xstride();
     let mut panel = vec![Chunk::ZERO; xs * n_tokens];
 
@@ -717,6 +747,90 @@ pub(crate) fn matmul_tiled_many(
             tokens: tci * tc..((tci + 1) * tc).min(n_tokens),
         };
         run_span(isa, &span, optr);
+    });
+    Ok(())
+}
+
+/// [`matmul_tiled_many`] on the AMX tiles (see `amx`): the activations are quantised and
+/// packed once, then every matrix is split into tasks of [`amx::ROWS_PER_TASK`] rows x
+/// [`amx::TOKENS_PER_TASK`] tokens.
+#[cfg(target_arch = "x86_64")]
+fn matmul_amx(
+    g: Geom,
+    ws: &[(&[u8], usize)],
+    cols: usize,
+    x: &[f32],
+    n_tokens: usize,
+    outs: &mut [&mut [f32]],
+    pool: &ThreadPool,
+) -> Result<()> {
+    let vd = vec_dot_type(g.fmt);
+    let xrb = vd.checked_row_bytes(cols, "matmul cols")?;
+    let mut acts = amx::Acts::new(&g, n_tokens);
+    {
+        let per = n_tokens.div_ceil(pool.n_threads()).max(1);
+        let pieces: Vec<_> = acts.pieces(per).into_iter().map(Mutex::new).collect();
+        let err = Mutex::new(None);
+        pool.run(n_tokens.div_ceil(per), |gi| {
+            let mut piece = pieces[gi].lock().unwrap_or_else(|p| p.into_inner());
+            XQ.with(|b| {
+                let mut xq = b.borrow_mut();
+                xq.resize(xrb, 0);
+                for (i, t) in (gi * per..((gi + 1) * per).min(n_tokens)).enumerate() {
+                    if let Err(e) = quantize_into(vd, &x[t * cols..(t + 1) * cols], &mut xq) {
+                        *err.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
+                        return;
+                    }
+                    piece.pack(&g, i, &xq);
+                }
+            });
+        });
+        if let Some(e) = err.into_inner().unwrap_or_else(|p| p.into_inner()) {
+            return Err(e);
+        }
+    }
+
+    let rpt = amx::ROWS_PER_TASK;
+    let row_blocks: usize = ws.iter().map(|&(_, rows)| rows.div_ceil(rpt)).sum();
+    let mut tc = n_tokens.min(amx::TOKENS_PER_TASK);
+    while row_blocks * n_tokens.div_ceil(tc) < amx::MIN_TASKS_PER_THREAD * pool.n_threads()
+        && tc >= 2 * amx::MIN_TOKENS
+    {
+        tc = (tc / 2).next_multiple_of(16);
+    }
+    let n_tc = n_tokens.div_ceil(tc);
+    let mut jobs = Vec::with_capacity(ws.len());
+    let mut n_tasks = 0;
+    for (&(w, rows), out) in ws.iter().zip(outs.iter_mut()) {
+        if rows == 0 {
+            continue;
+        }
+        let n_rb = rows.div_ceil(rpt);
+        jobs.push((
+            n_tasks,
+            w,
+            w.len() / rows,
+            rows,
+            n_rb,
+            OutPtr::new(out, rows),
+        ));
+        n_tasks += n_rb * n_tc;
+    }
+    let (acts, jobs) = (&acts, &jobs[..]);
+    pool.run(n_tasks, |task| {
+        let j = jobs.partition_point(|job| job.0 <= task) - 1;
+        let (first, w, wrb, rows, n_rb, optr) = jobs[j];
+        let task = task - first;
+        let (tci, rbi) = (task / n_rb, task % n_rb);
+        let span = amx::AmxSpan {
+            g,
+            w,
+            wrb,
+            rows: rbi * rpt..((rbi + 1) * rpt).min(rows),
+            acts,
+            tokens: tci * tc..((tci + 1) * tc).min(n_tokens),
+        };
+        amx::run_span(&span, optr);
     });
     Ok(())
 }
@@ -908,6 +1022,65 @@ mod tests {
                     }
                 }
             }
+        }
+
+        /// The AMX tiles (where this CPU has them), over ragged shapes past `amx::MIN_TOKENS`
+        /// tokens: every format they take matches the scalar dot product within float-order
+        /// tolerance, and a token's results have the same bits whatever the thread count and
+        /// whichever other tokens share the call.
+        #[cfg(target_arch = "x86_64")]
+        #[test]
+        fn amx_matmul_matches_scalar(
+            ty_idx in 0..FMTS.len() - 1,
+            rows in 1usize..40,
+            blocks in 1usize..12,
+            n_tokens in amx::MIN_TOKENS..amx::MIN_TOKENS + 40,
+            bytes in prop::collection::vec(any::<u8>(), 64..512),
+            xs in prop::collection::vec(-4.0f32..4.0, 80 * 1024),
+            threads in 1usize..4,
+        ) {
+            if !amx::enabled() {
+                eprintln!("no AMX here: amx_matmul_matches_scalar checks nothing");
+                return Ok(());
+            }
+            let ty = FMTS[ty_idx];
+            let fmt = fmt_of(ty).unwrap();
+            prop_assert!(amx::supports(fmt));
+            let cols = if ty.block_size() == QK { blocks * QK } else { blocks.div_ceil(3) * 256 };
+            let w: Vec<u8> = (0..rows)
+                .flat_map(|r| {
+                    let rot: Vec<u8> = bytes.iter().cycle().skip(r * 7).take(bytes.len())
+                        .copied().collect();
+                    random_row(ty, cols, &rot)
+                })
+                .collect();
+            let wrb = w.len() / rows;
+            let x = &xs[..n_tokens * cols];
+            let pool = ThreadPool::new(threads).unwrap();
+            let scalar = Isa::Scalar.dot_fn(ty).unwrap();
+            let mut out = vec![f32::NAN; rows * n_tokens];
+            matmul_tiled(Isa::Avx512, fmt, &w, rows, cols, x, n_tokens, &mut out, &pool).unwrap();
+            let mut xq = Vec::new();
+            for t in 0..n_tokens {
+                let xt = &x[t * cols..(t + 1) * cols];
+                quantize_activations(ty, xt, &mut xq).unwrap();
+                for r in 0..rows {
+                    let wr = &w[r * wrb..(r + 1) * wrb];
+                    let got = out[t * rows + r];
+                    let reference = scalar(wr, &xq);
+                    let mut wf = vec![0f32; cols];
+                    crate::dequant::dequantize_row(ty, wr, &mut wf).unwrap();
+                    let scale: f32 = wf.iter().zip(xt).map(|(a, b)| (a * b).abs()).sum();
+                    prop_assert!((got - reference).abs() <= 1e-6 * (1.0 + scale),
+                        "{ty} AMX r={r} t={t}: {got} vs scalar {reference}");
+                }
+            }
+            // The last MIN_TOKENS tokens alone, on one thread: the same bits.
+            let tail = n_tokens - amx::MIN_TOKENS;
+            let mut alone = vec![f32::NAN; rows * amx::MIN_TOKENS];
+            matmul_tiled(Isa::Avx512, fmt, &w, rows, cols, &x[tail * cols..], amx::MIN_TOKENS,
+                &mut alone, &ThreadPool::new(1).unwrap()).unwrap();
+            prop_assert_eq!(&alone[..], &out[tail * rows..], "{} AMX: split", ty);
         }
     }
 }
