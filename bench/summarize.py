@@ -75,6 +75,7 @@ def main():
     wall = defaultdict(list)                       # side -> [s] (load figure)
     engram_load_ms, engram_self_rss = [], defaultdict(list)
     llama_info = {}
+    engram_kernels = set()                         # `kernels` of Engram's runs (ISA, +amx)
     decode_bytes = []                              # bytes one decode step reads (Engram's count)
     read_gbs = [json.loads(p.read_text())["read_gbs"] for p in sorted(args.work.glob("read__*.bandwidth"))]
 
@@ -89,6 +90,8 @@ def main():
                 decode_bytes.append(data["decode"]["bytes_per_token"])
             engram_load_ms.append(load_ms)
             engram_self_rss[fig].append(self_rss)
+            if data.get("kernels"):
+                engram_kernels.add(data["kernels"])
         else:
             t, info = llama_figure(fig, data)
             llama_info = info
@@ -106,6 +109,8 @@ def main():
         print(f"llama-bench build {llama_info.get('build_commit')} ({llama_info.get('build_number')}), "
               f"backend {llama_info.get('backends')}, cpu_info {llama_info.get('cpu_info')!r}, "
               f"n_batch {llama_info.get('n_batch')}, n_ubatch {llama_info.get('n_ubatch')}")
+    if engram_kernels:
+        print(f"engram kernels {', '.join(sorted(engram_kernels))}")
     print(f"throughput, tokens/s, median of {reps} alternating runs per side "
           "(each run a fresh process, one repetition after warm-up)")
     head = f"{'figure':<13}{'engram':>10}{'llama fa0':>11}{'llama fa1':>11}{'llama best':>12}{'E/L best':>10}"

@@ -37,6 +37,8 @@ pub struct Figure {
 pub struct BenchReport {
     pub model: String,
     pub threads: usize,
+    /// `engram_kernels::kernels_in_use()`: the instruction set (and AMX) the run used.
+    pub kernels: String,
     pub model_load_ms: f64,
     pub prefill: Vec<Figure>,
     pub decode: Option<Figure>,
@@ -148,6 +150,7 @@ pub fn run(model: &Model, model_name: &str, load_ms: f64, plan: &BenchPlan) -> R
     Ok(BenchReport {
         model: model_name.to_owned(),
         threads: model.threads(),
+        kernels: engram_kernels::kernels_in_use(),
         model_load_ms: load_ms,
         prefill: prefill_figs,
         decode,
@@ -172,6 +175,7 @@ pub fn peak_rss_mib() -> f64 {
 pub fn print_table(r: &BenchReport) {
     println!("model        {}", r.model);
     println!("threads      {}", r.threads);
+    println!("kernels      {}", r.kernels);
     println!("load         {:.0} ms", r.model_load_ms);
     println!("{:<24} {:>10}", "test", "tokens/s");
     for f in &r.prefill {

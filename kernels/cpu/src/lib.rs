@@ -71,4 +71,16 @@ pub use gemm::{matmul_packed, PackedF32};
 pub use half::{bf16, f16};
 pub use matmul::{embedding_row, matmul, matmul_many, QMatrix};
 pub use pool::ThreadPool;
+
+/// The kernels this process runs: the instruction set `matmul` and the dot products use
+/// (`scalar`, `avx2`, `avx512bw`, `avx512-vnni`), plus `+amx` where prefill-sized matmuls take
+/// the AMX tiles. Detected once (the first call may ask Linux for the AMX tile state).
+pub fn kernels_in_use() -> String {
+    let isa = dot::Isa::detected();
+    #[cfg(target_arch = "x86_64")]
+    if gemm::amx_enabled() {
+        return format!("{}+amx", isa.name());
+    }
+    isa.name().to_string()
+}
 pub use quantize::{quantize_activations, quantize_row};

@@ -92,6 +92,19 @@ impl Isa {
         Isa::supported_here()
     }
 
+    /// The ISA's short name, as `ENGRAM_KERNELS_ISA` spells it (`avx512` is the VNNI set).
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Isa::Scalar => "scalar",
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 => "avx2",
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512Bw => "avx512bw",
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 => "avx512-vnni",
+        }
+    }
+
     /// Whether this ISA has `vpdpbusd` (u8 x i8 dot products without saturation).
     pub(crate) fn has_vnni(self) -> bool {
         #[cfg(target_arch = "x86_64")]

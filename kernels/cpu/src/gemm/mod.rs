@@ -78,6 +78,12 @@ use crate::quantize::quantize_into;
 
 pub use packed::{matmul_packed, PackedF32};
 
+/// Whether prefill-sized matmuls take the AMX tiles in this process (see `amx::enabled`).
+#[cfg(target_arch = "x86_64")]
+pub(crate) fn amx_enabled() -> bool {
+    amx::enabled()
+}
+
 /// Format id of Q4_0 weights (const generic parameter of the kernels).
 pub(crate) const Q4_0: u8 = 0;
 /// Format id of Q4_1 weights.
