@@ -972,6 +972,59 @@ mod tests {
         assert_eq!(rows_per_task(wrb, 1, 1, 2) % 4, 0);
     }
 
+    /// The width for `blocks` blocks of `ty` (super-blocks of 256 for the K-quants, a third
+    /// as many) and `rows` weight rows of it, each a rotation of `bytes`.
+    fn ragged_weights(ty: GgmlType, rows: usize, blocks: usize, bytes: &[u8]) -> (usize, Vec<u8>) {
+        let cols = if ty.block_size() == QK {
+            blocks * QK
+        } else {
+            blocks.div_ceil(3) * 256
+        };
+        let w = (0..rows)
+            .flat_map(|r| {
+                let rot: Vec<u8> = bytes
+                    .iter()
+                    .cycle()
+                    .skip(r * 7)
+                    .take(bytes.len())
+                    .copied()
+                    .collect();
+                random_row(ty, cols, &rot)
+            })
+            .collect();
+        (cols, w)
+    }
+
+    /// Checks a matmul's `out` (`[token][row]`) against the scalar dot product: integer sums
+    /// are exact and only the float combination differs, so each result must be within 1e-6
+    /// of `sum |w_i x_i|` (a few ulps of the largest partial sum).
+    fn check_against_scalar(
+        ty: GgmlType,
+        w: &[u8],
+        rows: usize,
+        x: &[f32],
+        out: &[f32],
+        what: &str,
+    ) -> std::result::Result<(), TestCaseError> {
+        let (cols, wrb) = (x.len() / (out.len() / rows), w.len() / rows);
+        let scalar = Isa::Scalar.dot_fn(ty).unwrap();
+        let (mut xq, mut wf) = (Vec::new(), vec![0f32; cols]);
+        for (t, xt) in x.chunks_exact(cols).enumerate() {
+            quantize_activations(ty, xt, &mut xq).unwrap();
+            for r in 0..rows {
+                let wr = &w[r * wrb..(r + 1) * wrb];
+                let (got, reference) = (out[t * rows + r], scalar(wr, &xq));
+                crate::dequant::dequantize_row(ty, wr, &mut wf).unwrap();
+                let scale: f32 = wf.iter().zip(xt).map(|(a, b)| (a * b).abs()).sum();
+                prop_assert!(
+                    (got - reference).abs() <= 1e-6 * (1.0 + scale),
+                    "{ty} {what} r={r} t={t}: {got} vs scalar {reference}"
+                );
+            }
+        }
+        Ok(())
+    }
+
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(48))]
 
@@ -991,39 +1044,22 @@ mod tests {
             threads in 1usize..4,
         ) {
             let ty = FMTS[ty_idx];
-            let cols = if ty.block_size() == QK { blocks * QK } else { blocks.div_ceil(3) * 256 };
-            let w: Vec<u8> = (0..rows)
-                .flat_map(|r| {
-                    let rot: Vec<u8> = bytes.iter().cycle().skip(r * 7).take(bytes.len())
-                        .copied().collect();
-                    random_row(ty, cols, &rot)
-                })
-                .collect();
+            let (cols, w) = ragged_weights(ty, rows, blocks, &bytes);
             let wrb = w.len() / rows;
             let x = &xs[..n_tokens * cols];
             let pool = ThreadPool::new(threads).unwrap();
-            let scalar = Isa::Scalar.dot_fn(ty).unwrap();
             let mut xq = Vec::new();
             for isa in Isa::available().into_iter().filter(|&i| has_tiled(i)) {
                 let mut out = vec![f32::NAN; rows * n_tokens];
                 matmul_tiled(isa, fmt_of(ty).unwrap(), &w, rows, cols, x, n_tokens, &mut out,
                     &pool).unwrap();
+                check_against_scalar(ty, &w, rows, x, &out, &format!("{isa:?}"))?;
                 let one = dot_fn(isa, ty).unwrap();
                 for t in 0..n_tokens {
-                    let xt = &x[t * cols..(t + 1) * cols];
-                    quantize_activations(ty, xt, &mut xq).unwrap();
+                    quantize_activations(ty, &x[t * cols..(t + 1) * cols], &mut xq).unwrap();
                     for r in 0..rows {
                         let wr = &w[r * wrb..(r + 1) * wrb];
-                        let got = out[t * rows + r];
-                        let reference = scalar(wr, &xq);
-                        // Integer sums are exact; only the float combination differs: allow
-                        // 1e-6 of sum |w_i x_i| (a few ulps of the largest partial sum).
-                        let mut wf = vec![0f32; cols];
-                        crate::dequant::dequantize_row(ty, wr, &mut wf).unwrap();
-                        let scale: f32 = wf.iter().zip(xt).map(|(a, b)| (a * b).abs()).sum();
-                        prop_assert!((got - reference).abs() <= 1e-6 * (1.0 + scale),
-                            "{ty} {isa:?} r={r} t={t}: {got} vs scalar {reference}");
-                        prop_assert_eq!(got.to_bits(), one(wr, &xq).to_bits(),
+                        prop_assert_eq!(out[t * rows + r].to_bits(), one(wr, &xq).to_bits(),
                             "{} {:?} tile vs 1x1", ty, isa);
                     }
                 }
@@ -1052,35 +1088,12 @@ mod tests {
             let ty = FMTS[ty_idx];
             let fmt = fmt_of(ty).unwrap();
             prop_assert!(amx::supports(fmt));
-            let cols = if ty.block_size() == QK { blocks * QK } else { blocks.div_ceil(3) * 256 };
-            let w: Vec<u8> = (0..rows)
-                .flat_map(|r| {
-                    let rot: Vec<u8> = bytes.iter().cycle().skip(r * 7).take(bytes.len())
-                        .copied().collect();
-                    random_row(ty, cols, &rot)
-                })
-                .collect();
-            let wrb = w.len() / rows;
+            let (cols, w) = ragged_weights(ty, rows, blocks, &bytes);
             let x = &xs[..n_tokens * cols];
             let pool = ThreadPool::new(threads).unwrap();
-            let scalar = Isa::Scalar.dot_fn(ty).unwrap();
             let mut out = vec![f32::NAN; rows * n_tokens];
             matmul_tiled(Isa::Avx512, fmt, &w, rows, cols, x, n_tokens, &mut out, &pool).unwrap();
-            let mut xq = Vec::new();
-            for t in 0..n_tokens {
-                let xt = &x[t * cols..(t + 1) * cols];
-                quantize_activations(ty, xt, &mut xq).unwrap();
-                for r in 0..rows {
-                    let wr = &w[r * wrb..(r + 1) * wrb];
-                    let got = out[t * rows + r];
-                    let reference = scalar(wr, &xq);
-                    let mut wf = vec![0f32; cols];
-                    crate::dequant::dequantize_row(ty, wr, &mut wf).unwrap();
-                    let scale: f32 = wf.iter().zip(xt).map(|(a, b)| (a * b).abs()).sum();
-                    prop_assert!((got - reference).abs() <= 1e-6 * (1.0 + scale),
-                        "{ty} AMX r={r} t={t}: {got} vs scalar {reference}");
-                }
-            }
+            check_against_scalar(ty, &w, rows, x, &out, "AMX")?;
             // The last MIN_TOKENS tokens alone, on one thread: the same bits.
             let tail = n_tokens - amx::MIN_TOKENS;
             let mut alone = vec![f32::NAN; rows * amx::MIN_TOKENS];
