@@ -3,8 +3,8 @@
 //! on one and two threads: the figure the AMX tiles are compared on against the VNNI kernels.
 //!
 //! ```text
-//! cargo run --release -p engram-kernels --example quant_gemm
-//! ENGRAM_KERNELS_AMX=0 cargo run --release -p engram-kernels --example quant_gemm
+//! cargo run --release -p engram-kernels --example quant_gemm                       # VNNI
+//! ENGRAM_KERNELS_AMX=1 cargo run --release -p engram-kernels --example quant_gemm  # AMX
 //! ```
 //!
 //! `ENGRAM_BENCH_TOKENS` (default 512) sets the token count, `ENGRAM_BENCH_REPS` (default 9)
@@ -47,8 +47,10 @@ fn weights(ty: GgmlType, rows: usize, cols: usize) -> engram_kernels::Result<Vec
 fn main() -> engram_kernels::Result<()> {
     let n = env("ENGRAM_BENCH_TOKENS", 512);
     let reps = env("ENGRAM_BENCH_REPS", 9).max(1);
-    let amx = std::env::var("ENGRAM_KERNELS_AMX").unwrap_or_else(|_| "auto".into());
-    println!("amx={amx} tokens={n} reps={reps} (GMAC/s = rows cols tokens / best time)");
+    println!(
+        "kernels={} tokens={n} reps={reps} (GMAC/s = rows cols tokens / best time)",
+        engram_kernels::kernels_in_use()
+    );
     println!(
         "{:>6} {:>12} {:>7} {:>10}",
         "type", "rows x cols", "threads", "GMAC/s"

@@ -25,10 +25,10 @@
 //! the 16 weight rows), and reused for every token tile of the task; activations are packed
 //! once per matmul (`Acts`), tokens padded to a multiple of 16.
 //!
-//! The tile unit is used only after [`enabled`] has confirmed it: CPUID says AMX-TILE and
+//! The tile unit is used only after [`usable`] has confirmed it: CPUID says AMX-TILE and
 //! AMX-INT8, the kernel granted this process the tile data state
-//! (`arch_prctl(ARCH_REQ_XCOMP_PERM)`), the AVX-512 VNNI kernels were chosen (`Isa::Avx512`)
-//! and `ENGRAM_KERNELS_AMX` is not `0`.
+//! (`arch_prctl(ARCH_REQ_XCOMP_PERM)`) and the AVX-512 VNNI kernels were chosen
+//! (`Isa::Avx512`); matmuls take it only with `ENGRAM_KERNELS_AMX=1` (see [`enabled`]).
 
 use std::arch::asm;
 use std::arch::x86_64::*;
@@ -39,7 +39,7 @@ use super::{has_mins, is_k, k_block, Geom, OutPtr, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1,
 use crate::blocks::{f16_at, f32_at, i16_at, q5_values, Q8K_BYTES, QK};
 use crate::dot::Isa;
 
-/// Environment variable that turns the AMX kernels off (`0` or `off`), for A/B benchmarks.
+/// Environment variable that turns the AMX kernels on (`1` or `on`; see [`enabled`]).
 pub(crate) const AMX_ENV: &str = "ENGRAM_KERNELS_AMX";
 
 /// Fewest tokens for which a matmul takes the AMX kernels: fewer (decode, batched decode) stay
@@ -65,16 +65,34 @@ pub(crate) const TOKENS_PER_TASK: usize = 1024;
 /// [`MIN_TOKENS`]).
 pub(crate) const MIN_TASKS_PER_THREAD: usize = 4;
 
-/// Whether the AMX kernels may run (see the module docs), decided once per process.
+/// Whether matmuls take the AMX kernels: only where they are [`usable`] and
+/// `ENGRAM_KERNELS_AMX=1` asks for them, decided once per process.
+///
+/// Opt-in for now: the tiles sum a product's blocks in another order than the VNNI kernels
+/// that decode steps (and matmuls of fewer than [`MIN_TOKENS`] tokens) run, so a token
+/// decoded step by step and the same token inside a prefill no longer get the same bits. In
+/// a SmolLM2-135M Q4_1 forward pass the difference reaches a KL of 0.019 at some positions
+/// (`tests/fusion.rs`, the interleaved-prefill test; the Q8 activation roundings amplify it),
+/// where both paths agreed exactly before. The default turns on once the decode kernels sum
+/// blocks in the tiles' order.
 pub(crate) fn enabled() -> bool {
     static ENABLED: OnceLock<bool> = OnceLock::new();
     *ENABLED.get_or_init(|| {
-        let off = matches!(
+        let on = matches!(
             std::env::var(AMX_ENV).ok().as_deref(),
-            Some("0") | Some("off")
+            Some("1") | Some("on")
         );
-        !off && Isa::detected() == Isa::Avx512 && cpu_has_amx_int8() && request_tile_data()
+        on && usable()
     })
+}
+
+/// Whether the AMX kernels can run in this process (see the module docs): CPUID says
+/// AMX-TILE and AMX-INT8, Linux granted the tile data state, and the AVX-512 VNNI kernels
+/// were chosen (`Isa::Avx512`). Decided once per process.
+pub(crate) fn usable() -> bool {
+    static USABLE: OnceLock<bool> = OnceLock::new();
+    *USABLE
+        .get_or_init(|| Isa::detected() == Isa::Avx512 && cpu_has_amx_int8() && request_tile_data())
 }
 
 /// Whether format `fmt` has an AMX kernel.
@@ -371,14 +389,11 @@ thread_local! {
 
 /// Computes `s` into `out`.
 pub(crate) fn run_span(s: &AmxSpan<'_>, out: OutPtr) {
-    assert!(
-        enabled(),
-        "the AMX kernels run only where `enabled` said so"
-    );
+    assert!(usable(), "the AMX kernels run only where `usable` said so");
     assert!(s.tokens.end <= s.acts.padded && s.acts.nb == s.g.nb);
     GROUP.with(|grp| {
         DOTS.with(|dots| {
-            // SAFETY: `enabled()` checked that this CPU has AMX-TILE and AMX-INT8 and that the
+            // SAFETY: `usable()` checked that this CPU has AMX-TILE and AMX-INT8 and that the
             // process holds the tile data permission, and (through `Isa::Avx512`) AVX-512
             // F/BW/VL/VNNI, AVX2, FMA and F16C.
             unsafe { span(s, out, &mut grp.borrow_mut(), &mut dots.borrow_mut()) }

@@ -9,7 +9,7 @@
 //! - `avx2` (x86_64): AVX2 + FMA (`vpmaddubsw`) micro-kernels, tiles of up to 2 rows x 4 tokens;
 //! - `amx` (x86_64): AMX int8 tiles (`tdpbusd`, 16 tokens x 16 rows per tile) for matmuls of
 //!   at least `amx::MIN_TOKENS` tokens (prefill) of every format but Q6_K, on CPUs that have
-//!   them (Sapphire Rapids and later; `ENGRAM_KERNELS_AMX=0` turns them off);
+//!   them (Sapphire Rapids and later), opt-in with `ENGRAM_KERNELS_AMX=1` for now;
 //! - `float`: f32 weights times f32 activations (no quantisation), AVX2 + FMA tiles.
 //! - `packed`: f32 weights packed once into 32-row panels ([`PackedF32`]) times f32
 //!   activations, outer-product micro-kernels (AVX-512 F, AVX2 + FMA): [`matmul_packed`].
@@ -30,8 +30,8 @@
 //! bits); it differs from the scalar reference only in float summation order. The AMX tiles
 //! take exact per-block dots and sum them block by block (see `amx`): the same bits whatever
 //! tile, task split or thread count computed them, but not the VNNI kernels' bits, so on an
-//! AMX CPU a token's results in a matmul of at least `amx::MIN_TOKENS` tokens differ from a
-//! smaller call's by float rounding (the model's consistency tests hold both to `TOL_SAME`).
+//! AMX CPU with them turned on, a token's results in a matmul of at least `amx::MIN_TOKENS`
+//! tokens differ from a smaller call's by float rounding (see `amx::enabled`).
 //!
 //! Per token, a panel holds for each pair `k`: the quants chunk (i8; for the VNNI Q8_0 kernel
 //! biased by +128 to u8), a chunk of 16 f32 scales `[d0 x4, d1 x4, d0 x4, d1 x4]`, and for
@@ -1081,24 +1081,29 @@ mod tests {
             xs in prop::collection::vec(-4.0f32..4.0, 80 * 1024),
             threads in 1usize..4,
         ) {
-            if !amx::enabled() {
+            if !amx::usable() {
                 eprintln!("no AMX here: amx_matmul_matches_scalar checks nothing");
                 return Ok(());
             }
             let ty = FMTS[ty_idx];
             let fmt = fmt_of(ty).unwrap();
+            // The AMX path directly: `matmul_tiled` takes it only when it is enabled.
+            let amx = |w: &[u8], rows, cols, x: &[f32], n, out: &mut [f32], pool: &ThreadPool| {
+                let g = Geom::new(fmt, cols, Isa::Avx512);
+                matmul_amx(g, &[(w, rows)], cols, x, n, &mut [out], pool).unwrap();
+            };
             prop_assert!(amx::supports(fmt));
             let (cols, w) = ragged_weights(ty, rows, blocks, &bytes);
             let x = &xs[..n_tokens * cols];
             let pool = ThreadPool::new(threads).unwrap();
             let mut out = vec![f32::NAN; rows * n_tokens];
-            matmul_tiled(Isa::Avx512, fmt, &w, rows, cols, x, n_tokens, &mut out, &pool).unwrap();
+            amx(&w, rows, cols, x, n_tokens, &mut out, &pool);
             check_against_scalar(ty, &w, rows, x, &out, "AMX")?;
             // The last MIN_TOKENS tokens alone, on one thread: the same bits.
             let tail = n_tokens - amx::MIN_TOKENS;
             let mut alone = vec![f32::NAN; rows * amx::MIN_TOKENS];
-            matmul_tiled(Isa::Avx512, fmt, &w, rows, cols, &x[tail * cols..], amx::MIN_TOKENS,
-                &mut alone, &ThreadPool::new(1).unwrap()).unwrap();
+            amx(&w, rows, cols, &x[tail * cols..], amx::MIN_TOKENS, &mut alone,
+                &ThreadPool::new(1).unwrap());
             prop_assert_eq!(&alone[..], &out[tail * rows..], "{} AMX: split", ty);
         }
     }
