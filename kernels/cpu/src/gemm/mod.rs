@@ -677,7 +677,7 @@ pub(crate) fn matmul_tiled_many(
     let xrb = vd.checked_row_bytes(cols, "matmul cols")?;
     #[cfg(target_arch = "x86_64")]
     if isa == Isa::Avx512 && n_tokens >= amx::MIN_TOKENS && amx::supports(fmt) && amx::enabled() {
-        return matmul_amx(g, ws, cols, x, n_tokens, outs, pool);
+        return matmul_amx(g, xrb, ws, x, n_tokens, outs, pool);
     }
     let xs = g.xstride();
     let mut panel = vec![Chunk::ZERO; xs * n_tokens];
@@ -686,30 +686,12 @@ pub(crate) fn matmul_tiled_many(
     // decode, is a single group, which `run` executes inline on the caller).
     {
         let pp = OutPtrChunks(panel.as_mut_ptr(), panel.len());
-        let per = n_tokens.div_ceil(pool.n_threads()).max(1);
-        let groups = n_tokens.div_ceil(per);
-        let err = std::sync::Mutex::new(None);
-        pool.run(groups, |gi| {
-            let t0 = gi * per;
-            let t1 = (t0 + per).min(n_tokens);
-            XQ.with(|b| {
-                let mut xq = b.borrow_mut();
-                xq.resize(xrb, 0);
-                for t in t0..t1 {
-                    if let Err(e) = quantize_into(vd, &x[t * cols..(t + 1) * cols], &mut xq) {
-                        *err.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
-                        return;
-                    }
-                    // SAFETY: token groups are disjoint, so this token's chunks are written by
-                    // this task only, and `panel` outlives the `run` call.
-                    let dst = unsafe { pp.slice(t * xs, xs) };
-                    pack_token(&g, &xq, dst);
-                }
-            });
-        });
-        if let Some(e) = err.into_inner().unwrap_or_else(|p| p.into_inner()) {
-            return Err(e);
-        }
+        quantize_tokens(vd, xrb, x, cols, n_tokens, pool, |_, t, xq| {
+            // SAFETY: token groups are disjoint, so this token's chunks are written by this
+            // task only, and `panel` outlives the `run` call.
+            let dst = unsafe { pp.slice(t * xs, xs) };
+            pack_token(&g, xq, dst);
+        })?;
     }
 
     let tc = if n_tokens <= TOKENS_PER_TASK {
@@ -763,37 +745,30 @@ pub(crate) fn matmul_tiled_many(
 #[cfg(target_arch = "x86_64")]
 fn matmul_amx(
     g: Geom,
+    xrb: usize,
     ws: &[(&[u8], usize)],
-    cols: usize,
     x: &[f32],
     n_tokens: usize,
     outs: &mut [&mut [f32]],
     pool: &ThreadPool,
 ) -> Result<()> {
-    let vd = vec_dot_type(g.fmt);
-    let xrb = vd.checked_row_bytes(cols, "matmul cols")?;
+    let cols = g.nb * QK;
     let mut acts = amx::Acts::new(&g, n_tokens);
     {
-        let per = n_tokens.div_ceil(pool.n_threads()).max(1);
+        let per = tokens_per_group(n_tokens, pool);
         let pieces: Vec<_> = acts.pieces(per).into_iter().map(Mutex::new).collect();
-        let err = Mutex::new(None);
-        pool.run(n_tokens.div_ceil(per), |gi| {
-            let mut piece = pieces[gi].lock().unwrap_or_else(|p| p.into_inner());
-            XQ.with(|b| {
-                let mut xq = b.borrow_mut();
-                xq.resize(xrb, 0);
-                for (i, t) in (gi * per..((gi + 1) * per).min(n_tokens)).enumerate() {
-                    if let Err(e) = quantize_into(vd, &x[t * cols..(t + 1) * cols], &mut xq) {
-                        *err.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
-                        return;
-                    }
-                    piece.pack(&g, i, &xq);
-                }
-            });
-        });
-        if let Some(e) = err.into_inner().unwrap_or_else(|p| p.into_inner()) {
-            return Err(e);
-        }
+        quantize_tokens(
+            vec_dot_type(g.fmt),
+            xrb,
+            x,
+            cols,
+            n_tokens,
+            pool,
+            |gi, t, xq| {
+                let mut piece = pieces[gi].lock().unwrap_or_else(|p| p.into_inner());
+                piece.pack(&g, t - gi * per, xq);
+            },
+        )?;
     }
 
     let rpt = amx::ROWS_PER_TASK;
@@ -839,6 +814,46 @@ fn matmul_amx(
         amx::run_span(&span, optr);
     });
     Ok(())
+}
+
+/// Tokens per group when the activations are quantised in parallel: one group per thread.
+fn tokens_per_group(n_tokens: usize, pool: &ThreadPool) -> usize {
+    n_tokens.div_ceil(pool.n_threads()).max(1)
+}
+
+/// Quantises each token of `x` (`cols` values each) to the vec-dot type `vd` (`xrb` bytes a
+/// token), in parallel over groups of [`tokens_per_group`] tokens, and hands group `gi`,
+/// token `t` and its quantised row to `pack(gi, t, xq)`. The first quantisation error, if any,
+/// is returned after every group has run.
+#[allow(clippy::too_many_arguments)]
+fn quantize_tokens(
+    vd: GgmlType,
+    xrb: usize,
+    x: &[f32],
+    cols: usize,
+    n_tokens: usize,
+    pool: &ThreadPool,
+    pack: impl Fn(usize, usize, &[u8]) + Sync,
+) -> Result<()> {
+    let per = tokens_per_group(n_tokens, pool);
+    let err = Mutex::new(None);
+    pool.run(n_tokens.div_ceil(per), |gi| {
+        XQ.with(|b| {
+            let mut xq = b.borrow_mut();
+            xq.resize(xrb, 0);
+            for t in gi * per..((gi + 1) * per).min(n_tokens) {
+                if let Err(e) = quantize_into(vd, &x[t * cols..(t + 1) * cols], &mut xq) {
+                    *err.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
+                    return;
+                }
+                pack(gi, t, &xq);
+            }
+        });
+    });
+    match err.into_inner().unwrap_or_else(|p| p.into_inner()) {
+        Some(e) => Err(e),
+        None => Ok(()),
+    }
 }
 
 /// Rows per task for rows of `wrb` bytes and token chunks of `tc` tokens: at least
@@ -1090,7 +1105,8 @@ mod tests {
             // The AMX path directly: `matmul_tiled` takes it only when it is enabled.
             let amx = |w: &[u8], rows, cols, x: &[f32], n, out: &mut [f32], pool: &ThreadPool| {
                 let g = Geom::new(fmt, cols, Isa::Avx512);
-                matmul_amx(g, &[(w, rows)], cols, x, n, &mut [out], pool).unwrap();
+                let xrb = vec_dot_type(fmt).row_bytes(cols).unwrap();
+                matmul_amx(g, xrb, &[(w, rows)], x, n, &mut [out], pool).unwrap();
             };
             prop_assert!(amx::supports(fmt));
             let (cols, w) = ragged_weights(ty, rows, blocks, &bytes);
