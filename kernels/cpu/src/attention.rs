@@ -471,10 +471,12 @@ unsafe fn convert_f16c(src: &[f16], dst: &mut [f32]) {
     convert_portable(&src[n8..], &mut dst[n8..]);
 }
 
-/// The kernel compiled for AVX-512: the same code as [`task_kernel`], vectorised 16 wide.
+/// The kernel for AVX-512 that converts each tile of keys and values to f32 once (prefill: many
+/// row blocks reuse it), then runs [`tile_rows_avx512`] on the converted tile. Head widths that
+/// are not whole [`DIM_BLOCK`]s take [`task_kernel`] compiled for AVX-512 instead.
 ///
 /// # Safety
-/// The CPU must support AVX-512 F, BW and VL, and FMA.
+/// The CPU must support AVX-512 F, BW and VL, FMA and F16C.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
 unsafe fn task_avx512<const RB: usize>(
@@ -483,6 +485,10 @@ unsafe fn task_avx512<const RB: usize>(
     r: &[(i32, i32)],
     s: &mut Scratch,
 ) -> Partial {
+    if a.head_dim.is_multiple_of(DIM_BLOCK) {
+        // SAFETY: the caller guarantees the CPU features.
+        return unsafe { task_avx512_tiles::<RB, true>(a, t, r, s) };
+    }
     task_kernel::<RB>(
         a,
         t,
@@ -496,14 +502,9 @@ unsafe fn task_avx512<const RB: usize>(
     )
 }
 
-/// Vectors of 16 f32 lanes per tile row (keys) or [`DIM_BLOCK`] (values).
-#[cfg(target_arch = "x86_64")]
-const VECS: usize = KV_TILE / 16;
-
-/// The AVX-512 kernel for small tasks (see [`F16_DIRECT_MAX_ROW_BLOCKS`]): the same
-/// arithmetic as [`task_kernel`], operation for operation (so the same bits), but keys and
-/// values are converted from f16 as they are loaded, and a row block's scores and outputs stay
-/// in registers. Needs `head_dim` in whole [`DIM_BLOCK`]s (with `DIM_BLOCK == KV_TILE`).
+/// The AVX-512 kernel for small tasks (see [`F16_DIRECT_MAX_ROW_BLOCKS`]): keys and values are
+/// converted from f16 as they are loaded, with the same arithmetic as [`task_avx512`] (so the
+/// same bits). Needs `head_dim` in whole [`DIM_BLOCK`]s.
 ///
 /// # Safety
 /// The CPU must support AVX-512 F, BW and VL, FMA and F16C.
@@ -512,119 +513,248 @@ const VECS: usize = KV_TILE / 16;
 unsafe fn task_avx512_f16<const RB: usize>(
     a: &Attention<'_>,
     t: &Task,
+    r: &[(i32, i32)],
+    s: &mut Scratch,
+) -> Partial {
+    // SAFETY: the caller guarantees the CPU features.
+    unsafe { task_avx512_tiles::<RB, false>(a, t, r, s) }
+}
+
+/// Vectors of 16 f32 lanes per tile row (keys) or [`DIM_BLOCK`] (values).
+#[cfg(target_arch = "x86_64")]
+const VECS: usize = KV_TILE / 16;
+
+/// 16 consecutive keys or values as 16 f32 lanes: f32 from a converted tile, f16 straight from
+/// the cache (converted exactly, so both give the same lanes).
+#[cfg(target_arch = "x86_64")]
+trait Lanes: Copy {
+    /// # Safety
+    /// `p` must point at 16 readable elements, on a CPU with AVX-512 F and F16C.
+    unsafe fn load16(p: *const Self) -> std::arch::x86_64::__m512;
+}
+
+#[cfg(target_arch = "x86_64")]
+impl Lanes for f32 {
+    #[inline(always)]
+    unsafe fn load16(p: *const f32) -> std::arch::x86_64::__m512 {
+        // SAFETY: the caller's contract.
+        unsafe { std::arch::x86_64::_mm512_loadu_ps(p) }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+impl Lanes for f16 {
+    #[inline(always)]
+    unsafe fn load16(p: *const f16) -> std::arch::x86_64::__m512 {
+        use std::arch::x86_64::{_mm256_loadu_si256, _mm512_cvtph_ps};
+        // SAFETY: the caller's contract.
+        unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(p.cast())) }
+    }
+}
+
+/// One task on AVX-512 with a row block's scores and outputs in registers: the arithmetic of
+/// [`task_kernel`], operation for operation. With `CONVERT` each tile is converted to f32 in
+/// the scratch first; without, keys and values are read as f16 (see [`f16_direct`]).
+///
+/// # Safety
+/// The CPU must support AVX-512 F, BW and VL, FMA and F16C; `head_dim` must be whole
+/// [`DIM_BLOCK`]s (checked).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+unsafe fn task_avx512_tiles<const RB: usize, const CONVERT: bool>(
+    a: &Attention<'_>,
+    t: &Task,
     ranges: &[(i32, i32)],
     sc: &mut Scratch,
 ) -> Partial {
-    use std::arch::x86_64::*;
     const { assert!(DIM_BLOCK == KV_TILE && KV_TILE.is_multiple_of(16)) };
     let hd = a.head_dim;
     assert!(hd.is_multiple_of(DIM_BLOCK), "head width {hd}");
     let rows = a.n_head / a.n_head_kv * (t.q1 - t.q0);
-    let Partial {
-        mut m,
-        mut l,
-        mut o,
-    } = Partial::empty::<RB>(rows, hd);
-    let (q_min, q_max) = t.q_range(a);
+    let mut part = Partial::empty::<RB>(rows, hd);
     let (keys, values) = (a.keys[t.kvh], a.values[t.kvh]);
     let len = a.kv_pos.len();
     let zeros = vec![0.0f32; hd];
-    // 16 f16 at `p` as 16 f32 lanes.
-    let load = |p: *const f16| {
-        // SAFETY: every caller passes a pointer with 16 readable f16 (checked below).
-        unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(p.cast())) }
-    };
+    let (q_min, q_max) = t.q_range(a);
 
     for (tile, &(lo, hi)) in ranges.iter().enumerate().take(t.t1).skip(t.t0) {
         if lo > q_max {
-            continue;
+            continue; // no query of this task sees any slot of the tile
         }
-        let masked = hi > q_min;
         let j0 = tile * KV_TILE;
         let bk = KV_TILE.min(len - j0);
         for (j, p) in sc.pos.iter_mut().enumerate() {
             *p = if j < bk { a.kv_pos[j0 + j] } else { i32::MAX };
         }
-        // Bounds for the raw loads below: the tile's transposed keys, its values' rows.
+        let tl = TileRows {
+            lo,
+            masked: hi > q_min || bk < KV_TILE,
+            bk,
+            pos: &sc.pos,
+            zeros: &zeros,
+        };
+        // The tile's transposed keys and its values' rows (only the first `bk` are read).
         let kt = &keys[tile * hd * KV_TILE..(tile + 1) * hd * KV_TILE];
         let vt = &values[j0 * hd..(j0 + bk) * hd];
+        if CONVERT {
+            // SAFETY: the caller guarantees F16C; the scratch holds a whole tile.
+            unsafe {
+                convert_f16c(kt, &mut sc.kt);
+                convert_f16c(vt, &mut sc.v[..bk * hd]);
+                tile_rows_avx512::<RB, f32>(a, t, &tl, &sc.kt, &sc.v[..bk * hd], &mut part);
+            }
+        } else {
+            // SAFETY: the caller guarantees the CPU features.
+            unsafe { tile_rows_avx512::<RB, f16>(a, t, &tl, kt, vt, &mut part) };
+        }
+    }
+    part
+}
 
-        for r0 in (0..rows).step_by(RB) {
-            let nr = RB.min(rows - r0);
-            let (qrows, qpos) = t.block_queries::<RB>(a, r0, nr, &zeros);
-            if qpos[..nr].iter().all(|&p| p < lo) {
+/// What every row block of a task needs to know about the current tile.
+#[cfg(target_arch = "x86_64")]
+struct TileRows<'s> {
+    /// The tile's lowest slot position.
+    lo: i32,
+    /// Whether some slot may be past some query (or the tile is short): scores are masked.
+    masked: bool,
+    /// Slots in the tile.
+    bk: usize,
+    /// The slots' positions, `i32::MAX` past `bk`.
+    pos: &'s [i32],
+    /// A stand-in query for the rows past the task's last.
+    zeros: &'s [f32],
+}
+
+/// One tile for every row block of task `t`: scores `q K^T` with the block's accumulators in
+/// registers (one key row loaded per dimension feeds `RB` rows), the online softmax, then
+/// `o = o * correction + p V`. `kt` is the tile's keys transposed (`[head_dim][KV_TILE]`), `vt`
+/// its first `tl.bk` value rows.
+///
+/// # Safety
+/// The CPU must support AVX-512 F, BW and VL, FMA and F16C; `kt` must hold `head_dim *
+/// KV_TILE` elements and `vt` `tl.bk * head_dim` (checked).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+#[inline]
+unsafe fn tile_rows_avx512<const RB: usize, T: Lanes>(
+    a: &Attention<'_>,
+    t: &Task,
+    tl: &TileRows<'_>,
+    kt: &[T],
+    vt: &[T],
+    p: &mut Partial,
+) {
+    use std::arch::x86_64::*;
+    let hd = a.head_dim;
+    assert!(kt.len() >= hd * KV_TILE && vt.len() >= tl.bk * hd);
+    let rows = p.m.len();
+    const { assert!(VECS == 4) };
+    let mut pos = [_mm512_setzero_si512(); VECS];
+    for (c, pc) in pos.iter_mut().enumerate() {
+        // SAFETY: lanes 16c..16c + 16 of the tile's KV_TILE positions.
+        *pc = unsafe { _mm512_loadu_si512(tl.pos[16 * c..16 * c + 16].as_ptr().cast()) };
+    }
+    for r0 in (0..rows).step_by(RB) {
+        let nr = RB.min(rows - r0);
+        let (qrows, qpos) = t.block_queries::<RB>(a, r0, nr, tl.zeros);
+        if qpos[..nr].iter().all(|&q| q < tl.lo) {
+            continue;
+        }
+
+        // Scores: s[i][j] = sum_d q_i[d] * kt[d][j], d in order.
+        let mut acc = [[_mm512_setzero_ps(); VECS]; RB];
+        for d in 0..hd {
+            let mut k = [_mm512_setzero_ps(); VECS];
+            for (c, kc) in k.iter_mut().enumerate() {
+                // SAFETY: d * KV_TILE + 16c + 16 <= hd * KV_TILE <= kt.len() (asserted).
+                *kc = unsafe { T::load16(kt.as_ptr().add(d * KV_TILE + 16 * c)) };
+            }
+            for i in 0..RB {
+                let q = _mm512_set1_ps(qrows[i][d]);
+                for c in 0..VECS {
+                    acc[i][c] = _mm512_fmadd_ps(q, k[c], acc[i][c]);
+                }
+            }
+        }
+        // The online softmax on the scores in registers; `s` gets the weights e^(x - m) the
+        // value loop broadcasts (0 for rows or slots not seen).
+        let mut s = [[0.0f32; KV_TILE]; RB];
+        let mut correction = [1.0f32; RB];
+        for i in 0..RB {
+            if i >= nr || qpos[i] < tl.lo {
                 continue;
             }
-
-            // Scores: s[i][j] = sum_d q_i[d] * kt[d][j], d in order, as `task_kernel`.
-            let mut acc = [[_mm512_setzero_ps(); VECS]; RB];
-            for d in 0..hd {
-                let krow = &kt[d * KV_TILE..(d + 1) * KV_TILE];
-                let mut k = [_mm512_setzero_ps(); VECS];
-                for (c, kc) in k.iter_mut().enumerate() {
-                    *kc = load(krow[16 * c..16 * c + 16].as_ptr());
-                }
-                for i in 0..RB {
-                    let q = _mm512_set1_ps(qrows[i][d]);
-                    for c in 0..VECS {
-                        acc[i][c] = _mm512_fmadd_ps(q, k[c], acc[i][c]);
-                    }
-                }
+            let mut x = [_mm512_setzero_ps(); VECS];
+            for c in 0..VECS {
+                x[c] = _mm512_mul_ps(acc[i][c], _mm512_set1_ps(a.scale));
             }
-            let mut s = [[0.0f32; KV_TILE]; RB];
-            for i in 0..RB {
+            if tl.masked {
+                let qp = _mm512_set1_epi32(qpos[i]);
                 for c in 0..VECS {
-                    // SAFETY: lanes 16c..16c + 16 of a KV_TILE-long row.
-                    unsafe { _mm512_storeu_ps(s[i][16 * c..].as_mut_ptr(), acc[i][c]) };
+                    let seen = _mm512_cmple_epi32_mask(pos[c], qp);
+                    x[c] = _mm512_mask_blend_ps(seen, _mm512_set1_ps(f32::NEG_INFINITY), x[c]);
                 }
             }
-
-            let rs = RowState {
-                m: &mut m[r0..],
-                l: &mut l[r0..],
-                nr,
-                qpos: &qpos,
+            let tile_max =
+                _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(x[0], x[1]), _mm512_max_ps(x[2], x[3])));
+            if tile_max == f32::NEG_INFINITY {
+                continue;
+            }
+            let (m, l) = (&mut p.m[r0 + i], &mut p.l[r0 + i]);
+            let m_new = m.max(tile_max);
+            correction[i] = if *m == f32::NEG_INFINITY {
+                0.0
+            } else {
+                exp_approx(*m - m_new)
             };
-            let correction =
-                softmax_block(&mut s, rs, &sc.pos, lo, masked || bk < KV_TILE, a.scale);
+            let mut sum = _mm512_setzero_ps();
+            for c in 0..VECS {
+                // SAFETY: the caller guarantees AVX-512 F.
+                let e = unsafe { exp_approx_avx512(_mm512_sub_ps(x[c], _mm512_set1_ps(m_new))) };
+                sum = _mm512_add_ps(sum, e);
+                // SAFETY: lanes 16c..16c + 16 of a KV_TILE-long row.
+                unsafe { _mm512_storeu_ps(s[i][16 * c..].as_mut_ptr(), e) };
+            }
+            *l = *l * correction[i] + _mm512_reduce_add_ps(sum);
+            *m = m_new;
+        }
 
-            // Outputs: o_i = o_i * correction_i + sum_j p_i[j] * v[j], DIM_BLOCK dims at a time.
-            let ob = &mut o[r0 * hd..(r0 + RB) * hd];
-            for d0 in (0..hd).step_by(DIM_BLOCK) {
-                let mut acc = [[_mm512_setzero_ps(); VECS]; RB];
-                for i in 0..RB {
-                    let cf = _mm512_set1_ps(correction[i]);
-                    let orow = &ob[i * hd + d0..i * hd + d0 + DIM_BLOCK];
-                    for c in 0..VECS {
-                        // SAFETY: lanes 16c..16c + 16 of a DIM_BLOCK-long slice.
-                        let y = unsafe { _mm512_loadu_ps(orow[16 * c..].as_ptr()) };
-                        acc[i][c] = _mm512_mul_ps(y, cf);
-                    }
+        // Outputs: o_i = o_i * correction_i + sum_j p_i[j] * v[j], DIM_BLOCK dims at a time.
+        let ob = &mut p.o[r0 * hd..(r0 + RB) * hd];
+        for d0 in (0..hd).step_by(DIM_BLOCK) {
+            let mut acc = [[_mm512_setzero_ps(); VECS]; RB];
+            for i in 0..RB {
+                let cf = _mm512_set1_ps(correction[i]);
+                let orow = &ob[i * hd + d0..i * hd + d0 + DIM_BLOCK];
+                for c in 0..VECS {
+                    // SAFETY: lanes 16c..16c + 16 of a DIM_BLOCK-long slice.
+                    let y = unsafe { _mm512_loadu_ps(orow[16 * c..].as_ptr()) };
+                    acc[i][c] = _mm512_mul_ps(y, cf);
                 }
-                for j in 0..bk {
-                    let vrow = &vt[j * hd + d0..j * hd + d0 + DIM_BLOCK];
-                    let mut v = [_mm512_setzero_ps(); VECS];
-                    for (c, vc) in v.iter_mut().enumerate() {
-                        *vc = load(vrow[16 * c..16 * c + 16].as_ptr());
-                    }
-                    for i in 0..RB {
-                        let p = _mm512_set1_ps(s[i][j]);
-                        for c in 0..VECS {
-                            acc[i][c] = _mm512_fmadd_ps(p, v[c], acc[i][c]);
-                        }
-                    }
+            }
+            for j in 0..tl.bk {
+                let mut v = [_mm512_setzero_ps(); VECS];
+                for (c, vc) in v.iter_mut().enumerate() {
+                    // SAFETY: j * hd + d0 + 16c + 16 <= bk * hd <= vt.len() (asserted).
+                    *vc = unsafe { T::load16(vt.as_ptr().add(j * hd + d0 + 16 * c)) };
                 }
                 for i in 0..RB {
-                    let orow = &mut ob[i * hd + d0..i * hd + d0 + DIM_BLOCK];
+                    let pij = _mm512_set1_ps(s[i][j]);
                     for c in 0..VECS {
-                        // SAFETY: as for the loads above.
-                        unsafe { _mm512_storeu_ps(orow[16 * c..].as_mut_ptr(), acc[i][c]) };
+                        acc[i][c] = _mm512_fmadd_ps(pij, v[c], acc[i][c]);
                     }
+                }
+            }
+            for i in 0..RB {
+                let orow = &mut ob[i * hd + d0..i * hd + d0 + DIM_BLOCK];
+                for c in 0..VECS {
+                    // SAFETY: as for the loads above.
+                    unsafe { _mm512_storeu_ps(orow[16 * c..].as_mut_ptr(), acc[i][c]) };
                 }
             }
         }
     }
-    Partial { m, l, o }
 }
 
 /// Portable exact f16 -> f32 (branch-free, so it vectorises where the ISA allows).
@@ -818,7 +948,7 @@ fn softmax_block<const RB: usize>(
         correction[i] = if m[i] == f32::NEG_INFINITY {
             0.0
         } else {
-            (m[i] - m_new).exp()
+            exp_approx(m[i] - m_new)
         };
         for v in si.iter_mut() {
             *v = exp_approx(*v - m_new);
@@ -882,6 +1012,38 @@ fn exp_approx(x: f32) -> f32 {
     } else {
         y
     }
+}
+
+/// [`exp_approx`] on 16 lanes: the same reduction and polynomial, with fused multiply-adds
+/// (so its last bit can differ from the scalar one's; every AVX-512 kernel uses this one).
+///
+/// # Safety
+/// The CPU must support AVX-512 F.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn exp_approx_avx512(x: std::arch::x86_64::__m512) -> std::arch::x86_64::__m512 {
+    use std::arch::x86_64::*;
+    const LOG2E: f32 = std::f32::consts::LOG2_E;
+    const LN2_HI: f32 = 0.693_145_75;
+    const LN2_LO: f32 = 1.428_606_8e-6;
+    let set = _mm512_set1_ps;
+    let x = _mm512_max_ps(x, set(-87.0));
+    let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+        _mm512_mul_ps(x, set(LOG2E)),
+    );
+    let r = _mm512_fnmadd_ps(n, set(LN2_LO), _mm512_fnmadd_ps(n, set(LN2_HI), x));
+    let mut p = set(1.0 / 720.0);
+    for c in [1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0] {
+        p = _mm512_fmadd_ps(p, r, set(c));
+    }
+    let two_n = _mm512_castsi512_ps(_mm512_slli_epi32::<23>(_mm512_add_epi32(
+        _mm512_cvtps_epi32(n),
+        _mm512_set1_epi32(127),
+    )));
+    // Lanes clamped at -87 are exactly zero weight (and -inf gives 0).
+    let live = _mm512_cmp_ps_mask::<_CMP_GT_OQ>(x, set(-87.0));
+    _mm512_maskz_mov_ps(live, _mm512_mul_ps(p, two_n))
 }
 
 #[cfg(test)]
