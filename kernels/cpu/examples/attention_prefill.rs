@@ -28,7 +28,10 @@ fn main() -> engram_kernels::Result<()> {
         "kernels={} heads={n_head}/{n_head_kv} head_dim={hd} reps={reps} (GMAC/s = causal multiply-adds / best time)",
         engram_kernels::kernels_in_use()
     );
-    println!("{:>7} {:>7} {:>10} {:>10}", "tokens", "threads", "ms", "GMAC/s");
+    println!(
+        "{:>7} {:>7} {:>10} {:>10}",
+        "tokens", "threads", "ms", "GMAC/s"
+    );
     for n in [512usize, 2048] {
         // Deterministic values in [-1, 1): a fixed hash of the index.
         let val = |i: usize| ((i * 2_654_435_761) % 2000) as f32 / 1000.0 - 1.0;

@@ -637,6 +637,8 @@ struct TileRows<'s> {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
 #[inline]
+// Indexing the register block by (row, dimension) and (row, slot) reads like the math.
+#[allow(clippy::needless_range_loop)]
 unsafe fn tile_rows_avx512<const RB: usize, T: Lanes>(
     a: &Attention<'_>,
     t: &Task,
@@ -696,8 +698,10 @@ unsafe fn tile_rows_avx512<const RB: usize, T: Lanes>(
                     x[c] = _mm512_mask_blend_ps(seen, _mm512_set1_ps(f32::NEG_INFINITY), x[c]);
                 }
             }
-            let tile_max =
-                _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(x[0], x[1]), _mm512_max_ps(x[2], x[3])));
+            let tile_max = _mm512_reduce_max_ps(_mm512_max_ps(
+                _mm512_max_ps(x[0], x[1]),
+                _mm512_max_ps(x[2], x[3]),
+            ));
             if tile_max == f32::NEG_INFINITY {
                 continue;
             }
