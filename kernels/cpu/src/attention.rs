@@ -28,6 +28,13 @@ pub const KV_TILE: usize = 64;
 /// group of 3 (SmolLM2, and 6, 9, ...) takes blocks of 3 instead, so a decode step's 3 rows fill
 /// whole blocks; a row's arithmetic does not depend on the block size.
 const ROW_BLOCK: usize = 4;
+/// Row block of the converting AVX-512 kernel (prefill) for GQA groups of 3: 2 tokens x 3 heads.
+/// 6 x 4 score accumulators and 4 key vectors fit the 32 zmm registers, and each key or value
+/// row loaded feeds 6 rows instead of 3: 5-10% faster than blocks of 3 at 2048 tokens
+/// (`examples/attention_prefill`, alternating runs). A row's arithmetic does not depend on the
+/// block, so decode (blocks of 3) and prefill still agree bit for bit.
+#[cfg(target_arch = "x86_64")]
+const WIDE_ROW_BLOCK: usize = 6;
 /// Output dimensions accumulated together: 4 rows x 64 dims, again 16 AVX-512 registers.
 const DIM_BLOCK: usize = 64;
 /// Query tokens per task: with a GQA group of 4 that is 128 query rows sharing every converted
@@ -487,7 +494,13 @@ unsafe fn task_avx512<const RB: usize>(
 ) -> Partial {
     if a.head_dim.is_multiple_of(DIM_BLOCK) {
         // SAFETY: the caller guarantees the CPU features.
-        return unsafe { task_avx512_tiles::<RB, true>(a, t, r, s) };
+        return unsafe {
+            if RB == 3 {
+                task_avx512_tiles::<WIDE_ROW_BLOCK, true>(a, t, r, s)
+            } else {
+                task_avx512_tiles::<RB, true>(a, t, r, s)
+            }
+        };
     }
     task_kernel::<RB>(
         a,
@@ -1405,7 +1418,9 @@ mod tests {
                     let what = format!("case {seed}, head {kvh}, tiles {t0}..{t1}");
                     assert_eq!(bits(&p.m), bits(&q.m), "{what}: max");
                     assert_eq!(bits(&p.l), bits(&q.l), "{what}: sum");
-                    assert_eq!(bits(&p.o), bits(&q.o), "{what}: outputs");
+                    // Row blocks of different sizes pad the outputs differently: compare the rows.
+                    let real = p.m.len() * c.hd;
+                    assert_eq!(bits(&p.o[..real]), bits(&q.o[..real]), "{what}: outputs");
                 }
             }
         }
