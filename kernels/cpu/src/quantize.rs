@@ -4,6 +4,7 @@
 use half::{bf16, f16};
 
 use crate::blocks::{Q8K_BYTES, Q8_0_BYTES, Q8_1_BYTES, QK};
+use crate::dot::Isa;
 use crate::dtype::{GgmlType, QK_K};
 use crate::error::{KernelError, Result};
 
@@ -40,6 +41,10 @@ pub(crate) fn quantize_into(target: GgmlType, x: &[f32], out: &mut [u8]) -> Resu
             expected,
             actual: out.len(),
         });
+    }
+    if matches!(target, GgmlType::Q8_0 | GgmlType::Q8_1 | GgmlType::Q8K) {
+        quantize_blocks(target, x, out);
+        return Ok(());
     }
     match target {
         GgmlType::F32 => {
@@ -97,46 +102,152 @@ pub(crate) fn quantize_into(target: GgmlType, x: &[f32], out: &mut [u8]) -> Resu
     Ok(())
 }
 
+/// The Q8 block formats of [`quantize_into`] (checked there) on the copy of the loops compiled
+/// for this CPU's vector width: the same IEEE operations in every copy (no contraction, exact
+/// maxima and roundings), so the same bytes.
+fn quantize_blocks(target: GgmlType, x: &[f32], out: &mut [u8]) {
+    #[cfg(target_arch = "x86_64")]
+    match Isa::detected() {
+        // SAFETY: `Isa::Avx512`/`Avx512Bw` are only detected on CPUs with AVX-512 F/BW/VL.
+        Isa::Avx512 | Isa::Avx512Bw => return unsafe { blocks_avx512(target, x, out) },
+        // SAFETY: `Isa::Avx2` is only detected on CPUs with AVX2 and FMA.
+        Isa::Avx2 => return unsafe { blocks_avx2(target, x, out) },
+        Isa::Scalar => {}
+    }
+    blocks_portable(target, x, out)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+unsafe fn blocks_avx512(target: GgmlType, x: &[f32], out: &mut [u8]) {
+    blocks_portable(target, x, out)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn blocks_avx2(target: GgmlType, x: &[f32], out: &mut [u8]) {
+    blocks_portable(target, x, out)
+}
+
+/// The block loops, written to vectorise for whichever copy inlines them.
+#[inline(always)]
+fn blocks_portable(target: GgmlType, x: &[f32], out: &mut [u8]) {
+    match target {
+        GgmlType::Q8_0 => {
+            for (o, v) in out
+                .as_chunks_mut::<Q8_0_BYTES>()
+                .0
+                .iter_mut()
+                .zip(x.as_chunks().0)
+            {
+                q8_0_block(v, o);
+            }
+        }
+        GgmlType::Q8_1 => {
+            for (o, v) in out
+                .as_chunks_mut::<Q8_1_BYTES>()
+                .0
+                .iter_mut()
+                .zip(x.as_chunks().0)
+            {
+                q8_1_block(v, o);
+            }
+        }
+        _ => {
+            for (o, v) in out
+                .as_chunks_mut::<Q8K_BYTES>()
+                .0
+                .iter_mut()
+                .zip(x.as_chunks().0)
+            {
+                q8_k_block(v, o);
+            }
+        }
+    }
+}
+
+/// Largest magnitude in `x` (NaN ignored, as `f32::max` does), through 16 partial maxima so
+/// the loop vectorises; a maximum does not depend on the order it is taken in.
+#[inline(always)]
+fn amax(x: &[f32]) -> f32 {
+    let mut m = [0f32; 16];
+    for c in x.chunks_exact(16) {
+        for (m, v) in m.iter_mut().zip(c) {
+            *m = m.max(v.abs());
+        }
+    }
+    // Pairwise halving, not a serial fold: 4 dependent steps instead of 16.
+    for w in [8, 4, 2, 1] {
+        for i in 0..w {
+            m[i] = m[i].max(m[i + w]);
+        }
+    }
+    let mut a = m[0];
+    for v in x.chunks_exact(16).remainder() {
+        a = a.max(v.abs());
+    }
+    a
+}
+
 /// Scale and inverse scale of a Q8_0 / Q8_1 block: d = amax / 127, id = 1 / d (0 when d is 0).
 #[inline(always)]
 fn q8_scale(x: &[f32; QK]) -> (f32, f32) {
-    let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
-    let d = amax / 127.0;
+    let d = amax(x) / 127.0;
     let id = if d != 0.0 { 1.0 / d } else { 0.0 };
     (d, id)
 }
 
-/// C's `roundf` (half away from zero) of a value of at most 2^23 in magnitude, as an i32.
+/// `1.5 * 2^23`: adding and subtracting it rounds a value of magnitude below 2^22 to an integer
+/// in the FPU's default mode (half to even), and the sum's low mantissa bits are then that
+/// integer (two's complement, offset by the constant's bits).
+const MAGIC: f32 = 12_582_912.0;
+
+/// The integer value of `y`, an integer of magnitude below 2^22, read from the bits of
+/// `y + MAGIC`. Unlike `y as i32` (Rust's saturating cast, which x86 can only do one lane at a
+/// time with compares and moves) it is an add and an integer subtract, which vectorise.
+#[inline(always)]
+fn int_of(y: f32) -> i32 {
+    ((y + MAGIC).to_bits() as i32).wrapping_sub(MAGIC.to_bits() as i32)
+}
+
+/// C's `roundf` (half away from zero) of a value of magnitude below 2^22, as an i32; NaN gives
+/// 0 (as `roundf` then `as` does).
 ///
-/// `round()` compiles to a call of libm's `roundf` per element on baseline x86_64 (no SSE4.1),
-/// which made quantising a decode step's activations a visible serial cost. Truncation by an
-/// integer conversion and an exact comparison of the remainder vectorise with SSE2 and give the
-/// same result (NaN gives 0, as `roundf` then `as` does).
+/// `round()` is a libm call per element on baseline x86_64 (no SSE4.1), and a saturating float
+/// to integer cast does not vectorise: this rounds half to even with [`MAGIC`], moves the ties
+/// that went toward zero one step away, and reads the integer with [`int_of`], all in branch-free
+/// lane operations.
 #[inline(always)]
 fn round_away(x: f32) -> i32 {
-    let t = x as i32;
-    // Exact: `x` and `t` share sign and exponent range, so the difference is representable.
-    let r = x - t as f32;
-    let step = if r >= 0.5 {
-        1
-    } else if r <= -0.5 {
-        -1
+    let n = (x + MAGIC) - MAGIC;
+    // Exact: `n` is within 0.5 of `x`.
+    let r = x - n;
+    let step = if r == 0.5 && x > 0.0 {
+        1.0
+    } else if r == -0.5 && x < 0.0 {
+        -1.0
     } else {
-        0
+        0.0
     };
-    t + step
+    if x.is_nan() {
+        0
+    } else {
+        int_of(n + step)
+    }
 }
 
-/// Round half to even (ggml's `nearest_int`) of a value of at most 2^22 in magnitude: adding
-/// and subtracting 1.5 * 2^23 leaves the integer part rounded in the FPU's default mode, which
-/// is round-half-to-even. Branch-free, so it vectorises (`round_ties_even` is a libm call on
-/// baseline x86_64).
+/// Round half to even (ggml's `nearest_int`) of a value of magnitude below 2^22, branch-free so
+/// it vectorises (`round_ties_even` is a libm call on baseline x86_64). NaN gives 0.
 #[inline(always)]
 fn round_even(x: f32) -> i32 {
-    const MAGIC: f32 = 12_582_912.0; // 1.5 * 2^23
-    ((x + MAGIC) - MAGIC) as i32
+    if x.is_nan() {
+        0
+    } else {
+        int_of((x + MAGIC) - MAGIC)
+    }
 }
 
+#[inline(always)]
 fn q8_0_block(x: &[f32; QK], out: &mut [u8; Q8_0_BYTES]) {
     let (d, id) = q8_scale(x);
     out[..2].copy_from_slice(&f16::from_f32(d).to_le_bytes());
@@ -146,6 +257,7 @@ fn q8_0_block(x: &[f32; QK], out: &mut [u8; Q8_0_BYTES]) {
     }
 }
 
+#[inline(always)]
 fn q8_1_block(x: &[f32; QK], out: &mut [u8; Q8_1_BYTES]) {
     let (d, id) = q8_scale(x);
     let mut sum = 0i32;
@@ -158,20 +270,21 @@ fn q8_1_block(x: &[f32; QK], out: &mut [u8; Q8_1_BYTES]) {
     out[2..4].copy_from_slice(&f16::from_f32(sum as f32 * d).to_le_bytes());
 }
 
+#[inline(always)]
 fn q8_k_block(x: &[f32; QK_K], out: &mut [u8; Q8K_BYTES]) {
     // The element of largest magnitude (first one on ties) maps to exactly -127.
-    let mut amax = 0f32;
-    let mut max = 0f32;
-    for &v in x {
-        if v.abs() > amax {
-            amax = v.abs();
-            max = v;
-        }
-    }
-    if amax == 0.0 {
+    let a = amax(x);
+    if a == 0.0 {
         out.fill(0);
         return;
     }
+    let max = x
+        .chunks_exact(16)
+        // The first 16 with the maximum (no early exit inside, so the test vectorises).
+        .find(|c| c.iter().fold(false, |hit, v| hit | (v.abs() == a)))
+        .and_then(|c| c.iter().find(|v| v.abs() == a))
+        .copied()
+        .expect("the maximum is an element");
     let iscale = -127.0 / max;
     let (d, rest) = out.split_at_mut(4);
     let (qs, bsums) = rest.split_at_mut(QK_K);
@@ -206,6 +319,44 @@ mod tests {
             for x in [v, h, near, -near] {
                 proptest::prop_assert_eq!(round_away(x), x.round() as i32, "{}", x);
                 proptest::prop_assert_eq!(round_even(x), x.round_ties_even() as i32, "{}", x);
+            }
+        }
+    }
+
+    /// Every compiled copy of the block loops gives the bytes of the portable one (ties, NaN,
+    /// zeros and a largest magnitude that appears with both signs included).
+    #[test]
+    fn every_copy_gives_the_same_bytes() {
+        let mut x: Vec<f32> = (0..4 * QK_K)
+            .map(|i| ((i * 2_654_435_761) % 20_001) as f32 / 10_000.0 - 1.0)
+            .collect();
+        x[3] = f32::NAN;
+        x[40..72].fill(0.0);
+        x[300] = 5.0;
+        x[301] = -5.0;
+        x[600] = -7.0;
+        x[610] = 7.0;
+        // d = 1 exactly for the block at 128: exact halves to round.
+        x[128] = 127.0;
+        for (k, v) in x[129..160].iter_mut().enumerate() {
+            *v = k as f32 - 15.5;
+        }
+        for ty in [GgmlType::Q8_0, GgmlType::Q8_1, GgmlType::Q8K] {
+            let n = ty.row_bytes(x.len()).unwrap();
+            let mut want = vec![0u8; n];
+            blocks_portable(ty, &x, &mut want);
+            for isa in Isa::available() {
+                let mut got = vec![0xAAu8; n];
+                match isa {
+                    // SAFETY: `available` lists only what this CPU runs.
+                    #[cfg(target_arch = "x86_64")]
+                    Isa::Avx512 | Isa::Avx512Bw => unsafe { blocks_avx512(ty, &x, &mut got) },
+                    // SAFETY: as above.
+                    #[cfg(target_arch = "x86_64")]
+                    Isa::Avx2 => unsafe { blocks_avx2(ty, &x, &mut got) },
+                    Isa::Scalar => blocks_portable(ty, &x, &mut got),
+                }
+                assert_eq!(got, want, "{ty:?} on {isa:?}");
             }
         }
     }
