@@ -432,10 +432,12 @@ fn f16_direct<const RB: usize>(a: &Attention<'_>, t: &Task) -> bool {
     a.head_dim.is_multiple_of(DIM_BLOCK) && rows.div_ceil(RB) <= F16_DIRECT_MAX_ROW_BLOCKS
 }
 
-/// The kernel compiled for AVX2 + FMA: the same code as [`task_kernel`], vectorised 8 wide.
+/// The kernel for AVX2 + FMA: tiles converted to f32 once, then [`tile_rows_avx2`] with the
+/// row block's accumulators in registers. Head widths that are not whole [`AVX2_LANES`] take
+/// [`task_kernel`] compiled for AVX2 instead.
 ///
 /// # Safety
-/// The CPU must support AVX2 and FMA.
+/// The CPU must support AVX2, FMA and F16C.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn task_avx2<const RB: usize>(
@@ -444,6 +446,16 @@ unsafe fn task_avx2<const RB: usize>(
     r: &[(i32, i32)],
     s: &mut Scratch,
 ) -> Partial {
+    if a.head_dim.is_multiple_of(AVX2_LANES) {
+        // SAFETY: the caller guarantees the CPU features.
+        return unsafe {
+            if RB == 3 {
+                task_avx2_tiles::<WIDE_ROW_BLOCK>(a, t, r, s)
+            } else {
+                task_avx2_tiles::<RB>(a, t, r, s)
+            }
+        };
+    }
     task_kernel::<RB>(
         a,
         t,
@@ -455,6 +467,264 @@ unsafe fn task_avx2<const RB: usize>(
         },
         f32::mul_add,
     )
+}
+
+/// Key slots (scores) or value dimensions (outputs) the AVX2 kernel computes per pass: two ymm
+/// per row, so a block of 6 rows is 12 accumulators, plus 2 key or value vectors and a
+/// broadcast: 15 of the 16 registers.
+#[cfg(target_arch = "x86_64")]
+const AVX2_LANES: usize = 16;
+
+/// One task on AVX2: [`task_avx512_tiles`]'s structure (each tile converted to f32 once, the
+/// online softmax per row block) with passes of [`AVX2_LANES`] slots or dimensions, whose
+/// accumulators stay in registers.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C; `head_dim` must be whole [`AVX2_LANES`] (checked).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn task_avx2_tiles<const RB: usize>(
+    a: &Attention<'_>,
+    t: &Task,
+    ranges: &[(i32, i32)],
+    sc: &mut Scratch,
+) -> Partial {
+    let hd = a.head_dim;
+    assert!(hd.is_multiple_of(AVX2_LANES), "head width {hd}");
+    let rows = a.n_head / a.n_head_kv * (t.q1 - t.q0);
+    let mut part = Partial::empty::<RB>(rows, hd);
+    let (keys, values) = (a.keys[t.kvh], a.values[t.kvh]);
+    let len = a.kv_pos.len();
+    let zeros = vec![0.0f32; hd];
+    let (q_min, q_max) = t.q_range(a);
+
+    for (tile, &(lo, hi)) in ranges.iter().enumerate().take(t.t1).skip(t.t0) {
+        if lo > q_max {
+            continue; // no query of this task sees any slot of the tile
+        }
+        let j0 = tile * KV_TILE;
+        let bk = KV_TILE.min(len - j0);
+        for (j, p) in sc.pos.iter_mut().enumerate() {
+            *p = if j < bk { a.kv_pos[j0 + j] } else { i32::MAX };
+        }
+        // SAFETY: the caller guarantees F16C; the scratch holds a whole tile.
+        unsafe {
+            convert_f16c(
+                &keys[tile * hd * KV_TILE..(tile + 1) * hd * KV_TILE],
+                &mut sc.kt,
+            );
+            convert_f16c(&values[j0 * hd..(j0 + bk) * hd], &mut sc.v[..bk * hd]);
+        }
+        let tl = TileRows {
+            lo,
+            masked: hi > q_min || bk < KV_TILE,
+            bk,
+            pos: &sc.pos,
+            zeros: &zeros,
+        };
+        // SAFETY: the caller guarantees the CPU features.
+        unsafe { tile_rows_avx2::<RB>(a, t, &tl, &sc.kt, &sc.v[..bk * hd], &mut part) };
+    }
+    part
+}
+
+/// [`tile_rows_avx512`] for AVX2: scores in passes of [`AVX2_LANES`] slots, the softmax on the
+/// stored scores, outputs in passes of [`AVX2_LANES`] dimensions.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C; `kt` must hold `head_dim * KV_TILE` elements and
+/// `vt` `tl.bk * head_dim` (checked).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+// Indexing the register block by (row, lane group) reads like the math.
+#[allow(clippy::needless_range_loop)]
+unsafe fn tile_rows_avx2<const RB: usize>(
+    a: &Attention<'_>,
+    t: &Task,
+    tl: &TileRows<'_>,
+    kt: &[f32],
+    vt: &[f32],
+    p: &mut Partial,
+) {
+    use std::arch::x86_64::*;
+    const V: usize = AVX2_LANES / 8;
+    let hd = a.head_dim;
+    assert!(kt.len() >= hd * KV_TILE && vt.len() >= tl.bk * hd);
+    let rows = p.m.len();
+    for r0 in (0..rows).step_by(RB) {
+        let nr = RB.min(rows - r0);
+        let (qrows, qpos) = t.block_queries::<RB>(a, r0, nr, tl.zeros);
+        if qpos[..nr].iter().all(|&q| q < tl.lo) {
+            continue;
+        }
+
+        // Scores: s[i][j] = sum_d q_i[d] * kt[d][j], d in order, AVX2_LANES slots a pass.
+        let mut s = [[0.0f32; KV_TILE]; RB];
+        for j0 in (0..KV_TILE).step_by(AVX2_LANES) {
+            let mut acc = [[_mm256_setzero_ps(); V]; RB];
+            for d in 0..hd {
+                let mut k = [_mm256_setzero_ps(); V];
+                for (c, kc) in k.iter_mut().enumerate() {
+                    // SAFETY: d * KV_TILE + j0 + 8c + 8 <= hd * KV_TILE <= kt.len().
+                    *kc = unsafe { _mm256_loadu_ps(kt.as_ptr().add(d * KV_TILE + j0 + 8 * c)) };
+                }
+                for i in 0..RB {
+                    let q = _mm256_set1_ps(qrows[i][d]);
+                    for c in 0..V {
+                        acc[i][c] = _mm256_fmadd_ps(q, k[c], acc[i][c]);
+                    }
+                }
+            }
+            for i in 0..RB {
+                for c in 0..V {
+                    // SAFETY: lanes j0 + 8c .. + 8 of a KV_TILE-long row.
+                    unsafe { _mm256_storeu_ps(s[i][j0 + 8 * c..].as_mut_ptr(), acc[i][c]) };
+                }
+            }
+        }
+
+        // The online softmax, 8 lanes at a time over each row's stored scores.
+        let mut correction = [1.0f32; RB];
+        for i in 0..RB {
+            if i >= nr || qpos[i] < tl.lo {
+                s[i] = [0.0; KV_TILE];
+                continue;
+            }
+            let row = &mut s[i];
+            let qp = _mm256_set1_epi32(qpos[i]);
+            let mut mx = _mm256_set1_ps(f32::NEG_INFINITY);
+            for c in 0..KV_TILE / 8 {
+                // SAFETY: lanes 8c..8c + 8 of the row and of the tile's KV_TILE positions.
+                unsafe {
+                    let mut x = _mm256_mul_ps(
+                        _mm256_loadu_ps(row[8 * c..].as_ptr()),
+                        _mm256_set1_ps(a.scale),
+                    );
+                    if tl.masked {
+                        let pos = _mm256_loadu_si256(tl.pos[8 * c..].as_ptr().cast());
+                        let after = _mm256_castsi256_ps(_mm256_cmpgt_epi32(pos, qp));
+                        x = _mm256_blendv_ps(x, _mm256_set1_ps(f32::NEG_INFINITY), after);
+                    }
+                    _mm256_storeu_ps(row[8 * c..].as_mut_ptr(), x);
+                    mx = _mm256_max_ps(mx, x);
+                }
+            }
+            let tile_max = hmax256(mx);
+            if tile_max == f32::NEG_INFINITY {
+                *row = [0.0; KV_TILE];
+                continue;
+            }
+            let (m, l) = (&mut p.m[r0 + i], &mut p.l[r0 + i]);
+            let m_new = m.max(tile_max);
+            correction[i] = if *m == f32::NEG_INFINITY {
+                0.0
+            } else {
+                exp_approx(*m - m_new)
+            };
+            let mut sum = _mm256_setzero_ps();
+            for c in 0..KV_TILE / 8 {
+                // SAFETY: lanes 8c..8c + 8 of the row; the caller guarantees AVX2 and FMA.
+                unsafe {
+                    let x = _mm256_loadu_ps(row[8 * c..].as_ptr());
+                    let e = exp_approx_avx2(_mm256_sub_ps(x, _mm256_set1_ps(m_new)));
+                    sum = _mm256_add_ps(sum, e);
+                    _mm256_storeu_ps(row[8 * c..].as_mut_ptr(), e);
+                }
+            }
+            *l = *l * correction[i] + hsum256(sum);
+            *m = m_new;
+        }
+
+        // Outputs: o_i = o_i * correction_i + sum_j p_i[j] * v[j], AVX2_LANES dims a pass.
+        let ob = &mut p.o[r0 * hd..(r0 + RB) * hd];
+        for d0 in (0..hd).step_by(AVX2_LANES) {
+            let mut acc = [[_mm256_setzero_ps(); V]; RB];
+            for i in 0..RB {
+                let cf = _mm256_set1_ps(correction[i]);
+                for c in 0..V {
+                    // SAFETY: lanes d0 + 8c .. + 8 of row i's hd outputs.
+                    let y = unsafe { _mm256_loadu_ps(ob[i * hd + d0 + 8 * c..].as_ptr()) };
+                    acc[i][c] = _mm256_mul_ps(y, cf);
+                }
+            }
+            for j in 0..tl.bk {
+                let mut v = [_mm256_setzero_ps(); V];
+                for (c, vc) in v.iter_mut().enumerate() {
+                    // SAFETY: j * hd + d0 + 8c + 8 <= bk * hd <= vt.len() (asserted).
+                    *vc = unsafe { _mm256_loadu_ps(vt.as_ptr().add(j * hd + d0 + 8 * c)) };
+                }
+                for i in 0..RB {
+                    let pij = _mm256_set1_ps(s[i][j]);
+                    for c in 0..V {
+                        acc[i][c] = _mm256_fmadd_ps(pij, v[c], acc[i][c]);
+                    }
+                }
+            }
+            for i in 0..RB {
+                for c in 0..V {
+                    // SAFETY: as for the loads above.
+                    unsafe { _mm256_storeu_ps(ob[i * hd + d0 + 8 * c..].as_mut_ptr(), acc[i][c]) };
+                }
+            }
+        }
+    }
+}
+
+/// Maximum of 8 lanes.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+#[inline]
+fn hmax256(v: std::arch::x86_64::__m256) -> f32 {
+    use std::arch::x86_64::*;
+    let m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+    let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    let m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    _mm_cvtss_f32(m)
+}
+
+/// Sum of 8 lanes (halves, then pairs).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+#[inline]
+fn hsum256(v: std::arch::x86_64::__m256) -> f32 {
+    use std::arch::x86_64::*;
+    let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    let s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    _mm_cvtss_f32(s)
+}
+
+/// [`exp_approx`] on 8 lanes, as [`exp_approx_avx512`] does it on 16.
+///
+/// # Safety
+/// The CPU must support AVX2 and FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn exp_approx_avx2(x: std::arch::x86_64::__m256) -> std::arch::x86_64::__m256 {
+    use std::arch::x86_64::*;
+    const LOG2E: f32 = std::f32::consts::LOG2_E;
+    const LN2_HI: f32 = 0.693_145_75;
+    const LN2_LO: f32 = 1.428_606_8e-6;
+    let set = _mm256_set1_ps;
+    let x = _mm256_max_ps(x, set(-87.0));
+    let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_ps(
+        x,
+        set(LOG2E),
+    ));
+    let r = _mm256_fnmadd_ps(n, set(LN2_LO), _mm256_fnmadd_ps(n, set(LN2_HI), x));
+    let mut p = set(1.0 / 720.0);
+    for c in [1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0] {
+        p = _mm256_fmadd_ps(p, r, set(c));
+    }
+    let two_n = _mm256_castsi256_ps(_mm256_slli_epi32::<23>(_mm256_add_epi32(
+        _mm256_cvtps_epi32(n),
+        _mm256_set1_epi32(127),
+    )));
+    // Lanes clamped at -87 are exactly zero weight (and -inf gives 0).
+    let live = _mm256_cmp_ps::<_CMP_GT_OQ>(x, set(-87.0));
+    _mm256_and_ps(live, _mm256_mul_ps(p, two_n))
 }
 
 /// f16 -> f32 with the F16C instruction, 8 values at a time.
@@ -1328,11 +1598,20 @@ mod tests {
 
     #[test]
     fn every_isa_matches_the_reference() {
-        for isa in Isa::available() {
-            let c = case(5, 70, 200, 3, 3, 64);
-            let (got, want) = run(&c, Some(isa), 1);
-            let err = max_err(&got, &want);
-            assert!(err < 2e-5, "{isa:?}: {err}");
+        // GQA groups of 3 (blocks of 6 in prefill), 4, 8 and 1; head widths of 64, 32, 128
+        // and 16 (the register kernels' and the portable fallback's).
+        for (seed, n_q, len, kvh, group, hd) in [
+            (5, 70, 200, 3, 3, 64),
+            (6, 33, 100, 2, 4, 32),
+            (7, 5, 130, 1, 8, 128),
+            (8, 40, 90, 2, 1, 16),
+        ] {
+            let c = case(seed, n_q, len, kvh, group, hd);
+            for isa in Isa::available() {
+                let (got, want) = run(&c, Some(isa), 1);
+                let err = max_err(&got, &want);
+                assert!(err < 2e-5, "{isa:?}, case {seed}: {err}");
+            }
         }
     }
 
