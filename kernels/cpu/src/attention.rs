@@ -620,19 +620,26 @@ unsafe fn tile_rows_avx2<const RB: usize>(
             correction[i] = if *m == f32::NEG_INFINITY {
                 0.0
             } else {
-                exp_approx(*m - m_new)
+                (*m - m_new).exp()
             };
-            let mut sum = _mm256_setzero_ps();
+            // `lane_sum`'s 16 partial sums as two halves of 8 (even and odd 8-lane groups).
+            let mut sum = [_mm256_setzero_ps(); 2];
             for c in 0..KV_TILE / 8 {
                 // SAFETY: lanes 8c..8c + 8 of the row; the caller guarantees AVX2 and FMA.
                 unsafe {
                     let x = _mm256_loadu_ps(row[8 * c..].as_ptr());
                     let e = exp_approx_avx2(_mm256_sub_ps(x, _mm256_set1_ps(m_new)));
-                    sum = _mm256_add_ps(sum, e);
+                    sum[c % 2] = _mm256_add_ps(sum[c % 2], e);
                     _mm256_storeu_ps(row[8 * c..].as_mut_ptr(), e);
                 }
             }
-            *l = *l * correction[i] + hsum256(sum);
+            let mut lanes = [0.0f32; LANES];
+            // SAFETY: two 8-lane stores into 16 lanes.
+            unsafe {
+                _mm256_storeu_ps(lanes.as_mut_ptr(), sum[0]);
+                _mm256_storeu_ps(lanes[8..].as_mut_ptr(), sum[1]);
+            }
+            *l = *l * correction[i] + lanes.iter().sum::<f32>();
             *m = m_new;
         }
 
@@ -681,50 +688,6 @@ fn hmax256(v: std::arch::x86_64::__m256) -> f32 {
     let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
     let m = _mm_max_ss(m, _mm_movehdup_ps(m));
     _mm_cvtss_f32(m)
-}
-
-/// Sum of 8 lanes (halves, then pairs).
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-#[inline]
-fn hsum256(v: std::arch::x86_64::__m256) -> f32 {
-    use std::arch::x86_64::*;
-    let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
-    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    let s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    _mm_cvtss_f32(s)
-}
-
-/// [`exp_approx`] on 8 lanes, as [`exp_approx_avx512`] does it on 16.
-///
-/// # Safety
-/// The CPU must support AVX2 and FMA.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-#[inline]
-unsafe fn exp_approx_avx2(x: std::arch::x86_64::__m256) -> std::arch::x86_64::__m256 {
-    use std::arch::x86_64::*;
-    const LOG2E: f32 = std::f32::consts::LOG2_E;
-    const LN2_HI: f32 = 0.693_145_75;
-    const LN2_LO: f32 = 1.428_606_8e-6;
-    let set = _mm256_set1_ps;
-    let x = _mm256_max_ps(x, set(-87.0));
-    let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_ps(
-        x,
-        set(LOG2E),
-    ));
-    let r = _mm256_fnmadd_ps(n, set(LN2_LO), _mm256_fnmadd_ps(n, set(LN2_HI), x));
-    let mut p = set(1.0 / 720.0);
-    for c in [1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0] {
-        p = _mm256_fmadd_ps(p, r, set(c));
-    }
-    let two_n = _mm256_castsi256_ps(_mm256_slli_epi32::<23>(_mm256_add_epi32(
-        _mm256_cvtps_epi32(n),
-        _mm256_set1_epi32(127),
-    )));
-    // Lanes clamped at -87 are exactly zero weight (and -inf gives 0).
-    let live = _mm256_cmp_ps::<_CMP_GT_OQ>(x, set(-87.0));
-    _mm256_and_ps(live, _mm256_mul_ps(p, two_n))
 }
 
 /// f16 -> f32 with the F16C instruction, 8 values at a time.
@@ -993,8 +956,9 @@ unsafe fn tile_rows_avx512<const RB: usize, T: Lanes>(
             correction[i] = if *m == f32::NEG_INFINITY {
                 0.0
             } else {
-                exp_approx(*m - m_new)
+                (*m - m_new).exp()
             };
+            // `lane_sum`'s 16 partial sums, then its serial sum of them (the same bits).
             let mut sum = _mm512_setzero_ps();
             for c in 0..VECS {
                 // SAFETY: the caller guarantees AVX-512 F.
@@ -1003,7 +967,10 @@ unsafe fn tile_rows_avx512<const RB: usize, T: Lanes>(
                 // SAFETY: lanes 16c..16c + 16 of a KV_TILE-long row.
                 unsafe { _mm512_storeu_ps(s[i][16 * c..].as_mut_ptr(), e) };
             }
-            *l = *l * correction[i] + _mm512_reduce_add_ps(sum);
+            let mut lanes = [0.0f32; LANES];
+            // SAFETY: 16 lanes.
+            unsafe { _mm512_storeu_ps(lanes.as_mut_ptr(), sum) };
+            *l = *l * correction[i] + lanes.iter().sum::<f32>();
             *m = m_new;
         }
 
@@ -1235,7 +1202,7 @@ fn softmax_block<const RB: usize>(
         correction[i] = if m[i] == f32::NEG_INFINITY {
             0.0
         } else {
-            exp_approx(m[i] - m_new)
+            (m[i] - m_new).exp()
         };
         for v in si.iter_mut() {
             *v = exp_approx(*v - m_new);
@@ -1275,22 +1242,30 @@ fn lane_sum(x: &[f32; KV_TILE]) -> f32 {
     acc.iter().sum()
 }
 
+/// `log2(e)` and `ln 2` split in two (the high part exact in few bits) for [`exp_approx`].
+const EXP_LOG2E: f32 = std::f32::consts::LOG2_E;
+const EXP_LN2_HI: f32 = 0.693_145_75;
+const EXP_LN2_LO: f32 = 1.428_606_8e-6;
+/// The Taylor coefficients of `e^r` from the innermost out: `1/6!, 1/5!, 1/4!, 1/3!, 1/2!, 1`
+/// (the constant 1 is added last).
+const EXP_POLY: [f32; 6] = [1.0 / 720.0, 1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0];
+
 /// `e^x` for `x <= 0` (and `-inf` -> 0), branch-free so loops over it vectorise. Splits `x` into
 /// `n ln2 + r` with `|r| <= ln2/2`, evaluates a degree-6 polynomial for `e^r` (relative error
-/// below 2e-7, the rounding of f32 itself) and scales by `2^n` through the exponent bits.
+/// below 2e-7, the rounding of f32 itself) and scales by `2^n` through the exponent bits. The
+/// vector copies ([`exp_approx_avx512`], [`exp_approx_avx2`]) do the same operations in the
+/// same order, so every kernel gets the same bits.
 #[inline(always)]
 fn exp_approx(x: f32) -> f32 {
-    const LOG2E: f32 = std::f32::consts::LOG2_E;
-    const LN2_HI: f32 = 0.693_145_75;
-    const LN2_LO: f32 = 1.428_606_8e-6;
     // Below this e^x underflows f32; clamping also maps -inf to 0.
     let x = x.max(-87.0);
-    let n = (x * LOG2E).round();
-    let r = x - n * LN2_HI - n * LN2_LO;
-    let p = 1.0
-        + r * (1.0
-            + r * (0.5
-                + r * (1.0 / 6.0 + r * (1.0 / 24.0 + r * (1.0 / 120.0 + r * (1.0 / 720.0))))));
+    let n = (x * EXP_LOG2E).round();
+    let r = x - n * EXP_LN2_HI - n * EXP_LN2_LO;
+    let mut p = r * EXP_POLY[0];
+    for c in &EXP_POLY[1..] {
+        p = r * (*c + p);
+    }
+    let p = 1.0 + p;
     let scale = f32::from_bits(((n as i32 + 127) as u32) << 23);
     let y = p * scale;
     // x was clamped at -87: values that small are exactly zero weight.
@@ -1301,8 +1276,9 @@ fn exp_approx(x: f32) -> f32 {
     }
 }
 
-/// [`exp_approx`] on 16 lanes: the same reduction and polynomial, with fused multiply-adds
-/// (so its last bit can differ from the scalar one's; every AVX-512 kernel uses this one).
+/// [`exp_approx`] on 16 lanes, operation for operation (no fused multiply-adds, the reduction's
+/// rounding half away from zero), so the same bits as the scalar one and every kernel's softmax
+/// agrees with [`softmax_block`]'s.
 ///
 /// # Safety
 /// The CPU must support AVX-512 F.
@@ -1311,19 +1287,24 @@ fn exp_approx(x: f32) -> f32 {
 #[inline]
 unsafe fn exp_approx_avx512(x: std::arch::x86_64::__m512) -> std::arch::x86_64::__m512 {
     use std::arch::x86_64::*;
-    const LOG2E: f32 = std::f32::consts::LOG2_E;
-    const LN2_HI: f32 = 0.693_145_75;
-    const LN2_LO: f32 = 1.428_606_8e-6;
     let set = _mm512_set1_ps;
     let x = _mm512_max_ps(x, set(-87.0));
-    let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
-        _mm512_mul_ps(x, set(LOG2E)),
+    let y = _mm512_mul_ps(x, set(EXP_LOG2E));
+    // `f32::round`: truncate, then one step away from zero where the rest is at least a half.
+    let t = _mm512_roundscale_ps::<{ _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC }>(y);
+    let rest = _mm512_sub_ps(y, t);
+    let up = _mm512_cmp_ps_mask::<_CMP_GE_OQ>(rest, set(0.5));
+    let down = _mm512_cmp_ps_mask::<_CMP_LE_OQ>(rest, set(-0.5));
+    let n = _mm512_mask_sub_ps(_mm512_mask_add_ps(t, up, t, set(1.0)), down, t, set(1.0));
+    let r = _mm512_sub_ps(
+        _mm512_sub_ps(x, _mm512_mul_ps(n, set(EXP_LN2_HI))),
+        _mm512_mul_ps(n, set(EXP_LN2_LO)),
     );
-    let r = _mm512_fnmadd_ps(n, set(LN2_LO), _mm512_fnmadd_ps(n, set(LN2_HI), x));
-    let mut p = set(1.0 / 720.0);
-    for c in [1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0] {
-        p = _mm512_fmadd_ps(p, r, set(c));
+    let mut p = _mm512_mul_ps(r, set(EXP_POLY[0]));
+    for c in &EXP_POLY[1..] {
+        p = _mm512_mul_ps(r, _mm512_add_ps(set(*c), p));
     }
+    let p = _mm512_add_ps(set(1.0), p);
     let two_n = _mm512_castsi512_ps(_mm512_slli_epi32::<23>(_mm512_add_epi32(
         _mm512_cvtps_epi32(n),
         _mm512_set1_epi32(127),
@@ -1331,6 +1312,41 @@ unsafe fn exp_approx_avx512(x: std::arch::x86_64::__m512) -> std::arch::x86_64::
     // Lanes clamped at -87 are exactly zero weight (and -inf gives 0).
     let live = _mm512_cmp_ps_mask::<_CMP_GT_OQ>(x, set(-87.0));
     _mm512_maskz_mov_ps(live, _mm512_mul_ps(p, two_n))
+}
+
+/// [`exp_approx`] on 8 lanes, operation for operation as [`exp_approx_avx512`].
+///
+/// # Safety
+/// The CPU must support AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+#[inline]
+unsafe fn exp_approx_avx2(x: std::arch::x86_64::__m256) -> std::arch::x86_64::__m256 {
+    use std::arch::x86_64::*;
+    let set = _mm256_set1_ps;
+    let x = _mm256_max_ps(x, set(-87.0));
+    let y = _mm256_mul_ps(x, set(EXP_LOG2E));
+    let t = _mm256_round_ps::<{ _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC }>(y);
+    let rest = _mm256_sub_ps(y, t);
+    let up = _mm256_and_ps(_mm256_cmp_ps::<_CMP_GE_OQ>(rest, set(0.5)), set(1.0));
+    let down = _mm256_and_ps(_mm256_cmp_ps::<_CMP_LE_OQ>(rest, set(-0.5)), set(1.0));
+    // t + 1, t - 1 or t + 0: exact (|t| < 2^7).
+    let n = _mm256_sub_ps(_mm256_add_ps(t, up), down);
+    let r = _mm256_sub_ps(
+        _mm256_sub_ps(x, _mm256_mul_ps(n, set(EXP_LN2_HI))),
+        _mm256_mul_ps(n, set(EXP_LN2_LO)),
+    );
+    let mut p = _mm256_mul_ps(r, set(EXP_POLY[0]));
+    for c in &EXP_POLY[1..] {
+        p = _mm256_mul_ps(r, _mm256_add_ps(set(*c), p));
+    }
+    let p = _mm256_add_ps(set(1.0), p);
+    let two_n = _mm256_castsi256_ps(_mm256_slli_epi32::<23>(_mm256_add_epi32(
+        _mm256_cvtps_epi32(n),
+        _mm256_set1_epi32(127),
+    )));
+    let live = _mm256_cmp_ps::<_CMP_GT_OQ>(x, set(-87.0));
+    _mm256_and_ps(live, _mm256_mul_ps(p, two_n))
 }
 
 #[cfg(test)]
@@ -1700,6 +1716,77 @@ mod tests {
                     // Row blocks of different sizes pad the outputs differently: compare the rows.
                     let real = p.m.len() * c.hd;
                     assert_eq!(bits(&p.o[..real]), bits(&q.o[..real]), "{what}: outputs");
+                }
+            }
+        }
+    }
+
+    /// The register kernels (AVX-512 and AVX2, prefill and decode tasks) compute exactly what
+    /// the portable kernel computes with fused multiply-adds, which every x86 ISA ran before
+    /// them: the same bits, so making attention faster changed no answer.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn register_kernels_equal_the_portable_kernel_bit_for_bit() {
+        for (seed, n_q, len, kvh, group, hd) in [
+            (21, 70, 200, 3, 3, 64),
+            (22, 1, 700, 3, 3, 64),
+            (23, 2, 130, 3, 3, 64),
+            (24, 33, 100, 2, 4, 64),
+            (25, 5, 130, 1, 8, 128),
+            (26, 40, 90, 2, 1, 32),
+        ] {
+            let c = case(seed, n_q, len, kvh, group, hd);
+            let keys: Vec<&[f16]> = c.k.iter().map(|v| &v[..]).collect();
+            let values: Vec<&[f16]> = c.v.iter().map(|v| &v[..]).collect();
+            let a = Attention {
+                n_head: c.n_head,
+                n_head_kv: c.n_head_kv,
+                head_dim: c.hd,
+                scale: 1.0 / (c.hd as f32).sqrt(),
+                q: &c.q,
+                q_pos: &c.q_pos,
+                keys: &keys,
+                values: &values,
+                kv_pos: &c.kv_pos,
+            };
+            let ranges: Vec<(i32, i32)> = c
+                .kv_pos
+                .chunks(KV_TILE)
+                .map(|ch| (*ch.iter().min().unwrap(), *ch.iter().max().unwrap()))
+                .collect();
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            for kvh in 0..c.n_head_kv {
+                for q0 in (0..n_q).step_by(Q_TILE) {
+                    let t = Task {
+                        kvh,
+                        q0,
+                        q1: (q0 + Q_TILE).min(n_q),
+                        t0: 0,
+                        t1: ranges.len(),
+                    };
+                    let want = task_kernel::<ROW_BLOCK>(
+                        &a,
+                        &t,
+                        &ranges,
+                        &mut Scratch::new(hd),
+                        convert_portable,
+                        f32::mul_add,
+                    );
+                    let real = want.m.len() * hd;
+                    for isa in Isa::available() {
+                        if isa == Isa::Scalar {
+                            continue; // no fused multiply-add: its own bits
+                        }
+                        let got = run_task(isa, &a, &t, &ranges, &mut Scratch::new(hd));
+                        let what = format!("{isa:?}, case {seed}, head {kvh}, queries {q0}..");
+                        assert_eq!(bits(&got.m), bits(&want.m), "{what}: max");
+                        assert_eq!(bits(&got.l), bits(&want.l), "{what}: sum");
+                        assert_eq!(
+                            bits(&got.o[..real]),
+                            bits(&want.o[..real]),
+                            "{what}: outputs"
+                        );
+                    }
                 }
             }
         }
