@@ -42,10 +42,6 @@ pub(crate) fn quantize_into(target: GgmlType, x: &[f32], out: &mut [u8]) -> Resu
             actual: out.len(),
         });
     }
-    if matches!(target, GgmlType::Q8_0 | GgmlType::Q8_1 | GgmlType::Q8K) {
-        quantize_blocks(target, x, out);
-        return Ok(());
-    }
     match target {
         GgmlType::F32 => {
             for (o, v) in out.as_chunks_mut::<4>().0.iter_mut().zip(x) {
@@ -62,36 +58,7 @@ pub(crate) fn quantize_into(target: GgmlType, x: &[f32], out: &mut [u8]) -> Resu
                 *o = bf16::from_f32(*v).to_le_bytes();
             }
         }
-        GgmlType::Q8_0 => {
-            for (o, v) in out
-                .as_chunks_mut::<Q8_0_BYTES>()
-                .0
-                .iter_mut()
-                .zip(x.as_chunks().0)
-            {
-                q8_0_block(v, o);
-            }
-        }
-        GgmlType::Q8_1 => {
-            for (o, v) in out
-                .as_chunks_mut::<Q8_1_BYTES>()
-                .0
-                .iter_mut()
-                .zip(x.as_chunks().0)
-            {
-                q8_1_block(v, o);
-            }
-        }
-        GgmlType::Q8K => {
-            for (o, v) in out
-                .as_chunks_mut::<Q8K_BYTES>()
-                .0
-                .iter_mut()
-                .zip(x.as_chunks().0)
-            {
-                q8_k_block(v, o);
-            }
-        }
+        GgmlType::Q8_0 | GgmlType::Q8_1 | GgmlType::Q8K => quantize_blocks(target, x, out),
         _ => {
             return Err(KernelError::Unsupported {
                 ty: target,
