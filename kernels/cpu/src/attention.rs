@@ -1522,6 +1522,29 @@ mod tests {
         (out, reference(&a))
     }
 
+    /// Case `c` as an attention call, with its key tiles' position ranges, handed to `f`.
+    fn with_call<R>(c: &Case, f: impl FnOnce(&Attention<'_>, &[(i32, i32)]) -> R) -> R {
+        let keys: Vec<&[f16]> = c.k.iter().map(|v| &v[..]).collect();
+        let values: Vec<&[f16]> = c.v.iter().map(|v| &v[..]).collect();
+        let a = Attention {
+            n_head: c.n_head,
+            n_head_kv: c.n_head_kv,
+            head_dim: c.hd,
+            scale: 1.0 / (c.hd as f32).sqrt(),
+            q: &c.q,
+            q_pos: &c.q_pos,
+            keys: &keys,
+            values: &values,
+            kv_pos: &c.kv_pos,
+        };
+        let ranges: Vec<(i32, i32)> = c
+            .kv_pos
+            .chunks(KV_TILE)
+            .map(|ch| (*ch.iter().min().unwrap(), *ch.iter().max().unwrap()))
+            .collect();
+        f(&a, &ranges)
+    }
+
     fn max_err(a: &[f32], b: &[f32]) -> f32 {
         a.iter()
             .zip(b)
@@ -1672,52 +1695,36 @@ mod tests {
             (5, 1, 1, 3, 3, 64),
         ] {
             let c = case(seed, n_q, len, kvh, group, hd);
-            let keys: Vec<&[f16]> = c.k.iter().map(|v| &v[..]).collect();
-            let values: Vec<&[f16]> = c.v.iter().map(|v| &v[..]).collect();
-            let a = Attention {
-                n_head: c.n_head,
-                n_head_kv: c.n_head_kv,
-                head_dim: c.hd,
-                scale: 1.0 / (c.hd as f32).sqrt(),
-                q: &c.q,
-                q_pos: &c.q_pos,
-                keys: &keys,
-                values: &values,
-                kv_pos: &c.kv_pos,
-            };
-            let ranges: Vec<(i32, i32)> = c
-                .kv_pos
-                .chunks(KV_TILE)
-                .map(|ch| (*ch.iter().min().unwrap(), *ch.iter().max().unwrap()))
-                .collect();
-            let n_tiles = ranges.len();
-            for (t0, t1) in [
-                (0, n_tiles),
-                (0, n_tiles.div_ceil(2)),
-                (n_tiles / 2, n_tiles),
-            ] {
-                for kvh in 0..c.n_head_kv {
-                    let t = Task {
-                        kvh,
-                        q0: 0,
-                        q1: n_q,
-                        t0,
-                        t1,
-                    };
-                    let (p, q) = if group == 3 {
-                        both_avx512::<3>(&a, &t, &ranges)
-                    } else {
-                        both_avx512::<4>(&a, &t, &ranges)
-                    };
-                    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-                    let what = format!("case {seed}, head {kvh}, tiles {t0}..{t1}");
-                    assert_eq!(bits(&p.m), bits(&q.m), "{what}: max");
-                    assert_eq!(bits(&p.l), bits(&q.l), "{what}: sum");
-                    // Row blocks of different sizes pad the outputs differently: compare the rows.
-                    let real = p.m.len() * c.hd;
-                    assert_eq!(bits(&p.o[..real]), bits(&q.o[..real]), "{what}: outputs");
+            with_call(&c, |a, ranges| {
+                let n_tiles = ranges.len();
+                for (t0, t1) in [
+                    (0, n_tiles),
+                    (0, n_tiles.div_ceil(2)),
+                    (n_tiles / 2, n_tiles),
+                ] {
+                    for kvh in 0..c.n_head_kv {
+                        let t = Task {
+                            kvh,
+                            q0: 0,
+                            q1: n_q,
+                            t0,
+                            t1,
+                        };
+                        let (p, q) = if group == 3 {
+                            both_avx512::<3>(&a, &t, &ranges)
+                        } else {
+                            both_avx512::<4>(&a, &t, &ranges)
+                        };
+                        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                        let what = format!("case {seed}, head {kvh}, tiles {t0}..{t1}");
+                        assert_eq!(bits(&p.m), bits(&q.m), "{what}: max");
+                        assert_eq!(bits(&p.l), bits(&q.l), "{what}: sum");
+                        // Row blocks of different sizes pad the outputs differently: compare the rows.
+                        let real = p.m.len() * c.hd;
+                        assert_eq!(bits(&p.o[..real]), bits(&q.o[..real]), "{what}: outputs");
+                    }
                 }
-            }
+            });
         }
     }
 
@@ -1736,59 +1743,43 @@ mod tests {
             (26, 40, 90, 2, 1, 32),
         ] {
             let c = case(seed, n_q, len, kvh, group, hd);
-            let keys: Vec<&[f16]> = c.k.iter().map(|v| &v[..]).collect();
-            let values: Vec<&[f16]> = c.v.iter().map(|v| &v[..]).collect();
-            let a = Attention {
-                n_head: c.n_head,
-                n_head_kv: c.n_head_kv,
-                head_dim: c.hd,
-                scale: 1.0 / (c.hd as f32).sqrt(),
-                q: &c.q,
-                q_pos: &c.q_pos,
-                keys: &keys,
-                values: &values,
-                kv_pos: &c.kv_pos,
-            };
-            let ranges: Vec<(i32, i32)> = c
-                .kv_pos
-                .chunks(KV_TILE)
-                .map(|ch| (*ch.iter().min().unwrap(), *ch.iter().max().unwrap()))
-                .collect();
-            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-            for kvh in 0..c.n_head_kv {
-                for q0 in (0..n_q).step_by(Q_TILE) {
-                    let t = Task {
-                        kvh,
-                        q0,
-                        q1: (q0 + Q_TILE).min(n_q),
-                        t0: 0,
-                        t1: ranges.len(),
-                    };
-                    let want = task_kernel::<ROW_BLOCK>(
-                        &a,
-                        &t,
-                        &ranges,
-                        &mut Scratch::new(hd),
-                        convert_portable,
-                        f32::mul_add,
-                    );
-                    let real = want.m.len() * hd;
-                    for isa in Isa::available() {
-                        if isa == Isa::Scalar {
-                            continue; // no fused multiply-add: its own bits
-                        }
-                        let got = run_task(isa, &a, &t, &ranges, &mut Scratch::new(hd));
-                        let what = format!("{isa:?}, case {seed}, head {kvh}, queries {q0}..");
-                        assert_eq!(bits(&got.m), bits(&want.m), "{what}: max");
-                        assert_eq!(bits(&got.l), bits(&want.l), "{what}: sum");
-                        assert_eq!(
-                            bits(&got.o[..real]),
-                            bits(&want.o[..real]),
-                            "{what}: outputs"
+            with_call(&c, |a, ranges| {
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                for kvh in 0..c.n_head_kv {
+                    for q0 in (0..n_q).step_by(Q_TILE) {
+                        let t = Task {
+                            kvh,
+                            q0,
+                            q1: (q0 + Q_TILE).min(n_q),
+                            t0: 0,
+                            t1: ranges.len(),
+                        };
+                        let want = task_kernel::<ROW_BLOCK>(
+                            &a,
+                            &t,
+                            &ranges,
+                            &mut Scratch::new(hd),
+                            convert_portable,
+                            f32::mul_add,
                         );
+                        let real = want.m.len() * hd;
+                        for isa in Isa::available() {
+                            if isa == Isa::Scalar {
+                                continue; // no fused multiply-add: its own bits
+                            }
+                            let got = run_task(isa, &a, &t, &ranges, &mut Scratch::new(hd));
+                            let what = format!("{isa:?}, case {seed}, head {kvh}, queries {q0}..");
+                            assert_eq!(bits(&got.m), bits(&want.m), "{what}: max");
+                            assert_eq!(bits(&got.l), bits(&want.l), "{what}: sum");
+                            assert_eq!(
+                                bits(&got.o[..real]),
+                                bits(&want.o[..real]),
+                                "{what}: outputs"
+                            );
+                        }
                     }
                 }
-            }
+            });
         }
     }
 
