@@ -1711,9 +1711,9 @@ mod tests {
                             t1,
                         };
                         let (p, q) = if group == 3 {
-                            both_avx512::<3>(&a, &t, &ranges)
+                            both_avx512::<3>(a, &t, ranges)
                         } else {
-                            both_avx512::<4>(&a, &t, &ranges)
+                            both_avx512::<4>(a, &t, ranges)
                         };
                         let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
                         let what = format!("case {seed}, head {kvh}, tiles {t0}..{t1}");
@@ -1755,9 +1755,9 @@ mod tests {
                             t1: ranges.len(),
                         };
                         let want = task_kernel::<ROW_BLOCK>(
-                            &a,
+                            a,
                             &t,
-                            &ranges,
+                            ranges,
                             &mut Scratch::new(hd),
                             convert_portable,
                             f32::mul_add,
@@ -1767,7 +1767,7 @@ mod tests {
                             if isa == Isa::Scalar {
                                 continue; // no fused multiply-add: its own bits
                             }
-                            let got = run_task(isa, &a, &t, &ranges, &mut Scratch::new(hd));
+                            let got = run_task(isa, a, &t, ranges, &mut Scratch::new(hd));
                             let what = format!("{isa:?}, case {seed}, head {kvh}, queries {q0}..");
                             assert_eq!(bits(&got.m), bits(&want.m), "{what}: max");
                             assert_eq!(bits(&got.l), bits(&want.l), "{what}: sum");
