@@ -9,6 +9,10 @@
 # software emulation).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# Each stage prints the seconds since the start, so a CI log shows where the time goes (the CI
+# limit is 90 minutes).
+T0=$(date +%s)
+stage() { echo "test: [$(($(date +%s) - T0)) s] $*"; }
 
 echo "test: $(df -h --output=avail . | tail -1 | tr -d ' ') free on $(df --output=target . | tail -1)"
 scripts/fetch-models.sh >/dev/null
@@ -17,15 +21,22 @@ scripts/fetch-models.sh >/dev/null
     exit 1
 }
 
+stage "format check"
 cargo fmt --all --check
+stage "clippy"
 cargo clippy --workspace --all-targets --locked -- -D warnings
 # The GPU code builds and lints without CUDA (loaded at run time); its kernels' CUDA source is
 # compiled by NVRTC, which needs no GPU.
+stage "clippy of the cuda feature"
 cargo clippy -p engram-cli -p engram-server --features engram-cli/cuda,engram-server/cuda --all-targets --locked -- -D warnings
+stage "CUDA kernels through NVRTC"
 nvrtc_lib="$(scripts/fetch-nvrtc.sh)"
 ENGRAM_REQUIRE_NVRTC=1 LD_LIBRARY_PATH="$nvrtc_lib" cargo test -p engram-kernels-cuda --locked
+stage "cargo test"
 cargo test --workspace --locked
+stage "API end to end"
 scripts/test-api.sh
+stage "console end to end"
 scripts/test-ui.sh
 # What follows builds in release: where the disk is short (a CI machine), the debug build the
 # steps above used goes first, so both never need room at once.
@@ -34,6 +45,10 @@ if ((free_gib < 30)) && [[ -d target/debug ]]; then
     echo "test: ${free_gib} GiB free: removing target/debug ($(du -sh target/debug | cut -f1)) before the release builds"
     rm -rf target/debug
 fi
+stage "fault injection"
 tests/faults/run.sh --ci
+stage ".deb checks"
 tests/appliance/deb.sh --no-build
+stage "appliance lifecycle"
 tests/appliance/run.sh
+stage "done"
