@@ -491,41 +491,14 @@ unsafe fn task_avx2_tiles<const RB: usize>(
 ) -> Partial {
     let hd = a.head_dim;
     assert!(hd.is_multiple_of(AVX2_LANES), "head width {hd}");
-    let rows = a.n_head / a.n_head_kv * (t.q1 - t.q0);
-    let mut part = Partial::empty::<RB>(rows, hd);
-    let (keys, values) = (a.keys[t.kvh], a.values[t.kvh]);
-    let len = a.kv_pos.len();
-    let zeros = vec![0.0f32; hd];
-    let (q_min, q_max) = t.q_range(a);
-
-    for (tile, &(lo, hi)) in ranges.iter().enumerate().take(t.t1).skip(t.t0) {
-        if lo > q_max {
-            continue; // no query of this task sees any slot of the tile
-        }
-        let j0 = tile * KV_TILE;
-        let bk = KV_TILE.min(len - j0);
-        for (j, p) in sc.pos.iter_mut().enumerate() {
-            *p = if j < bk { a.kv_pos[j0 + j] } else { i32::MAX };
-        }
-        // SAFETY: the caller guarantees F16C; the scratch holds a whole tile.
+    for_each_tile::<RB>(a, t, ranges, sc, |tl, kt, vt, skt, sv, part| {
+        // SAFETY: the caller guarantees the CPU features; the scratch holds a whole tile.
         unsafe {
-            convert_f16c(
-                &keys[tile * hd * KV_TILE..(tile + 1) * hd * KV_TILE],
-                &mut sc.kt,
-            );
-            convert_f16c(&values[j0 * hd..(j0 + bk) * hd], &mut sc.v[..bk * hd]);
+            convert_f16c(kt, skt);
+            convert_f16c(vt, &mut sv[..tl.bk * hd]);
+            tile_rows_avx2::<RB>(a, t, tl, skt, &sv[..tl.bk * hd], part);
         }
-        let tl = TileRows {
-            lo,
-            masked: hi > q_min || bk < KV_TILE,
-            bk,
-            pos: &sc.pos,
-            zeros: &zeros,
-        };
-        // SAFETY: the caller guarantees the CPU features.
-        unsafe { tile_rows_avx2::<RB>(a, t, &tl, &sc.kt, &sc.v[..bk * hd], &mut part) };
-    }
-    part
+    })
 }
 
 /// [`tile_rows_avx512`] for AVX2: scores in passes of [`AVX2_LANES`] slots, the softmax on the
@@ -816,6 +789,36 @@ unsafe fn task_avx512_tiles<const RB: usize, const CONVERT: bool>(
     const { assert!(DIM_BLOCK == KV_TILE && KV_TILE.is_multiple_of(16)) };
     let hd = a.head_dim;
     assert!(hd.is_multiple_of(DIM_BLOCK), "head width {hd}");
+    for_each_tile::<RB>(a, t, ranges, sc, |tl, kt, vt, skt, sv, part| {
+        if CONVERT {
+            // SAFETY: the caller guarantees the CPU features; the scratch holds a whole tile.
+            unsafe {
+                convert_f16c(kt, skt);
+                convert_f16c(vt, &mut sv[..tl.bk * hd]);
+                tile_rows_avx512::<RB, f32>(a, t, tl, skt, &sv[..tl.bk * hd], part);
+            }
+        } else {
+            // SAFETY: the caller guarantees the CPU features.
+            unsafe { tile_rows_avx512::<RB, f16>(a, t, tl, kt, vt, part) };
+        }
+    })
+}
+
+/// The tile loop of the register kernels ([`task_avx512_tiles`], [`task_avx2_tiles`]): for
+/// each tile of task `t` that some query sees, the slots' positions (into the scratch) and the
+/// tile's [`TileRows`], then `each(tile rows, transposed keys, first bk value rows, scratch
+/// keys, scratch values, partial)`, with keys and values still in f16. Returns the task's
+/// partial result.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn for_each_tile<const RB: usize>(
+    a: &Attention<'_>,
+    t: &Task,
+    ranges: &[(i32, i32)],
+    sc: &mut Scratch,
+    mut each: impl FnMut(&TileRows<'_>, &[f16], &[f16], &mut [f32], &mut [f32], &mut Partial),
+) -> Partial {
+    let hd = a.head_dim;
     let rows = a.n_head / a.n_head_kv * (t.q1 - t.q0);
     let mut part = Partial::empty::<RB>(rows, hd);
     let (keys, values) = (a.keys[t.kvh], a.values[t.kvh]);
@@ -842,17 +845,7 @@ unsafe fn task_avx512_tiles<const RB: usize, const CONVERT: bool>(
         // The tile's transposed keys and its values' rows (only the first `bk` are read).
         let kt = &keys[tile * hd * KV_TILE..(tile + 1) * hd * KV_TILE];
         let vt = &values[j0 * hd..(j0 + bk) * hd];
-        if CONVERT {
-            // SAFETY: the caller guarantees F16C; the scratch holds a whole tile.
-            unsafe {
-                convert_f16c(kt, &mut sc.kt);
-                convert_f16c(vt, &mut sc.v[..bk * hd]);
-                tile_rows_avx512::<RB, f32>(a, t, &tl, &sc.kt, &sc.v[..bk * hd], &mut part);
-            }
-        } else {
-            // SAFETY: the caller guarantees the CPU features.
-            unsafe { tile_rows_avx512::<RB, f16>(a, t, &tl, kt, vt, &mut part) };
-        }
+        each(&tl, kt, vt, &mut sc.kt, &mut sc.v, &mut part);
     }
     part
 }
