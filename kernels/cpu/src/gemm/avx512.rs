@@ -25,6 +25,10 @@ const R_MAX: usize = 4;
 /// Tokens per register tile (see `R_MAX`).
 const T_MAX: usize = 4;
 
+/// Pairs (64 elements) per K-quant super-block (256 elements), which share the activations'
+/// scale.
+const K_PAIRS: usize = 4;
+
 /// Up to this many tokens per task the kernels read the ggml blocks directly, unpacking in
 /// registers for each token tile; beyond, each row is unpacked once into a buffer and reused
 /// for every token tile. Unpacking in registers costs about one token's arithmetic per tile;
@@ -185,9 +189,10 @@ macro_rules! variant {
             /// One tile: `R` weight rows from `w` times `T` packed tokens (`x`, stride `xs` chunks), `np`
             /// block pairs and `nc` min chunks. Returns `[row][token]` dots.
             ///
-            /// Per (row, token, pair): `acc += float(lanes) * (dw * dx)` with exact i32 lane sums; the
-            /// order of operations per pair does not depend on `R`, `T` or the source (see the module
-            /// docs).
+            /// Per (row, token, pair): `acc += float(lanes) * (dw * dx)` with exact i32 lane sums
+            /// (the K-quants: `part += float(lanes) * dw` over a super-block's 4 pairs, then `acc
+            /// += part * dx`); the order of operations does not depend on `R`, `T` or the source
+            /// (see the module docs).
             // Indexing the [row][token] register tile by (r, t) reads like the math and unrolls fully.
             #[allow(clippy::needless_range_loop)]
             #[inline]
@@ -200,54 +205,28 @@ macro_rules! variant {
                 nc: usize,
             ) -> [[f32; T]; R] {
                 let xf = x_chunks(F);
-                let off = offset(F) != 0;
                 assert!(x.len() >= T * xs && xs >= np * xf + nc);
-                let zero = _mm512_setzero_si512();
                 let mut acc = [[_mm512_setzero_ps(); T]; R];
-                for k in 0..np {
-                    let mut xq = [zero; T];
-                    let mut xd = [_mm512_setzero_ps(); T];
-                    let mut xc = [zero; T];
-                    for t in 0..T {
-                        let b = t * xs + k * xf;
-                        xq[t] = ld(&x[b]);
-                        xd[t] = ldps(&x[b + 1]);
-                        if off {
-                            xc[t] = ld(&x[b + 2]);
+                if is_k(F) {
+                    // A K-quant's activation scale is its super-block's, the same for the
+                    // super-block's 4 pairs: the pairs take the weights' scales only, and dx
+                    // comes in once per super-block (3 instructions per pair instead of 4).
+                    assert!(np % K_PAIRS == 0);
+                    for sb in 0..np / K_PAIRS {
+                        let mut part = [[_mm512_setzero_ps(); T]; R];
+                        for k in K_PAIRS * sb..K_PAIRS * (sb + 1) {
+                            pair::<F, R, T, false>(w, x, xs, k, &mut part);
+                        }
+                        for t in 0..T {
+                            let xd = ldps(&x[t * xs + K_PAIRS * sb * xf + 1]);
+                            for r in 0..R {
+                                acc[r][t] = _mm512_fmadd_ps(part[r][t], xd, acc[r][t]);
+                            }
                         }
                     }
-                    for r in 0..R {
-                        let wq = w.q(r, k);
-                        let wd = w.d(r, k);
-                        let wc = if F == Q8_0 && V { w.c(wq, r, k) } else { zero };
-                        // Without VNNI, Q8_0 multiplies |w| by x with w's sign.
-                        let (wabs, wneg) = if F == Q8_0 && !V {
-                            (_mm512_abs_epi8(wq), _mm512_movepi8_mask(wq))
-                        } else {
-                            (zero, 0)
-                        };
-                        for t in 0..T {
-                            // Exact natural lane sums: offset formats (q - o) * x = q * x - o *
-                            // sum(x) (the corrections `xc`); Q8_0 (x + 128) * w - 128 * sum(w) =
-                            // x * w; the others (unsigned quants, mins apart) q * x.
-                            // SAFETY (the `V` arms): only the VNNI variant, whose target
-                            // features include avx512vnni, has `V`.
-                            #[allow(unused_unsafe)]
-                            let lanes = unsafe {
-                                let c = if off { xc[t] } else { zero };
-                                match (F == Q8_0, V) {
-                                    (false, true) => _mm512_dpbusd_epi32(c, wq, xq[t]),
-                                    (true, true) => _mm512_dpbusd_epi32(wc, xq[t], wq),
-                                    (false, false) if off => _mm512_add_epi32(c, dot_bw(wq, xq[t])),
-                                    (false, false) => dot_bw(wq, xq[t]),
-                                    (true, false) => {
-                                        dot_bw(wabs, _mm512_mask_sub_epi8(xq[t], wneg, zero, xq[t]))
-                                    }
-                                }
-                            };
-                            let d = _mm512_mul_ps(wd, xd[t]);
-                            acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lanes), d, acc[r][t]);
-                        }
+                } else {
+                    for k in 0..np {
+                        pair::<F, R, T, true>(w, x, xs, k, &mut acc);
                     }
                 }
                 if has_mins(F) {
@@ -268,6 +247,70 @@ macro_rules! variant {
                     }
                 }
                 res
+            }
+
+            /// Pair `k` of an `R x T` tile into `acc`: per (row, token), `acc += float(lanes) *
+            /// (dw * dx)` (`DX`), or `acc += float(lanes) * dw` (the K-quants, whose caller
+            /// applies dx per super-block), with the exact natural lane sums.
+            #[allow(clippy::needless_range_loop)]
+            #[inline]
+            #[target_feature(enable = $features)]
+            fn pair<const F: u8, const R: usize, const T: usize, const DX: bool>(
+                w: &impl WSrc,
+                x: &[Chunk],
+                xs: usize,
+                k: usize,
+                acc: &mut [[__m512; T]; R],
+            ) {
+                let xf = x_chunks(F);
+                let off = offset(F) != 0;
+                let zero = _mm512_setzero_si512();
+                let mut xq = [zero; T];
+                let mut xd = [_mm512_setzero_ps(); T];
+                let mut xc = [zero; T];
+                for t in 0..T {
+                    let b = t * xs + k * xf;
+                    xq[t] = ld(&x[b]);
+                    if DX {
+                        xd[t] = ldps(&x[b + 1]);
+                    }
+                    if off {
+                        xc[t] = ld(&x[b + 2]);
+                    }
+                }
+                for r in 0..R {
+                    let wq = w.q(r, k);
+                    let wd = w.d(r, k);
+                    let wc = if F == Q8_0 && V { w.c(wq, r, k) } else { zero };
+                    // Without VNNI, Q8_0 multiplies |w| by x with w's sign.
+                    let (wabs, wneg) = if F == Q8_0 && !V {
+                        (_mm512_abs_epi8(wq), _mm512_movepi8_mask(wq))
+                    } else {
+                        (zero, 0)
+                    };
+                    for t in 0..T {
+                        // Exact natural lane sums: offset formats (q - o) * x = q * x - o *
+                        // sum(x) (the corrections `xc`); Q8_0 (x + 128) * w - 128 * sum(w) =
+                        // x * w; the others (unsigned quants, mins apart) q * x.
+                        // SAFETY (the `V` arms): only the VNNI variant, whose target
+                        // features include avx512vnni, has `V`.
+                        #[allow(unused_unsafe)]
+                        let lanes = unsafe {
+                            let c = if off { xc[t] } else { zero };
+                            match (F == Q8_0, V) {
+                                (false, true) => _mm512_dpbusd_epi32(c, wq, xq[t]),
+                                (true, true) => _mm512_dpbusd_epi32(wc, xq[t], wq),
+                                (false, false) if off => _mm512_add_epi32(c, dot_bw(wq, xq[t])),
+                                (false, false) => dot_bw(wq, xq[t]),
+                                (true, false) => {
+                                    dot_bw(wabs, _mm512_mask_sub_epi8(xq[t], wneg, zero, xq[t]))
+                                }
+                            }
+                        };
+                        let d = if DX { _mm512_mul_ps(wd, xd[t]) } else { wd };
+                        acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lanes), d, acc[r][t]);
+                    }
+                }
             }
         }
     };

@@ -24,7 +24,9 @@
 //! a Q4 block's low nibbles (elements 0..16) and high nibbles (16..32) unpack with one shift, and
 //! each i32 lane of a `vpdpbusd` sums 4 consecutive elements of one block. Every path computes
 //! these *natural lane sums* exactly (offsets are removed in integer arithmetic), then per pair
-//! `acc += float(lanes) * (dw * dx)` lane by lane, adds Q4_1's min term
+//! `acc += float(lanes) * (dw * dx)` lane by lane (on AVX-512 the K-quants, whose `dx` is the
+//! super-block's, take `part += float(lanes) * dw` over a super-block's 4 pairs and then `acc +=
+//! part * dx`: one instruction fewer per pair), adds Q4_1's min term
 //! `sum_b m_b * s_b` in 16-lane chunks and sums the lanes in a fixed order. A product is
 //! therefore bit-identical whatever tile computed it (a decode step and a prefill give the same
 //! bits); it differs from the scalar reference only in float summation order. The AMX tiles
