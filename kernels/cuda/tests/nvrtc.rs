@@ -7,14 +7,27 @@ use engram_kernels_cuda::{compile_ptx, CudaError};
 #[test]
 fn kernels_compile_for_every_supported_architecture() {
     // Ampere (A100, A10), Ada (L40S, L4), Hopper (H100, H200), Blackwell (B200).
-    for arch in [
+    let archs = [
         "compute_80",
         "compute_86",
         "compute_89",
         "compute_90",
         "compute_100",
-    ] {
-        match compile_ptx(arch) {
+    ];
+    // One thread per architecture: each compile takes about 15 s of one core, and NVRTC
+    // compiles separate programs concurrently.
+    let results: Vec<_> = std::thread::scope(|s| {
+        let handles: Vec<_> = archs
+            .iter()
+            .map(|&arch| s.spawn(move || (arch, compile_ptx(arch))))
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("an NVRTC compile thread panicked"))
+            .collect()
+    });
+    for (arch, result) in results {
+        match result {
             Ok(ptx) => {
                 for kernel in ["gemv_q4_0", "gemv_q4_k", "gemv_q6_k", "attention", "rope"] {
                     assert!(
