@@ -256,6 +256,10 @@ NSPAWN_PID=
 
 # The installer ISO on a blank disk, as a server would boot it (TCG: this machine's KVM hangs
 # 64-bit guests), with no network card and the answers on a second disk labelled ENGRAM-CFG.
+# One vCPU: the install is one dpkg after another, and a second vCPU under multi-threaded TCG
+# mostly adds locking between the vCPU threads (1,183 s against 1,319-1,368 s with two on a
+# 2-core Xeon, docs/bench/2026-11-27-ci-time.md). The timeout only has to catch a hung
+# installer, not a slow host.
 if ! command -v qemu-system-x86_64 >/dev/null; then
     step "installing qemu-system-x86 (bookworm-backports: bookworm's conflicts with qemu-utils)"
     grep -rqs bookworm-backports /etc/apt/sources.list /etc/apt/sources.list.d \
@@ -276,7 +280,7 @@ else
     truncate -s 4M "$VM/answers.img"
     mkfs.vfat -n ENGRAM-CFG "$VM/answers.img" >/dev/null
     mcopy -i "$VM/answers.img" "$VM/engram-install.conf" ::engram-install.conf
-    timeout 1500 qemu-system-x86_64 -machine q35 -accel tcg -cpu max -m 3072 -smp 2 -nic none \
+    timeout 2100 qemu-system-x86_64 -machine q35 -accel tcg -cpu max -m 3072 -smp 1 -nic none \
         -display none -monitor none -serial "file:$VM/serial.log" -no-reboot \
         -drive "file=$INSTALLER,media=cdrom,readonly=on" \
         -drive "file=$VM/disk.raw,format=raw,if=virtio" \
