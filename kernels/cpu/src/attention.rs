@@ -494,9 +494,8 @@ unsafe fn task_avx2_tiles<const RB: usize>(
     for_each_tile::<RB>(a, t, ranges, sc, |tl, kt, vt, skt, sv, part| {
         // SAFETY: the caller guarantees the CPU features; the scratch holds a whole tile.
         unsafe {
-            convert_f16c(kt, skt);
-            convert_f16c(vt, &mut sv[..tl.bk * hd]);
-            tile_rows_avx2::<RB>(a, t, tl, skt, &sv[..tl.bk * hd], part);
+            let (kt, vt) = convert_tile(kt, vt, skt, sv);
+            tile_rows_avx2::<RB>(a, t, tl, kt, vt, part);
         }
     })
 }
@@ -793,15 +792,37 @@ unsafe fn task_avx512_tiles<const RB: usize, const CONVERT: bool>(
         if CONVERT {
             // SAFETY: the caller guarantees the CPU features; the scratch holds a whole tile.
             unsafe {
-                convert_f16c(kt, skt);
-                convert_f16c(vt, &mut sv[..tl.bk * hd]);
-                tile_rows_avx512::<RB, f32>(a, t, tl, skt, &sv[..tl.bk * hd], part);
+                let (kt, vt) = convert_tile(kt, vt, skt, sv);
+                tile_rows_avx512::<RB, f32>(a, t, tl, kt, vt, part);
             }
         } else {
             // SAFETY: the caller guarantees the CPU features.
             unsafe { tile_rows_avx512::<RB, f16>(a, t, tl, kt, vt, part) };
         }
     })
+}
+
+/// A tile's transposed keys `kt` and value rows `vt` converted to f32 into the scratch (`skt`,
+/// `sv`); returns the converted keys and the converted values (as many as `vt` holds).
+///
+/// # Safety
+/// The CPU must support F16C and AVX; `skt` and `sv` must be at least as long as `kt` and `vt`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx,f16c")]
+#[inline]
+unsafe fn convert_tile<'s>(
+    kt: &[f16],
+    vt: &[f16],
+    skt: &'s mut [f32],
+    sv: &'s mut [f32],
+) -> (&'s [f32], &'s [f32]) {
+    let sv = &mut sv[..vt.len()];
+    // SAFETY: the caller's contract.
+    unsafe {
+        convert_f16c(kt, skt);
+        convert_f16c(vt, sv);
+    }
+    (skt, sv)
 }
 
 /// The tile loop of the register kernels ([`task_avx512_tiles`], [`task_avx2_tiles`]): for
