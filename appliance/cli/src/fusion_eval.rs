@@ -23,6 +23,7 @@ use engram_model::{argmax, Logits};
 use engram_tokenizer::Detokenizer;
 use serde::Deserialize;
 
+use crate::kv_deviation::Deviation;
 use crate::ModelArgs;
 
 /// Policies compared when `--policies` is not given.
@@ -62,6 +63,11 @@ pub struct FusionArgs {
     /// Greedy tokens generated per policy for answer F1.
     #[arg(long, default_value_t = 32)]
     answer_tokens: usize,
+    /// Also compare each policy's placed chunk KV with full prefill's, layer by layer: the
+    /// deviation's size, how coherent it is per (chunk, head), and how well the first chunk
+    /// tokens' mean would correct it (`kv_deviation` in the JSON; see `kv_deviation.rs`).
+    #[arg(long)]
+    kv_deviation: bool,
     /// Print JSON instead of a table.
     #[arg(long)]
     json: bool,
@@ -170,6 +176,7 @@ pub fn run(a: FusionArgs) -> Result<()> {
     let prefixes = PrefixCache::new(256 << 20);
 
     let mut tallies: BTreeMap<String, Tally> = BTreeMap::new();
+    let mut deviations: BTreeMap<String, Deviation> = BTreeMap::new();
     let mut skipped = 0usize;
     let order: Vec<String> = policies.iter().map(Policy::name).collect();
     for (qi, ex) in examples.iter().enumerate() {
@@ -206,8 +213,24 @@ pub fn run(a: FusionArgs) -> Result<()> {
         }
         let mut kv = model.new_cache(prompt.len() + a.answer_tokens + 1);
         let mut reference: Option<Reference> = None;
+        let mut full_kv: Option<engram_model::KvCache> = None;
         for &policy in &policies {
             let done = fused_prefill(model, &chunks, Some(&prefixes), &prompt, policy, &mut kv)?;
+            if a.kv_deviation {
+                match &full_kv {
+                    None => {
+                        let mut snap = model.new_cache(kv.len());
+                        snap.append_from(&kv, 0..kv.len())?;
+                        full_kv = Some(snap);
+                    }
+                    Some(full) => deviations.entry(policy.name()).or_default().add(
+                        model.rope(),
+                        &prompt,
+                        full,
+                        &kv,
+                    ),
+                }
+            }
             let base = kv.len();
             let first = argmax(&done.logits);
             let (ids, steps) = decode(
@@ -347,8 +370,13 @@ pub fn run(a: FusionArgs) -> Result<()> {
             }),
         );
     }
+    let kv_deviation: serde_json::Map<String, serde_json::Value> = deviations
+        .iter()
+        .map(|(name, d)| (name.clone(), d.json()))
+        .collect();
     let report = serde_json::json!({
         "policies": out,
+        "kv_deviation": kv_deviation,
         "config": {
             "data": a.data.display().to_string(),
             "questions": examples.len() - skipped,
@@ -411,6 +439,51 @@ pub fn run(a: FusionArgs) -> Result<()> {
             v["ttft_speedup_vs_full"].as_f64().unwrap_or(0.0),
             v["kv_load_ms_median"].as_f64().unwrap_or(0.0),
         );
+    }
+    for (name, d) in &report["kv_deviation"]
+        .as_object()
+        .cloned()
+        .unwrap_or_default()
+    {
+        println!(
+            "\nKV deviation of `{name}` from full ({} chunks; rel = |d|^2/|full|^2, coherent = \
+             share of |d|^2 in the (chunk, head) mean, boundary = residual after subtracting \
+             the first {} tokens' mean):",
+            d["chunks_compared"], d["boundary_tokens"]
+        );
+        println!(
+            "{:<6} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9}   rel by position 0-3 / 4-15 / 16-63 / 64+ (values)",
+            "layer", "K rel", "K coh", "K bound", "V rel", "V coh", "V bound"
+        );
+        let rows = d["layers"].as_array().cloned().unwrap_or_default();
+        let all = std::iter::once(("all".to_string(), d["all_layers"].clone()));
+        for (l, row) in rows
+            .into_iter()
+            .enumerate()
+            .map(|(l, r)| (l.to_string(), r))
+            .chain(all)
+        {
+            let f = |kv: &str, k: &str| row[kv][k].as_f64().unwrap_or(0.0);
+            let pos: Vec<String> = row["values"]["rel_by_position"]
+                .as_array()
+                .map(|a| {
+                    a.iter()
+                        .map(|x| format!("{:.4}", x.as_f64().unwrap_or(0.0)))
+                        .collect()
+                })
+                .unwrap_or_default();
+            println!(
+                "{:<6} {:>9.4} {:>9.3} {:>9.3} {:>9.4} {:>9.3} {:>9.3}   {}",
+                l,
+                f("keys", "rel"),
+                f("keys", "coherent"),
+                f("keys", "boundary"),
+                f("values", "rel"),
+                f("values", "coherent"),
+                f("values", "boundary"),
+                pos.join(" / ")
+            );
+        }
     }
     Ok(())
 }

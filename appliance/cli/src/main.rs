@@ -8,6 +8,7 @@ mod fusion_set;
 mod gen_model;
 mod gpu;
 mod kb;
+mod kv_deviation;
 mod mixed_set;
 mod qa_eval;
 mod quantize;
