@@ -103,7 +103,11 @@ fn fused_prefill_recomputing_every_token_equals_full() {
         bos_store.ensure(&l.model, c).expect("precompute");
     }
     let full = run(l, &bos_store, &p, Policy::Full);
-    for policy in [Policy::Deviation(1.0), Policy::Boundary(10_000)] {
+    for policy in [
+        Policy::Deviation(1.0),
+        Policy::Boundary(10_000),
+        Policy::Query(1.0),
+    ] {
         let fused = run(l, &bos_store, &p, policy);
         let d = max_diff(&full.logits, &fused.logits);
         eprintln!("{policy}: max |logit diff| vs full {d:.4}");

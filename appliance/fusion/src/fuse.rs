@@ -389,6 +389,70 @@ pub fn fused_prefill_interleaved(
                 stats.recompute_time = t.elapsed();
                 logits
             }
+            Policy::Query(r) => {
+                let (t, spent) = (Instant::now(), pauses.spent);
+                let placed = kv.len();
+                // The suffix over the stored KV, keeping each layer's queries.
+                let mut queries: Vec<Vec<f32>> = vec![Vec::new(); model.config().n_layer];
+                model.forward_queries(
+                    &prompt.suffix,
+                    &suffix_pos,
+                    kv,
+                    Logits::None,
+                    &mut |l, q| queries[l] = q.to_vec(),
+                )?;
+                kv.truncate(placed);
+                let mut mass = attention_mass(model, kv, &queries, placed, &chunk_slots);
+                // The first tokens of every chunk (as `boundary:4`) deviate most from full
+                // prefill (`eval fusion --kv-deviation`): always recomputed.
+                let mut forced = 0;
+                let mut at = 0;
+                for (i, c) in prompt.chunks.iter().enumerate() {
+                    if !exact_start(i) {
+                        let n = QUERY_BOUNDARY.min(c.len());
+                        mass[at..at + n].fill(f32::INFINITY);
+                        forced += n;
+                    }
+                    at += c.len();
+                }
+                // The first chunk's stored KV is exact when the prefix is its frame.
+                let from = if exact_start(0) {
+                    prompt.chunks.first().map_or(0, Vec::len)
+                } else {
+                    0
+                };
+                let budget = forced + ((r as f64) * chunk_slots.len() as f64).ceil() as usize;
+                let mut rows: Vec<usize> = top_rows(&mass[from..], budget)
+                    .into_iter()
+                    .map(|i| i + from)
+                    .collect();
+                rows.sort_unstable();
+                let all: Vec<u32> = prompt.chunks.concat();
+                let mut tokens: Vec<u32> = rows.iter().map(|&i| all[i]).collect();
+                let mut positions: Vec<i32> = rows
+                    .iter()
+                    .map(|&i| (prompt.prefix.len() + i) as i32)
+                    .collect();
+                let overwrite: Vec<usize> = rows.iter().map(|&i| chunk_slots[i]).collect();
+                tokens.extend_from_slice(&prompt.suffix);
+                positions.extend_from_slice(&suffix_pos);
+                let n_rows = tokens.len();
+                let mut keep_all = |_: &[f32]| (0..n_rows).collect::<Vec<usize>>();
+                let (logits, _) = model.forward_blend(
+                    &tokens,
+                    &positions,
+                    &overwrite,
+                    kv,
+                    Blend {
+                        check_layer: 0,
+                        select: &mut keep_all,
+                    },
+                    Logits::Last,
+                )?;
+                stats.recomputed_chunk_tokens = rows.len();
+                stats.recompute_time = pauses.own(t, spent);
+                logits
+            }
             Policy::Full => unreachable!("handled above"),
         }
     };
@@ -399,6 +463,95 @@ pub fn fused_prefill_interleaved(
         next_position: prompt.len() as i32,
         stats,
     })
+}
+
+/// Leading tokens of each chunk that `Policy::Query` recomputes whatever the question attends
+/// to.
+const QUERY_BOUNDARY: usize = 4;
+
+/// Attention mass of each chunk token (`chunk_slots[i]`) from the suffix's queries: per layer,
+/// query head and suffix token, the softmax of its scores over the `placed` slots (the prefix
+/// and the chunks), summed. Layers run in parallel on the model's pool.
+fn attention_mass(
+    model: &Model,
+    kv: &KvCache,
+    queries: &[Vec<f32>],
+    placed: usize,
+    chunk_slots: &[usize],
+) -> Vec<f32> {
+    let (layers, kv_heads, hd) = kv.shape();
+    let heads = model.config().n_head;
+    let group = heads / kv_heads.max(1);
+    let scale = 1.0 / (hd as f32).sqrt();
+    let per_layer: Vec<std::sync::Mutex<Vec<f32>>> = (0..layers.min(queries.len()))
+        .map(|_| std::sync::Mutex::new(Vec::new()))
+        .collect();
+    model.pool().run(per_layer.len(), |l| {
+        let mut mass = vec![0.0f32; placed];
+        for h in 0..kv_heads {
+            // This KV head's query heads, for every suffix token: [nq][hd].
+            let q: Vec<f32> = queries[l]
+                .chunks_exact(heads * hd)
+                .flat_map(|t| &t[h * group * hd..(h + 1) * group * hd])
+                .copied()
+                .collect();
+            let nq = q.len() / hd;
+            let mut scores = vec![0.0f32; nq * placed];
+            kv.key_dots(l, h, placed, &q, &mut scores);
+            for row in scores.chunks_exact_mut(placed) {
+                // Eight running maxima and sums rather than one, so the loops vectorize.
+                let mut max = [f32::NEG_INFINITY; 8];
+                for c in row.chunks(8) {
+                    for (m, &x) in max.iter_mut().zip(c) {
+                        *m = if x > *m { x } else { *m };
+                    }
+                }
+                let max = max.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+                for x in row.iter_mut() {
+                    *x = exp_approx((*x - max) * scale);
+                }
+                let mut sum = [0.0f32; 8];
+                for c in row.chunks(8) {
+                    for (s, &x) in sum.iter_mut().zip(c) {
+                        *s += x;
+                    }
+                }
+                let inv = 1.0 / sum.iter().sum::<f32>();
+                for (m, &x) in mass.iter_mut().zip(row.iter()) {
+                    *m += x * inv;
+                }
+            }
+        }
+        *per_layer[l].lock().unwrap_or_else(|e| e.into_inner()) = mass;
+    });
+    let mut total = vec![0.0f32; placed];
+    for m in per_layer {
+        for (t, x) in total
+            .iter_mut()
+            .zip(m.into_inner().unwrap_or_else(|e| e.into_inner()))
+        {
+            *t += x;
+        }
+    }
+    chunk_slots.iter().map(|&s| total[s]).collect()
+}
+
+/// `e^x` for `x <= 0` within 0.2 % (about 0 below -87): the weights only rank stored tokens,
+/// so this is plenty, and the loop has no libm call (about 30 million exponentials for a
+/// 4,000-token prompt). `2^(x log2 e)`: the integer part goes into the exponent bits, the
+/// fraction through 2^f's degree-4 Taylor polynomial.
+#[inline]
+fn exp_approx(x: f32) -> f32 {
+    let t = (x * std::f32::consts::LOG2_E).max(-126.0);
+    // floor(t) without libm's `floorf` (not inlined on baseline x86-64): truncation, one less
+    // for a negative non-integer.
+    let tr = t as i32;
+    let i = tr - i32::from((tr as f32) > t);
+    let f = t - i as f32;
+    // 2^f on [0, 1): a degree-4 fit.
+    let p = 1.0
+        + f * (std::f32::consts::LN_2 + f * (0.240_226_5 + f * (0.055_504_1 + f * 0.009_618_1)));
+    f32::from_bits(((i + 127) as u32) << 23) * p
 }
 
 /// Indices of the `k` largest values.
@@ -451,4 +604,19 @@ fn prefill_prefix(
         }
     }
     Ok(cached)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exp_approx_is_within_a_fifth_of_a_percent() {
+        for i in 0..=20_000 {
+            let x = -(i as f32) * 0.004;
+            let (got, want) = (exp_approx(x), x.exp());
+            assert!((got - want).abs() <= 2e-3 * want, "e^{x}: {got} vs {want}");
+        }
+        assert!(exp_approx(-200.0) < 1e-37);
+    }
 }

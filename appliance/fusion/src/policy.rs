@@ -30,6 +30,11 @@ pub enum Policy {
     /// CacheBlend: every token through the check layer, then the fraction R of chunk tokens
     /// whose values deviate most, plus the suffix, through the rest.
     Deviation(f32),
+    /// Query-aware (A3, ProphetKV) on top of `boundary:4`: the suffix is run once over the
+    /// stored KV to see which stored tokens its queries attend to (attention mass summed over
+    /// layers, heads and suffix tokens); each chunk's first 4 tokens and the fraction R of
+    /// chunk tokens with the most mass are recomputed, then the suffix again.
+    Query(f32),
 }
 
 impl Policy {
@@ -46,6 +51,7 @@ impl fmt::Display for Policy {
             Policy::Reuse => write!(f, "reuse"),
             Policy::Boundary(n) => write!(f, "boundary:{n}"),
             Policy::Deviation(r) => write!(f, "deviation:{r}"),
+            Policy::Query(r) => write!(f, "query:{r}"),
         }
     }
 }
@@ -71,6 +77,10 @@ impl FromStr for Policy {
                 Ok(r) if (0.0..=1.0).contains(&r) => Ok(Policy::Deviation(r)),
                 _ => Err(bad("R must be a fraction between 0 and 1")),
             },
+            Some(("query", r)) => match r.parse::<f32>() {
+                Ok(r) if (0.0..=1.0).contains(&r) => Ok(Policy::Query(r)),
+                _ => Err(bad("R must be a fraction between 0 and 1")),
+            },
             _ => Err(bad("unknown policy")),
         }
     }
@@ -87,11 +97,19 @@ mod tests {
             Policy::Reuse,
             Policy::Boundary(16),
             Policy::Deviation(0.15),
+            Policy::Query(0.03),
         ] {
             assert_eq!(p.name().parse::<Policy>().unwrap(), p);
         }
         assert_eq!("boundary".parse::<Policy>().unwrap(), DEFAULT_POLICY);
-        for bad in ["", "boundary:x", "deviation:1.5", "blend", "deviation:-0.1"] {
+        for bad in [
+            "",
+            "boundary:x",
+            "deviation:1.5",
+            "blend",
+            "deviation:-0.1",
+            "query:2",
+        ] {
             assert!(bad.parse::<Policy>().is_err(), "{bad}");
         }
     }

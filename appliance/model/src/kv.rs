@@ -2,6 +2,7 @@
 //! `forward` rather than owned by the model.
 
 use half::f16;
+use half::slice::HalfFloatSliceExt;
 
 use std::sync::Mutex;
 
@@ -164,6 +165,61 @@ impl KvCache {
             .collect()
     }
 
+    /// Dot products of `queries` (`[nq][head_dim]`, already rotated) with the keys of slots
+    /// `0..len` of one KV head and layer: `out[i * len + s] = queries[i] . key(s)`. For callers
+    /// that need attention weights outside the attention kernel (a fused prefill choosing the
+    /// stored tokens a question attends to); each key tile is widened to f32 once for all
+    /// queries.
+    pub fn key_dots(
+        &self,
+        layer: usize,
+        head: usize,
+        len: usize,
+        queries: &[f32],
+        out: &mut [f32],
+    ) {
+        let hd = self.head_dim;
+        let nq = queries.len() / hd;
+        assert!(
+            out.len() >= nq * len,
+            "key_dots: out holds {} of {} scores",
+            out.len(),
+            nq * len
+        );
+        let keys = self.keys(layer, head, len);
+        // Slots per accumulator block: 16 f32 for each of two queries stay in registers while
+        // the tile's rows (`[head_dim][KV_TILE]`) stream past.
+        const B: usize = 16;
+        let mut tile = vec![0.0f32; hd * KV_TILE];
+        for (ti, k) in keys.chunks_exact(hd * KV_TILE).enumerate() {
+            k.convert_to_f32_slice(&mut tile);
+            let first = ti * KV_TILE;
+            for b in (0..KV_TILE.min(len - first)).step_by(B) {
+                let n = B.min(len - first - b);
+                let mut qi = 0;
+                while qi < nq {
+                    let q0 = &queries[qi * hd..(qi + 1) * hd];
+                    let q1 = &queries[(qi + 1).min(nq - 1) * hd..][..hd];
+                    let (mut a0, mut a1) = ([0.0f32; B], [0.0f32; B]);
+                    for d in 0..hd {
+                        let row: &[f32; B] = tile[d * KV_TILE + b..][..B].try_into().expect("B");
+                        for j in 0..B {
+                            a0[j] += q0[d] * row[j];
+                            a1[j] += q1[d] * row[j];
+                        }
+                    }
+                    let at = qi * len + first + b;
+                    out[at..at + n].copy_from_slice(&a0[..n]);
+                    if qi + 1 < nq {
+                        let at = (qi + 1) * len + first + b;
+                        out[at..at + n].copy_from_slice(&a1[..n]);
+                    }
+                    qi += 2;
+                }
+            }
+        }
+    }
+
     /// Values of one KV head in one layer, for the first `len` slots.
     pub fn values(&self, layer: usize, head: usize, len: usize) -> &[f16] {
         let at = head * self.stride * self.head_dim;
@@ -264,5 +320,77 @@ impl KvCache {
             }
         }
         Ok(first)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::{Architecture, RopeScaling, RopeStyle};
+
+    fn cfg(head_dim: usize) -> ModelConfig {
+        ModelConfig {
+            arch: Architecture::Llama,
+            n_layer: 2,
+            n_embd: 2 * head_dim,
+            n_ff: 8,
+            n_head: 2,
+            n_head_kv: 2,
+            head_dim,
+            head_dim_v: head_dim,
+            vocab_size: 4,
+            context_length: 512,
+            rms_eps: 1e-5,
+            rope_base: 10_000.0,
+            rope_dims: head_dim,
+            rope_style: RopeStyle::NeoX,
+            rope_scaling: RopeScaling::None,
+        }
+    }
+
+    /// `key_dots` equals the plain dot products with `key`, for lengths that end inside a key
+    /// tile and inside an accumulator block, and an odd number of queries.
+    #[test]
+    fn key_dots_are_the_dot_products_with_every_key() {
+        let hd = 16;
+        let c = cfg(hd);
+        let kvw = c.n_head_kv * hd;
+        for len in [1, 15, 17, 64, 100, 150] {
+            let mut kv = KvCache::new(&c, len);
+            let positions: Vec<i32> = (0..len as i32).collect();
+            let first = kv.append_slots(&positions).expect("slots");
+            for s in 0..len {
+                let k: Vec<f32> = (0..kvw)
+                    .map(|i| ((s * 31 + i * 7) % 23) as f32 / 11.0 - 1.0)
+                    .collect();
+                let v = vec![0.0; kvw];
+                for layer in 0..c.n_layer {
+                    kv.write(layer, first + s, &k, &v);
+                }
+            }
+            let nq = 3;
+            let q: Vec<f32> = (0..nq * hd)
+                .map(|i| ((i * 13) % 17) as f32 / 8.0 - 1.0)
+                .collect();
+            for (layer, head) in [(0, 0), (1, 1)] {
+                let mut out = vec![f32::NAN; nq * len];
+                kv.key_dots(layer, head, len, &q, &mut out);
+                for (qi, qv) in q.chunks_exact(hd).enumerate() {
+                    for s in 0..len {
+                        let want: f32 = kv
+                            .key(layer, head, s)
+                            .iter()
+                            .zip(qv)
+                            .map(|(a, b)| a * b)
+                            .sum();
+                        let got = out[qi * len + s];
+                        assert!(
+                            (got - want).abs() <= 1e-4 * (1.0 + want.abs()),
+                            "len {len} q {qi} slot {s}: {got} vs {want}"
+                        );
+                    }
+                }
+            }
+        }
     }
 }

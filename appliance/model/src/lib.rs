@@ -38,7 +38,7 @@ pub use generate::{
 #[cfg(feature = "cuda")]
 pub use gpu::{GpuCache, GpuModel, HostKv};
 pub use kv::KvCache;
-pub use model::{Blend, LayerObserver, Logits, Model, Sequence};
+pub use model::{Blend, LayerObserver, Logits, Model, QueryObserver, Sequence};
 pub use ops::Rope;
 pub use sampling::{argmax, top_k, Sampler, SamplingParams};
 

@@ -49,6 +49,11 @@ pub struct Blend<'a> {
 /// Receives, per layer, the call's fresh keys before RoPE and values (`[tokens][kv_width]`).
 pub type LayerObserver<'f> = dyn FnMut(usize, &[f32], &[f32]) + 'f;
 
+/// Receives each layer's index and the call's queries after RoPE (`[tokens][q_width]`, f32),
+/// before that layer's attention: what a fused prefill uses to see which stored tokens a
+/// question attends to.
+pub type QueryObserver<'f> = dyn FnMut(usize, &[f32]) + 'f;
+
 /// One sequence of a [`Model::forward_batch`] call: its next tokens, their positions, and the
 /// sequence's own cache.
 pub struct Sequence<'a> {
@@ -68,6 +73,7 @@ struct Call<'a, 'f> {
     overwrite: &'a [usize],
     logits: Logits,
     observer: Option<&'f mut LayerObserver<'f>>,
+    queries: Option<&'f mut QueryObserver<'f>>,
     blend: Option<Blend<'f>>,
     /// The first layer to run: later than 0 when the earlier ones ran elsewhere (the GPU of a
     /// split placement) and `input` holds their output.
@@ -222,7 +228,7 @@ impl Model {
         kv: &mut KvCache,
         logits: Logits,
     ) -> Result<Vec<f32>> {
-        self.forward_with(tokens, positions, kv, logits, None, 0, None)
+        self.forward_with(tokens, positions, kv, logits, None, None, 0, None)
     }
 
     /// Runs `tokens` at `positions` in calls of at most [`PREFILL_CHUNK`] tokens (bounding the
@@ -308,6 +314,7 @@ impl Model {
             overwrite: &[],
             logits,
             observer: None,
+            queries: None,
             blend: None,
             first_layer: 0,
             input: None,
@@ -327,7 +334,22 @@ impl Model {
     ) -> Result<Vec<f32>> {
         // Shorten the observer's own lifetime to the borrow's (`Call` holds one lifetime).
         let observer: &mut LayerObserver<'_> = observer;
-        self.forward_with(tokens, positions, kv, logits, Some(observer), 0, None)
+        self.forward_with(tokens, positions, kv, logits, Some(observer), None, 0, None)
+    }
+
+    /// [`Model::forward`] that also hands `queries` every layer's queries after RoPE, before
+    /// its attention.
+    pub fn forward_queries(
+        &self,
+        tokens: &[u32],
+        positions: &[i32],
+        kv: &mut KvCache,
+        logits: Logits,
+        queries: &mut QueryObserver<'_>,
+    ) -> Result<Vec<f32>> {
+        // As in `forward_observed`.
+        let queries: &mut QueryObserver<'_> = queries;
+        self.forward_with(tokens, positions, kv, logits, None, Some(queries), 0, None)
     }
 
     /// Runs layers `first_layer..` and the output head on `input`, the residual stream the
@@ -356,6 +378,7 @@ impl Model {
             kv,
             logits,
             None,
+            None,
             first_layer,
             Some(input),
         )
@@ -371,6 +394,7 @@ impl Model {
         kv: &mut KvCache,
         logits: Logits,
         observer: Option<&'f mut LayerObserver<'f>>,
+        queries: Option<&'f mut QueryObserver<'f>>,
         first_layer: usize,
         input: Option<&'f [f32]>,
     ) -> Result<Vec<f32>> {
@@ -385,6 +409,7 @@ impl Model {
             overwrite: &[],
             logits,
             observer,
+            queries,
             blend: None,
             first_layer,
             input,
@@ -444,6 +469,7 @@ impl Model {
             overwrite,
             logits,
             observer: None,
+            queries: None,
             blend: Some(blend),
             first_layer: 0,
             input: None,
@@ -518,6 +544,7 @@ impl Model {
             overwrite,
             logits,
             mut observer,
+            mut queries,
             mut blend,
             first_layer,
             input,
@@ -624,6 +651,9 @@ impl Model {
                     &s.k[t * kvw..(t + 1) * kvw],
                     &s.v[t * kvw..(t + 1) * kvw],
                 );
+            }
+            if let Some(obs) = queries.as_deref_mut() {
+                obs(li, &s.q[..n * qw]);
             }
             if let (Some(dev), Some(b)) = (deviation, blend.as_mut()) {
                 let keep = select_rows(&dev, &mut *b.select);

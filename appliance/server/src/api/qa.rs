@@ -31,7 +31,7 @@ pub struct QaBody {
     pub question: String,
     pub collections: Vec<String>,
     pub top_k: Option<usize>,
-    /// `full`, `reuse`, `boundary:N` or `deviation:R`; the configured policy by default.
+    /// `full`, `reuse`, `boundary:N`, `deviation:R` or `query:R`; the configured policy by default.
     pub policy: Option<String>,
     pub max_tokens: Option<usize>,
     /// 0 (the default) is greedy.
