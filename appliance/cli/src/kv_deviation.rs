@@ -22,7 +22,7 @@ use engram_fusion::FusedPrompt;
 use engram_model::{KvCache, Rope};
 
 /// Tokens at the start of a chunk whose mean deviation is the `boundary` estimate.
-pub(crate) const BOUNDARY: usize = 4;
+const BOUNDARY: usize = 4;
 
 /// Upper bounds of the position buckets in a chunk (the last is open).
 const BUCKETS: [usize; 3] = [4, 16, 64];
@@ -73,6 +73,19 @@ impl Sums {
             }
         }
         self.coherent += n as f64 * mean.iter().map(|m| m * m).sum::<f64>();
+    }
+
+    /// Adds another layer's sums (every layer together).
+    fn merge(&mut self, o: &Sums) {
+        self.dev += o.dev;
+        self.reference += o.reference;
+        self.coherent += o.coherent;
+        self.boundary_resid += o.boundary_resid;
+        self.boundary_dev += o.boundary_dev;
+        for b in 0..4 {
+            self.bucket_dev[b] += o.bucket_dev[b];
+            self.bucket_ref[b] += o.bucket_ref[b];
+        }
     }
 
     fn json(&self) -> serde_json::Value {
@@ -157,15 +170,7 @@ impl Deviation {
         let total = |v: &[Sums]| {
             let mut t = Sums::default();
             for s in v {
-                t.dev += s.dev;
-                t.reference += s.reference;
-                t.coherent += s.coherent;
-                t.boundary_resid += s.boundary_resid;
-                t.boundary_dev += s.boundary_dev;
-                for b in 0..4 {
-                    t.bucket_dev[b] += s.bucket_dev[b];
-                    t.bucket_ref[b] += s.bucket_ref[b];
-                }
+                t.merge(s);
             }
             t.json()
         };

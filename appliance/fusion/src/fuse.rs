@@ -406,14 +406,13 @@ pub fn fused_prefill_interleaved(
                 // The first tokens of every chunk (as `boundary:4`) deviate most from full
                 // prefill (`eval fusion --kv-deviation`): always recomputed.
                 let mut forced = 0;
-                let mut at = 0;
-                for (i, c) in prompt.chunks.iter().enumerate() {
+                for (i, (c, &at)) in prompt.chunks.iter().zip(&starts).enumerate() {
                     if !exact_start(i) {
+                        let at = at - prompt.prefix.len();
                         let n = QUERY_BOUNDARY.min(c.len());
                         mass[at..at + n].fill(f32::INFINITY);
                         forced += n;
                     }
-                    at += c.len();
                 }
                 // The first chunk's stored KV is exact when the prefix is its frame.
                 let from = if exact_start(0) {
