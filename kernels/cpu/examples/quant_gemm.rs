@@ -3,8 +3,8 @@
 //! on one and two threads: the figure the AMX tiles are compared on against the VNNI kernels.
 //!
 //! ```text
-//! cargo run --release -p engram-kernels --example quant_gemm                       # VNNI
-//! ENGRAM_KERNELS_AMX=1 cargo run --release -p engram-kernels --example quant_gemm  # AMX
+//! cargo run --release -p engram-kernels --example quant_gemm                       # AMX where the CPU has it
+//! ENGRAM_KERNELS_AMX=0 cargo run --release -p engram-kernels --example quant_gemm  # VNNI
 //! ```
 //!
 //! `ENGRAM_BENCH_TOKENS` (default 512) sets the token count, `ENGRAM_BENCH_REPS` (default 9)

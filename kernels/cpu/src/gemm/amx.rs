@@ -14,11 +14,15 @@
 //! ```
 //!
 //! which is the same arithmetic, value by value, in every tile: a (row, token) result does not
-//! depend on the tile, the task split or the thread count. It differs from the VNNI kernels'
-//! (which sum 4-element lanes and reduce them at the end) in float summation order only, as
-//! both differ from the scalar reference. The VNNI kernels spend four instructions (one
-//! `vpdpbusd`, three float) per 64 multiply-adds of a (row, token) pair; this epilogue spends
-//! five or six per 16 x 32 (`dot` is free: the tile unit computes it).
+//! depend on the tile, the task split or the thread count. Where the tiles run, the VNNI
+//! kernels (decode, and matmuls of fewer than [`MIN_TOKENS`] tokens) take the formats the
+//! tiles take in this order too (`Geom::blocks`: the exact dot of each block from their lane
+//! sums, then the same float steps), so every matmul of such a format gives the same bits; the
+//! VNNI kernels' own order (4-element lane sums, reduced at the end) is kept where the tiles do
+//! not run. Either differs from the scalar reference in float summation order only. The VNNI
+//! kernels spend four instructions (one `vpdpbusd`, three float) per 64 multiply-adds of a
+//! (row, token) pair; this epilogue spends five or six per 16 x 32 (`dot` is free: the tile
+//! unit computes it).
 //!
 //! Weights are unpacked per task, 16 rows at a time, into `tdpbusd`'s B layout (for each
 //! block, 8 rows of 64 bytes: row `k` holds the 4 integers of elements `4k..4k + 4` of each of
@@ -28,7 +32,7 @@
 //! The tile unit is used only after [`usable`] has confirmed it: CPUID says AMX-TILE and
 //! AMX-INT8, the kernel granted this process the tile data state
 //! (`arch_prctl(ARCH_REQ_XCOMP_PERM)`) and the AVX-512 VNNI kernels were chosen
-//! (`Isa::Avx512`); matmuls take it only with `ENGRAM_KERNELS_AMX=1` (see [`enabled`]).
+//! (`Isa::Avx512`); `ENGRAM_KERNELS_AMX=0` turns it off (see [`enabled`]).
 
 use std::arch::asm;
 use std::arch::x86_64::*;
@@ -39,7 +43,7 @@ use super::{has_mins, is_k, k_block, Geom, OutPtr, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1,
 use crate::blocks::{f16_at, f32_at, i16_at, q5_values, Q8K_BYTES, QK};
 use crate::dot::Isa;
 
-/// Environment variable that turns the AMX kernels on (`1` or `on`; see [`enabled`]).
+/// Environment variable that turns the AMX kernels off (`0` or `off`; see [`enabled`]).
 pub(crate) const AMX_ENV: &str = "ENGRAM_KERNELS_AMX";
 
 /// Fewest tokens for which a matmul takes the AMX kernels: fewer (decode, batched decode) stay
@@ -65,24 +69,23 @@ pub(crate) const TOKENS_PER_TASK: usize = 1024;
 /// [`MIN_TOKENS`]).
 pub(crate) const MIN_TASKS_PER_THREAD: usize = 4;
 
-/// Whether matmuls take the AMX kernels: only where they are [`usable`] and
-/// `ENGRAM_KERNELS_AMX=1` asks for them, decided once per process.
+/// Whether matmuls take the AMX kernels: wherever they are [`usable`], unless
+/// `ENGRAM_KERNELS_AMX=0` (or `off`) turns them off; decided once per process.
 ///
-/// Opt-in for now: the tiles sum a product's blocks in another order than the VNNI kernels
-/// that decode steps (and matmuls of fewer than [`MIN_TOKENS`] tokens) run, so a token
-/// decoded step by step and the same token inside a prefill no longer get the same bits. In
-/// a SmolLM2-135M Q4_1 forward pass the difference reaches a KL of 0.019 at some positions
-/// (`tests/fusion.rs`, the interleaved-prefill test; the Q8 activation roundings amplify it),
-/// where both paths agreed exactly before. The default turns on once the decode kernels sum
-/// blocks in the tiles' order.
+/// Where they are on, the VNNI kernels that run decode steps and matmuls of fewer than
+/// [`MIN_TOKENS`] tokens sum the formats the tiles take in the tiles' block order
+/// (`Geom::blocks`), so a token decoded step by step and the same token inside a prefill get
+/// the same bits, as they do where the tiles are off. (Before the VNNI kernels had that order,
+/// the difference reached a KL of 0.019 at some positions of a SmolLM2-135M Q4_1 forward pass:
+/// `tests/fusion.rs`, the interleaved-prefill test.)
 pub(crate) fn enabled() -> bool {
     static ENABLED: OnceLock<bool> = OnceLock::new();
     *ENABLED.get_or_init(|| {
-        let on = matches!(
+        let off = matches!(
             std::env::var(AMX_ENV).ok().as_deref(),
-            Some("1") | Some("on")
+            Some("0") | Some("off")
         );
-        on && usable()
+        !off && usable()
     })
 }
 
@@ -332,6 +335,28 @@ fn for_each_block(g: &Geom, row: &[u8], mut f: impl FnMut(usize, &[i8; QK], f32,
         }
         f(b, &ints, dw, m);
     }
+}
+
+/// The tiles' arithmetic in scalar code, for the tests: weight row `row` (ggml layout) times
+/// token `t` of `acts`, block by block, `acc = fma(float(dot), dw * dx, acc)` then, for the
+/// formats with mins, `acc = fma(m, s, acc)`.
+#[cfg(test)]
+pub(crate) fn reference(g: &Geom, row: &[u8], acts: &Acts, t: usize) -> f32 {
+    let nb = acts.nb;
+    let q = &acts.q[t * nb * QK..(t + 1) * nb * QK];
+    let mut acc = 0f32;
+    for_each_block(g, row, |b, ints, dw, m| {
+        let dot: i32 = ints
+            .iter()
+            .zip(&q[b * QK..(b + 1) * QK])
+            .map(|(&w, &x)| w as i32 * (x as i32 - 128))
+            .sum();
+        acc = (dot as f32).mul_add(dw * acts.d[t * nb + b], acc);
+        if has_mins(g.fmt) {
+            acc = m.mul_add(acts.s[t * nb + b], acc);
+        }
+    });
+    acc
 }
 
 /// The work of one AMX task: rows `rows` of the weights against tokens `tokens` of `acts`.

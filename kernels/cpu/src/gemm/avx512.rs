@@ -82,21 +82,34 @@ macro_rules! variant {
 
             #[target_feature(enable = $features)]
             pub(super) fn run(s: &Span<'_>, out: OutPtr) {
+                // Block order only where the AMX tiles may run (VNNI).
+                if V && s.g.blocks {
+                    by_fmt::<true>(s, out)
+                } else {
+                    by_fmt::<false>(s, out)
+                }
+            }
+
+            /// [`span_fmt`] for `s`'s format, in block order with `B` (never Q6_K's, which the
+            /// AMX tiles do not take, so `Geom::blocks` is never set for it).
+            #[inline]
+            #[target_feature(enable = $features)]
+            fn by_fmt<const B: bool>(s: &Span<'_>, out: OutPtr) {
                 match s.g.fmt {
-                    Q4_0 => span_fmt::<Q4_0>(s, out),
-                    Q4_1 => span_fmt::<Q4_1>(s, out),
-                    Q5_0 => span_fmt::<Q5_0>(s, out),
-                    Q5_1 => span_fmt::<Q5_1>(s, out),
-                    Q4_K => span_fmt::<Q4_K>(s, out),
-                    Q5_K => span_fmt::<Q5_K>(s, out),
-                    Q6_K => span_fmt::<Q6_K>(s, out),
-                    _ => span_fmt::<Q8_0>(s, out),
+                    Q4_0 => span_fmt::<Q4_0, B>(s, out),
+                    Q4_1 => span_fmt::<Q4_1, B>(s, out),
+                    Q5_0 => span_fmt::<Q5_0, B>(s, out),
+                    Q5_1 => span_fmt::<Q5_1, B>(s, out),
+                    Q4_K => span_fmt::<Q4_K, B>(s, out),
+                    Q5_K => span_fmt::<Q5_K, B>(s, out),
+                    Q6_K => span_fmt::<Q6_K, false>(s, out),
+                    _ => span_fmt::<Q8_0, B>(s, out),
                 }
             }
 
             #[inline]
             #[target_feature(enable = $features)]
-            fn span_fmt<const F: u8>(s: &Span<'_>, out: OutPtr) {
+            fn span_fmt<const F: u8, const B: bool>(s: &Span<'_>, out: OutPtr) {
                 let g = &s.g;
                 let ws = g.wstride();
                 let direct = s.tokens.len() <= RAW_MAX_TOKENS;
@@ -129,22 +142,22 @@ macro_rules! variant {
                             let nt = T_MAX.min(s.tokens.end - t0);
                             let at = (r0, t0);
                             match (nr, nt) {
-                                (4, 4) => tile_out::<F, 4, 4>(s, src, at, out),
-                                (4, 3) => tile_out::<F, 4, 3>(s, src, at, out),
-                                (4, 2) => tile_out::<F, 4, 2>(s, src, at, out),
-                                (4, _) => tile_out::<F, 4, 1>(s, src, at, out),
-                                (3, 4) => tile_out::<F, 3, 4>(s, src, at, out),
-                                (3, 3) => tile_out::<F, 3, 3>(s, src, at, out),
-                                (3, 2) => tile_out::<F, 3, 2>(s, src, at, out),
-                                (3, _) => tile_out::<F, 3, 1>(s, src, at, out),
-                                (2, 4) => tile_out::<F, 2, 4>(s, src, at, out),
-                                (2, 3) => tile_out::<F, 2, 3>(s, src, at, out),
-                                (2, 2) => tile_out::<F, 2, 2>(s, src, at, out),
-                                (2, _) => tile_out::<F, 2, 1>(s, src, at, out),
-                                (_, 4) => tile_out::<F, 1, 4>(s, src, at, out),
-                                (_, 3) => tile_out::<F, 1, 3>(s, src, at, out),
-                                (_, 2) => tile_out::<F, 1, 2>(s, src, at, out),
-                                (_, _) => tile_out::<F, 1, 1>(s, src, at, out),
+                                (4, 4) => tile_out::<F, 4, 4, B>(s, src, at, out),
+                                (4, 3) => tile_out::<F, 4, 3, B>(s, src, at, out),
+                                (4, 2) => tile_out::<F, 4, 2, B>(s, src, at, out),
+                                (4, _) => tile_out::<F, 4, 1, B>(s, src, at, out),
+                                (3, 4) => tile_out::<F, 3, 4, B>(s, src, at, out),
+                                (3, 3) => tile_out::<F, 3, 3, B>(s, src, at, out),
+                                (3, 2) => tile_out::<F, 3, 2, B>(s, src, at, out),
+                                (3, _) => tile_out::<F, 3, 1, B>(s, src, at, out),
+                                (2, 4) => tile_out::<F, 2, 4, B>(s, src, at, out),
+                                (2, 3) => tile_out::<F, 2, 3, B>(s, src, at, out),
+                                (2, 2) => tile_out::<F, 2, 2, B>(s, src, at, out),
+                                (2, _) => tile_out::<F, 2, 1, B>(s, src, at, out),
+                                (_, 4) => tile_out::<F, 1, 4, B>(s, src, at, out),
+                                (_, 3) => tile_out::<F, 1, 3, B>(s, src, at, out),
+                                (_, 2) => tile_out::<F, 1, 2, B>(s, src, at, out),
+                                (_, _) => tile_out::<F, 1, 1, B>(s, src, at, out),
                             }
                             t0 += nt;
                         }
@@ -157,7 +170,7 @@ macro_rules! variant {
             /// (`unpacked` is `None`: decode) or the unpacked rows, written to `out`.
             #[inline]
             #[target_feature(enable = $features)]
-            fn tile_out<const F: u8, const R: usize, const T: usize>(
+            fn tile_out<const F: u8, const R: usize, const T: usize, const B: bool>(
                 s: &Span<'_>,
                 unpacked: Option<&Unpacked<'_>>,
                 (r0, t0): (usize, usize),
@@ -170,13 +183,13 @@ macro_rules! variant {
                         let row = |i: usize| &s.w[(r0 + i) * s.wrb..(r0 + i + 1) * s.wrb];
                         if is_k(F) {
                             let raw = RawK::<F, R>::new(std::array::from_fn(row), g.nb);
-                            tile::<F, R, T>(&raw, x, xs, g.np, g.nc)
+                            tile_any::<F, R, T, B>(&raw, x, xs, g.np, g.nc)
                         } else {
                             let raw = Raw::<F, R>::new(std::array::from_fn(row), g.nb);
-                            tile::<F, R, T>(&raw, x, xs, g.np, g.nc)
+                            tile_any::<F, R, T, B>(&raw, x, xs, g.np, g.nc)
                         }
                     }
-                    Some(u) => tile::<F, R, T>(u, x, xs, g.np, g.nc),
+                    Some(u) => tile_any::<F, R, T, B>(u, x, xs, g.np, g.nc),
                 };
                 for (i, row) in acc.iter().enumerate() {
                     for (j, v) in row.iter().enumerate() {
@@ -262,6 +275,26 @@ macro_rules! variant {
                 k: usize,
                 acc: &mut [[__m512; T]; R],
             ) {
+                let (xq, xd, xc) = pair_x::<F, T, DX>(x, xs, k);
+                for r in 0..R {
+                    let lanes = row_lanes::<F, T>(w, r, k, &xq, &xc);
+                    let wd = w.d(r, k);
+                    for t in 0..T {
+                        let d = if DX { _mm512_mul_ps(wd, xd[t]) } else { wd };
+                        acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lanes[t]), d, acc[r][t]);
+                    }
+                }
+            }
+
+            /// The `T` tokens' chunks of pair `k`: quants, scales (with `DX`; zeros otherwise)
+            /// and, for the offset formats, the corrections (zeros otherwise).
+            #[inline]
+            #[target_feature(enable = $features)]
+            fn pair_x<const F: u8, const T: usize, const DX: bool>(
+                x: &[Chunk],
+                xs: usize,
+                k: usize,
+            ) -> ([__m512i; T], [__m512; T], [__m512i; T]) {
                 let xf = x_chunks(F);
                 let off = offset(F) != 0;
                 let zero = _mm512_setzero_si512();
@@ -278,39 +311,207 @@ macro_rules! variant {
                         xc[t] = ld(&x[b + 2]);
                     }
                 }
-                for r in 0..R {
-                    let wq = w.q(r, k);
-                    let wd = w.d(r, k);
-                    let wc = if F == Q8_0 && V { w.c(wq, r, k) } else { zero };
-                    // Without VNNI, Q8_0 multiplies |w| by x with w's sign.
-                    let (wabs, wneg) = if F == Q8_0 && !V {
-                        (_mm512_abs_epi8(wq), _mm512_movepi8_mask(wq))
-                    } else {
-                        (zero, 0)
+                (xq, xd, xc)
+            }
+
+            /// The exact natural lane sums of row `r`, pair `k` against the `T` tokens' quants
+            /// `xq` (and offset corrections `xc`).
+            #[allow(clippy::needless_range_loop)]
+            #[inline]
+            #[target_feature(enable = $features)]
+            fn row_lanes<const F: u8, const T: usize>(
+                w: &impl WSrc,
+                r: usize,
+                k: usize,
+                xq: &[__m512i; T],
+                xc: &[__m512i; T],
+            ) -> [__m512i; T] {
+                let off = offset(F) != 0;
+                let zero = _mm512_setzero_si512();
+                let wq = w.q(r, k);
+                let wc = if F == Q8_0 && V { w.c(wq, r, k) } else { zero };
+                // Without VNNI, Q8_0 multiplies |w| by x with w's sign.
+                let (wabs, wneg) = if F == Q8_0 && !V {
+                    (_mm512_abs_epi8(wq), _mm512_movepi8_mask(wq))
+                } else {
+                    (zero, 0)
+                };
+                let mut lanes = [zero; T];
+                for t in 0..T {
+                    // Exact natural lane sums: offset formats (q - o) * x = q * x - o *
+                    // sum(x) (the corrections `xc`); Q8_0 (x + 128) * w - 128 * sum(w) =
+                    // x * w; the others (unsigned quants, mins apart) q * x.
+                    // SAFETY (the `V` arms): only the VNNI variant, whose target
+                    // features include avx512vnni, has `V`.
+                    #[allow(unused_unsafe)]
+                    let l = unsafe {
+                        let c = if off { xc[t] } else { zero };
+                        match (F == Q8_0, V) {
+                            (false, true) => _mm512_dpbusd_epi32(c, wq, xq[t]),
+                            (true, true) => _mm512_dpbusd_epi32(wc, xq[t], wq),
+                            (false, false) if off => _mm512_add_epi32(c, dot_bw(wq, xq[t])),
+                            (false, false) => dot_bw(wq, xq[t]),
+                            (true, false) => {
+                                dot_bw(wabs, _mm512_mask_sub_epi8(xq[t], wneg, zero, xq[t]))
+                            }
+                        }
                     };
-                    for t in 0..T {
-                        // Exact natural lane sums: offset formats (q - o) * x = q * x - o *
-                        // sum(x) (the corrections `xc`); Q8_0 (x + 128) * w - 128 * sum(w) =
-                        // x * w; the others (unsigned quants, mins apart) q * x.
-                        // SAFETY (the `V` arms): only the VNNI variant, whose target
-                        // features include avx512vnni, has `V`.
-                        #[allow(unused_unsafe)]
-                        let lanes = unsafe {
-                            let c = if off { xc[t] } else { zero };
-                            match (F == Q8_0, V) {
-                                (false, true) => _mm512_dpbusd_epi32(c, wq, xq[t]),
-                                (true, true) => _mm512_dpbusd_epi32(wc, xq[t], wq),
-                                (false, false) if off => _mm512_add_epi32(c, dot_bw(wq, xq[t])),
-                                (false, false) => dot_bw(wq, xq[t]),
-                                (true, false) => {
-                                    dot_bw(wabs, _mm512_mask_sub_epi8(xq[t], wneg, zero, xq[t]))
-                                }
+                    lanes[t] = l;
+                }
+                lanes
+            }
+
+            /// [`tile`], or [`tile_blocks`] with `B`.
+            #[inline]
+            #[target_feature(enable = $features)]
+            fn tile_any<const F: u8, const R: usize, const T: usize, const B: bool>(
+                w: &impl WSrc,
+                x: &[Chunk],
+                xs: usize,
+                np: usize,
+                nc: usize,
+            ) -> [[f32; T]; R] {
+                if B {
+                    tile_blocks::<_, F, R, T>(w, x, xs, np, nc)
+                } else {
+                    tile::<F, R, T>(w, x, xs, np, nc)
+                }
+            }
+
+            /// One tile in the AMX tiles' order (see `amx`), for the formats they take: per
+            /// (row, token), block by block, `acc = fma(float(dot), dw * dx, acc)` with the
+            /// block's exact dot, then `acc = fma(m, s, acc)` for the formats with mins; no
+            /// final lane sum. A product then has the same bits here (decode) as in a prefill
+            /// on the tiles.
+            ///
+            /// The (row, token) outputs go in groups of 4 (`o = 4 g + i`, row `o / T`, token
+            /// `o % T`): per pair, [`reduce4`] turns their lane sums into one 8-lane register,
+            /// block `2k`'s dot of output `i` in lane `i` and block `2k + 1`'s in lane `4 + i`,
+            /// and the scales (and mins, sums) are placed to match, so the float steps run 8
+            /// lanes wide. The accumulator lives in the low lanes; between the two blocks it
+            /// moves to the high ones and back ([`swap`]).
+            #[allow(clippy::needless_range_loop)]
+            #[inline]
+            #[target_feature(enable = $features)]
+            fn tile_blocks<W: WSrc, const F: u8, const R: usize, const T: usize>(
+                w: &W,
+                x: &[Chunk],
+                xs: usize,
+                np: usize,
+                nc: usize,
+            ) -> [[f32; T]; R] {
+                let xf = x_chunks(F);
+                assert!(x.len() >= T * xs && xs >= np * xf + nc);
+                assert!(F != Q6_K && R <= 4 && T <= 4);
+                let n = R * T;
+                let groups = n.div_ceil(4);
+                let mins = has_mins(F);
+                let zero = _mm512_setzero_si512();
+                let zf = _mm256_setzero_ps();
+                // Where output `i` of group `g` takes its row's and its token's values from
+                // the `[v0(2k) .. v3(2k) | v0(2k + 1) .. v3(2k + 1)]` registers below.
+                let place = |g: usize, of: fn(usize) -> usize| {
+                    let o = |i: usize| (4 * g + i).min(n - 1);
+                    let at = |i: usize| of(o(i)) as i32;
+                    _mm256_setr_epi32(
+                        at(0),
+                        at(1),
+                        at(2),
+                        at(3),
+                        4 + at(0),
+                        4 + at(1),
+                        4 + at(2),
+                        4 + at(3),
+                    )
+                };
+                let row_idx: [__m256i; 4] = std::array::from_fn(|g| place(g, |o| o / T));
+                let tok_idx: [__m256i; 4] = std::array::from_fn(|g| place(g, |o| o % T));
+                let mut acc = [zf; 4];
+                let mut sv = [_mm512_setzero_ps(); T];
+                let mut mv = [_mm512_setzero_ps(); R];
+                for k in 0..np {
+                    if mins && k % 8 == 0 {
+                        for t in 0..T {
+                            sv[t] = ldps(&x[t * xs + np * xf + k / 8]);
+                        }
+                        if !W::OWN_MINS {
+                            for r in 0..R {
+                                mv[r] = w.m(r, k / 8);
+                            }
+                        }
+                    }
+                    let (xq, xd, xc) = pair_x::<F, T, true>(x, xs, k);
+                    let mut lanes = [zero; 16];
+                    for r in 0..R {
+                        let l = row_lanes::<F, T>(w, r, k, &xq, &xc);
+                        for t in 0..T {
+                            lanes[r * T + t] = l[t];
+                        }
+                    }
+                    let dw = w.d4::<F, R>(k);
+                    let m = if mins { w.m4::<R>(&mv, k) } else { zf };
+                    // The tokens' scales (and sums) as one register, unless there is one.
+                    let (dx, s) = if T == 1 {
+                        (ab::<F>(xd[0]), if mins { pick(sv[0], k) } else { zf })
+                    } else {
+                        let get = |i: usize| if i < T { ab::<F>(xd[i]) } else { zf };
+                        let dx = place4([get(0), get(1), get(2), get(3)]);
+                        let s = if mins {
+                            let get = |i: usize| if i < T { pick(sv[i], k) } else { zf };
+                            place4([get(0), get(1), get(2), get(3)])
+                        } else {
+                            zf
+                        };
+                        (dx, s)
+                    };
+                    for g in 0..groups {
+                        let v = |i: usize| lanes[(4 * g + i).min(15)];
+                        let dots = _mm256_cvtepi32_ps(reduce4::<F>([v(0), v(1), v(2), v(3)]));
+                        // With one token, output i is row i: the registers are in place.
+                        let by_row = |v: __m256| {
+                            if T == 1 {
+                                v
+                            } else {
+                                _mm256_permutevar8x32_ps(v, row_idx[g])
                             }
                         };
-                        let d = if DX { _mm512_mul_ps(wd, xd[t]) } else { wd };
-                        acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lanes), d, acc[r][t]);
+                        let by_tok = |v: __m256| {
+                            if T == 1 {
+                                v
+                            } else {
+                                _mm256_permutevar8x32_ps(v, tok_idx[g])
+                            }
+                        };
+                        let d = _mm256_mul_ps(by_row(dw), by_tok(dx));
+                        let (mm, ss) = if mins {
+                            (by_row(m), by_tok(s))
+                        } else {
+                            (zf, zf)
+                        };
+                        let mut a = acc[g];
+                        for _block in 0..2 {
+                            a = _mm256_fmadd_ps(dots, d, a);
+                            if mins {
+                                a = _mm256_fmadd_ps(mm, ss, a);
+                            }
+                            a = swap(a);
+                        }
+                        acc[g] = a;
                     }
                 }
+                let mut out = [[0f32; 8]; 4];
+                for g in 0..groups {
+                    // SAFETY: 8 writable f32; `storeu` has no alignment requirement.
+                    unsafe { _mm256_storeu_ps(out[g].as_mut_ptr(), acc[g]) };
+                }
+                let mut res = [[0f32; T]; R];
+                for r in 0..R {
+                    for t in 0..T {
+                        let o = r * T + t;
+                        res[r][t] = out[o / 4][o % 4];
+                    }
+                }
+                res
             }
         }
     };
@@ -336,6 +537,81 @@ fn ld(c: &Chunk) -> __m512i {
 fn ldps(c: &Chunk) -> __m512 {
     // SAFETY: as in `ld`.
     unsafe { _mm512_loadu_ps(c.0.as_ptr().cast()) }
+}
+
+/// The exact dots of blocks `2k` and `2k + 1` of 4 outputs from their pair's lane sums `v`:
+/// `[dot_0(2k) .. dot_3(2k) | dot_0(2k + 1) .. dot_3(2k + 1)]`. A block's lanes are the 128-bit
+/// quarters 0 and 2 (the 32-element formats interleave the blocks by quarters) or 0 and 1 (the
+/// K-quants' chunks hold the two sub-blocks in halves). Exact (integers).
+#[inline]
+#[target_feature(enable = "avx512f,avx2")]
+fn reduce4<const F: u8>(v: [__m512i; 4]) -> __m256i {
+    let t01 = _mm512_add_epi32(
+        _mm512_unpacklo_epi32(v[0], v[1]),
+        _mm512_unpackhi_epi32(v[0], v[1]),
+    );
+    let t23 = _mm512_add_epi32(
+        _mm512_unpacklo_epi32(v[2], v[3]),
+        _mm512_unpackhi_epi32(v[2], v[3]),
+    );
+    // Per quarter q: the sums of quarter q of v[0], v[1], v[2], v[3].
+    let u = _mm512_add_epi32(
+        _mm512_unpacklo_epi64(t01, t23),
+        _mm512_unpackhi_epi64(t01, t23),
+    );
+    let u = if is_k(F) {
+        _mm512_shuffle_i32x4::<0b11_01_10_00>(u, u)
+    } else {
+        u
+    };
+    _mm256_add_epi32(_mm512_castsi512_si256(u), _mm512_extracti64x4_epi64::<1>(u))
+}
+
+/// A chunk of per-lane values (scales) as `[v(2k) x4 | v(2k + 1) x4]` (the K-quants' chunks
+/// hold the two sub-blocks in halves, with one value per 16 elements; the others interleave
+/// the blocks by quarters).
+#[inline]
+#[target_feature(enable = "avx512f,avx2")]
+fn ab<const F: u8>(v: __m512) -> __m256 {
+    let v = if is_k(F) {
+        _mm512_shuffle_f32x4::<0b11_01_10_00>(v, v)
+    } else {
+        v
+    };
+    _mm512_castps512_ps256(v)
+}
+
+/// Blocks `2k` and `2k + 1` of a 16-block chunk of mins or sums as `[v(2k) x4 | v(2k + 1) x4]`.
+#[inline]
+#[target_feature(enable = "avx512f,avx2")]
+fn pick(v: __m512, k: usize) -> __m256 {
+    let a = (2 * k % 16) as i32;
+    let idx = _mm512_add_epi32(
+        _mm512_set_epi32(1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0),
+        _mm512_set1_epi32(a),
+    );
+    _mm512_castps512_ps256(_mm512_permutexvar_ps(idx, v))
+}
+
+/// Four `[v(2k) x4 | v(2k + 1) x4]` registers as one: `[v0(2k) .. v3(2k) | v0(2k + 1) ..
+/// v3(2k + 1)]`.
+#[inline]
+#[target_feature(enable = "avx2")]
+fn place4(f: [__m256; 4]) -> __m256 {
+    let q01 = _mm256_unpacklo_ps(f[0], f[1]);
+    let q23 = _mm256_unpacklo_ps(f[2], f[3]);
+    _mm256_castpd_ps(_mm256_unpacklo_pd(
+        _mm256_castps_pd(q01),
+        _mm256_castps_pd(q23),
+    ))
+}
+
+/// Swaps the halves: moves [`reduce4`]'s block-`2k` lanes onto the block-`2k + 1` lanes and
+/// back.
+#[inline]
+#[target_feature(enable = "avx2")]
+fn swap(a: __m256) -> __m256 {
+    _mm256_permute2f128_ps::<0x01>(a, a)
 }
 
 /// Sum of the 16 lanes in a fixed order (halves, then quarters, then pairs).
@@ -365,6 +641,45 @@ trait WSrc {
     fn c(&self, q: __m512i, r: usize, k: usize) -> __m512i;
     /// Q4_1 mins of row `r`, blocks `16 c .. 16 c + 16`.
     fn m(&self, r: usize, c: usize) -> __m512;
+
+    /// The scales of blocks `2k` and `2k + 1` of rows `0..R` (at most 4) as `[d_0(2k) ..
+    /// d_3(2k) | d_0(2k + 1) .. d_3(2k + 1)]`, rows past `R` zero: what the block-order tile
+    /// multiplies by (see `tile_blocks`). The values of [`WSrc::d`].
+    #[inline(always)]
+    fn d4<const F: u8, const R: usize>(&self, k: usize) -> __m256 {
+        // SAFETY: only called from `tile_blocks`, which enables AVX-512F and AVX2.
+        unsafe {
+            let get = |r: usize| {
+                if r < R {
+                    ab::<F>(self.d(r, k))
+                } else {
+                    _mm256_setzero_ps()
+                }
+            };
+            place4([get(0), get(1), get(2), get(3)])
+        }
+    }
+
+    /// Whether [`WSrc::m4`] reads the mins itself; otherwise the tile loads each row's chunk
+    /// of 16 ([`WSrc::m`]) every 8 pairs and passes them in.
+    const OWN_MINS: bool = false;
+
+    /// [`WSrc::d4`] for the mins (the values of [`WSrc::m`]); `mv[r]` is row `r`'s chunk of
+    /// the 16 blocks around pair `k` (unless [`WSrc::OWN_MINS`]).
+    #[inline(always)]
+    fn m4<const R: usize>(&self, mv: &[__m512; R], k: usize) -> __m256 {
+        // SAFETY: only called from `tile_blocks`, which enables AVX-512F and AVX2.
+        unsafe {
+            let get = |r: usize| {
+                if r < R {
+                    pick(mv[r], k)
+                } else {
+                    _mm256_setzero_ps()
+                }
+            };
+            place4([get(0), get(1), get(2), get(3)])
+        }
+    }
 }
 
 /// Rows unpacked by `unpack_row`: `w[r * ws ..]`, `np` pairs of `wf` chunks then the mins.
@@ -493,6 +808,15 @@ impl<const F: u8, const R: usize> WSrc for Raw<'_, F, R> {
             _mm512_cvtph_ps(_mm512_cvtepi32_epi16(v))
         }
     }
+    #[inline(always)]
+    fn d4<const G: u8, const N: usize>(&self, k: usize) -> __m256 {
+        self.f16_pairs(k, 0)
+    }
+    const OWN_MINS: bool = true;
+    #[inline(always)]
+    fn m4<const N: usize>(&self, _mv: &[__m512; N], k: usize) -> __m256 {
+        self.f16_pairs(k, 2)
+    }
 }
 
 impl<const F: u8, const R: usize> WSrc for RawK<'_, F, R> {
@@ -564,9 +888,53 @@ impl<const F: u8, const R: usize> WSrc for RawK<'_, F, R> {
         // SAFETY: `m` is 64 readable bytes; only called from `tile`, which enables AVX-512F.
         unsafe { _mm512_loadu_ps(m.as_ptr()) }
     }
+    #[inline(always)]
+    fn d4<const G: u8, const N: usize>(&self, k: usize) -> __m256 {
+        let s: [[f32; 4]; 4] =
+            std::array::from_fn(|r| if r < R { self.scales(r, k) } else { [0.0; 4] });
+        // Sub-block 2k's scale is the pair's first, 2k + 1's its third (one per 16 elements).
+        // SAFETY: only called from `tile_blocks`, which enables AVX.
+        unsafe {
+            _mm256_setr_ps(
+                s[0][0], s[1][0], s[2][0], s[3][0], s[0][2], s[1][2], s[2][2], s[3][2],
+            )
+        }
+    }
 }
 
 impl<const F: u8, const R: usize> Raw<'_, F, R> {
+    /// The f16 at byte `off` of blocks `2k` and `2k + 1` (the scale at 0, Q4_1's and Q5_1's
+    /// min at 2) of rows `0..R`, as [`WSrc::d4`] places them (missing blocks and rows: 0).
+    #[inline(always)]
+    fn f16_pairs(&self, k: usize, off: usize) -> __m256 {
+        let bits = |r: usize| -> i32 {
+            if r >= R {
+                return 0;
+            }
+            if self.full(k) {
+                // SAFETY: both blocks are in the row (`full`, `new`); `off + 2 <= BS`.
+                unsafe {
+                    let d0 = self.ptr(r, 2 * k).add(off).cast::<u16>().read_unaligned();
+                    let d1 = self
+                        .ptr(r, 2 * k + 1)
+                        .add(off)
+                        .cast::<u16>()
+                        .read_unaligned();
+                    d0 as i32 | (d1 as i32) << 16
+                }
+            } else {
+                let (b0, b1) = (self.block(r, 2 * k), self.block(r, 2 * k + 1));
+                h16(b0, off) as i32 | (h16(b1, off) as i32) << 16
+            }
+        };
+        // SAFETY: only called from `tile_blocks`, which enables AVX2, AVX-512F and F16C.
+        unsafe {
+            // [r0(2k) r0(2k+1) r1(2k) ..] to [r0(2k) r1(2k) r2(2k) r3(2k) | r0(2k+1) ..].
+            let h = _mm256_cvtph_ps(_mm_setr_epi32(bits(0), bits(1), bits(2), bits(3)));
+            _mm256_permutevar8x32_ps(h, _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7))
+        }
+    }
+
     /// `q` (the nibbles of pair `k` of row `r`, chunk layout) with the Q5 fifth bits added: bit
     /// `j` of a block's `qh` is element `j`'s, so the chunk's 64 bytes take, in order, bits
     /// 0..16 of block `2k`, 0..16 of `2k + 1`, 16..32 of `2k`, 16..32 of `2k + 1`.

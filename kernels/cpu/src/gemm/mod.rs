@@ -9,7 +9,7 @@
 //! - `avx2` (x86_64): AVX2 + FMA (`vpmaddubsw`) micro-kernels, tiles of up to 2 rows x 4 tokens;
 //! - `amx` (x86_64): AMX int8 tiles (`tdpbusd`, 16 tokens x 16 rows per tile) for matmuls of
 //!   at least `amx::MIN_TOKENS` tokens (prefill) of every format but Q6_K, on CPUs that have
-//!   them (Sapphire Rapids and later), opt-in with `ENGRAM_KERNELS_AMX=1` for now;
+//!   them (Sapphire Rapids and later), on by default (`ENGRAM_KERNELS_AMX=0` turns them off);
 //! - `float`: f32 weights times f32 activations (no quantisation), AVX2 + FMA tiles.
 //! - `packed`: f32 weights packed once into 32-row panels ([`PackedF32`]) times f32
 //!   activations, outer-product micro-kernels (AVX-512 F, AVX2 + FMA): [`matmul_packed`].
@@ -31,9 +31,10 @@
 //! therefore bit-identical whatever tile computed it (a decode step and a prefill give the same
 //! bits); it differs from the scalar reference only in float summation order. The AMX tiles
 //! take exact per-block dots and sum them block by block (see `amx`): the same bits whatever
-//! tile, task split or thread count computed them, but not the VNNI kernels' bits, so on an
-//! AMX CPU with them turned on, a token's results in a matmul of at least `amx::MIN_TOKENS`
-//! tokens differ from a smaller call's by float rounding (see `amx::enabled`).
+//! tile, task split or thread count computed them. Where they run a format, the AVX-512 VNNI
+//! kernels take that format in the same *block order* (`Geom::blocks`): they reduce each
+//! pair's lane sums to the two blocks' exact dots and add `float(dot) * (dw * dx)` (then `m *
+//! s`) block by block, so decode steps and prefills still give the same bits.
 //!
 //! Per token, a panel holds for each pair `k`: the quants chunk (i8; for the VNNI Q8_0 kernel
 //! biased by +128 to u8), a chunk of 16 f32 scales `[d0 x4, d1 x4, d0 x4, d1 x4]`, and for
@@ -79,6 +80,20 @@ use crate::pool::ThreadPool;
 use crate::quantize::quantize_into;
 
 pub use packed::{matmul_packed, PackedF32};
+
+/// Whether the VNNI kernels of `isa` take format `fmt` in the AMX tiles' block order: where
+/// the tiles run that format's prefill-sized matmuls in this process (see `amx::enabled`).
+fn amx_order(fmt: u8, isa: Isa) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        isa == Isa::Avx512 && amx::supports(fmt) && amx::enabled()
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (fmt, isa);
+        false
+    }
+}
 
 /// Whether prefill-sized matmuls take the AMX tiles in this process (see `amx::enabled`).
 #[cfg(target_arch = "x86_64")]
@@ -200,6 +215,9 @@ pub(crate) struct Geom {
     pub(crate) wf: usize,
     /// Whether the panel's Q8_0 quants are biased to u8 (+128) and weights carry corrections.
     pub(crate) q8_bias: bool,
+    /// Whether the VNNI kernels sum in the AMX tiles' block order (see `amx`): set where the
+    /// tiles run this format, so that every matmul of it gives the same bits.
+    pub(crate) blocks: bool,
 }
 
 impl Geom {
@@ -214,6 +232,7 @@ impl Geom {
             xf: x_chunks(fmt),
             wf: if q8_bias { 3 } else { 2 },
             q8_bias,
+            blocks: amx_order(fmt, isa),
         }
     }
 
@@ -681,6 +700,24 @@ pub(crate) fn matmul_tiled_many(
     if isa == Isa::Avx512 && n_tokens >= amx::MIN_TOKENS && amx::supports(fmt) && amx::enabled() {
         return matmul_amx(g, xrb, ws, x, n_tokens, outs, pool);
     }
+    matmul_panel(isa, g, xrb, ws, x, n_tokens, outs, pool)
+}
+
+/// [`matmul_tiled_many`] on `isa`'s register tiles, with geometry `g` (`xrb`: bytes per
+/// quantised activation row).
+#[allow(clippy::too_many_arguments)]
+fn matmul_panel(
+    isa: Isa,
+    g: Geom,
+    xrb: usize,
+    ws: &[(&[u8], usize)],
+    x: &[f32],
+    n_tokens: usize,
+    outs: &mut [&mut [f32]],
+    pool: &ThreadPool,
+) -> Result<()> {
+    let vd = vec_dot_type(g.fmt);
+    let cols = g.nb * QK;
     let xs = g.xstride();
     let mut panel = vec![Chunk::ZERO; xs * n_tokens];
 
@@ -1123,6 +1160,63 @@ mod tests {
             amx(&w, rows, cols, &x[tail * cols..], amx::MIN_TOKENS, &mut alone,
                 &ThreadPool::new(1).unwrap());
             prop_assert_eq!(&alone[..], &out[tail * rows..], "{} AMX: split", ty);
+        }
+
+        /// The VNNI kernels in the AMX tiles' block order (`Geom::blocks`, on where the tiles
+        /// run), over ragged shapes on both the direct (decode) and the unpacked paths: every
+        /// result has the bits of the tiles' arithmetic in scalar code (`amx::reference`), and
+        /// of the tiles themselves where this CPU has them. So a token decoded step by step
+        /// and the same token in a prefill on the tiles get the same bits.
+        #[cfg(target_arch = "x86_64")]
+        #[test]
+        fn vnni_block_order_matches_the_tiles_bit_for_bit(
+            ty_idx in 0..FMTS.len() - 1,
+            rows in 1usize..40,
+            blocks in 1usize..12,
+            n_tokens in 1usize..24,
+            bytes in prop::collection::vec(any::<u8>(), 64..512),
+            xs in prop::collection::vec(-4.0f32..4.0, 23 * 1024),
+            threads in 1usize..4,
+        ) {
+            if !Isa::available().contains(&Isa::Avx512) {
+                eprintln!("no AVX-512 VNNI here: vnni_block_order checks nothing");
+                return Ok(());
+            }
+            let ty = FMTS[ty_idx];
+            let fmt = fmt_of(ty).unwrap();
+            let (cols, w) = ragged_weights(ty, rows, blocks, &bytes);
+            let wrb = w.len() / rows;
+            let x = &xs[..n_tokens * cols];
+            let pool = ThreadPool::new(threads).unwrap();
+            let g = Geom { blocks: true, ..Geom::new(fmt, cols, Isa::Avx512) };
+            let xrb = vec_dot_type(fmt).row_bytes(cols).unwrap();
+            let mut out = vec![f32::NAN; rows * n_tokens];
+            matmul_panel(Isa::Avx512, g, xrb, &[(&w, rows)], x, n_tokens, &mut [&mut out], &pool)
+                .unwrap();
+            check_against_scalar(ty, &w, rows, x, &out, "VNNI block order")?;
+            let mut acts = amx::Acts::new(&g, n_tokens);
+            {
+                let mut pieces = acts.pieces(n_tokens);
+                let mut xq = Vec::new();
+                for t in 0..n_tokens {
+                    quantize_activations(ty, &x[t * cols..(t + 1) * cols], &mut xq).unwrap();
+                    pieces[0].pack(&g, t, &xq);
+                }
+            }
+            for t in 0..n_tokens {
+                for r in 0..rows {
+                    let want = amx::reference(&g, &w[r * wrb..(r + 1) * wrb], &acts, t);
+                    prop_assert_eq!(out[t * rows + r].to_bits(), want.to_bits(),
+                        "{} r={} t={}: {} vs the tiles' order {}", ty, r, t, out[t * rows + r],
+                        want);
+                }
+            }
+            if amx::usable() {
+                let mut tiles = vec![f32::NAN; rows * n_tokens];
+                matmul_amx(g, xrb, &[(&w, rows)], x, n_tokens, &mut [&mut tiles], &pool)
+                    .unwrap();
+                prop_assert_eq!(&tiles[..], &out[..], "{} VNNI block order vs AMX", ty);
+            }
         }
     }
 }
