@@ -26,9 +26,11 @@ use crate::engine::Event;
 
 /// Passages retrieved into the prompt by default (as `/api/v1/qa`).
 const DEFAULT_TOP_K: usize = 5;
-/// The policies offered; the configured one is preselected.
-const POLICIES: [&str; 5] = [
+/// The policies offered; the configured one is preselected. `query:0.02` is the closest to
+/// full prefill at a few times boundary:4's time (`docs/bench/2026-11-27-fusion-query.md`).
+const POLICIES: [&str; 6] = [
     "boundary:4",
+    "query:0.02",
     "reuse",
     "deviation:0.3",
     "full",
