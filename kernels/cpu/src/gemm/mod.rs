@@ -696,8 +696,9 @@ pub(crate) fn matmul_tiled_many(
     let g = Geom::new(fmt, cols, isa);
     let vd = vec_dot_type(fmt);
     let xrb = vd.checked_row_bytes(cols, "matmul cols")?;
+    // `g.blocks`: the tiles run this format in this process (`amx_order`).
     #[cfg(target_arch = "x86_64")]
-    if isa == Isa::Avx512 && n_tokens >= amx::MIN_TOKENS && amx::supports(fmt) && amx::enabled() {
+    if g.blocks && n_tokens >= amx::MIN_TOKENS {
         return matmul_amx(g, xrb, ws, x, n_tokens, outs, pool);
     }
     matmul_panel(isa, g, xrb, ws, x, n_tokens, outs, pool)
