@@ -110,24 +110,37 @@ cleanup() {
     [[ -n $NSPAWN_PID ]] && kill "$NSPAWN_PID" 2>/dev/null || true
 }
 trap cleanup EXIT
+# The container's init: the child of systemd-nspawn that is PID 1 in its own PID namespace.
+# nspawn first forks an outer child that sets up the namespaces and exits at once; taking the
+# first child it has (as this once did) sometimes catches that one, and every nsenter into it
+# then fails.
+find_leader() {
+    local p ns
+    LEADER=
+    for _ in $(seq 150); do
+        for p in $(pgrep -P "$NSPAWN_PID" || true); do
+            ns=$(sed -n 's/^NSpid:[[:space:]]*//p' "/proc/$p/status" 2>/dev/null || true)
+            [[ $ns =~ [[:space:]]1$ ]] && { LEADER=$p; return 0; }
+        done
+        kill -0 "$NSPAWN_PID" 2>/dev/null || break
+        sleep 0.2
+    done
+    tail -20 "$1" >&2 || true
+    fail "the container did not start (see $1)"
+}
 boot() {
     systemd-nspawn -q -D "$ROOT" -b --register=no --keep-unit --private-network \
         --machine=engram-test --bind-ro="$(realpath "$M/v1")":/media/engram \
         --bind-ro="$(realpath "$M/v2")":/media/engram-upgrade >"$OUT/console.log" 2>&1 </dev/null &
     NSPAWN_PID=$!
-    LEADER=
-    for _ in $(seq 100); do
-        LEADER=$(pgrep -P "$NSPAWN_PID" | head -1 || true)
-        [[ -n $LEADER ]] && break
-        sleep 0.2
-    done
-    [[ -n $LEADER ]] || fail "the container did not start (see $OUT/console.log)"
+    find_leader "$OUT/console.log"
 }
 in_ct() { nsenter -t "$LEADER" -a "$@"; }
 # The daemon's address inside the container, and what curl needs to trust it (set for the
 # installed VM, whose engramd listens beyond loopback and so speaks TLS).
 BASE=http://127.0.0.1:8080
 CURL_TLS=()
+CONSOLE=$OUT/console.log
 http() { nsenter -t "$LEADER" -n curl -sS "${CURL_TLS[@]}" "$@"; }
 wait_active() {
     local state=
@@ -138,7 +151,9 @@ wait_active() {
         sleep 0.5
     done
     in_ct journalctl -u engramd.service --no-pager 2>/dev/null | tail -20 >&2 || true
-    fail "engramd is not active ($state)"
+    kill -0 "$LEADER" 2>/dev/null || echo "appliance: the container's init ($LEADER) is gone" >&2
+    tail -20 "$CONSOLE" >&2 || true
+    fail "engramd is not active (${state:-no answer from systemctl})"
 }
 version_is() {
     local v
@@ -319,12 +334,8 @@ PASSWORD=$(head -1 "$ROOT/var/lib/engram/initial-admin-password")
 systemd-nspawn -q -D "$ROOT" -b --register=no --keep-unit --private-network --machine=engram-vm \
     >"$VM/console.log" 2>&1 </dev/null &
 NSPAWN_PID=$!
-for _ in $(seq 100); do
-    LEADER=$(pgrep -P "$NSPAWN_PID" | head -1 || true)
-    [[ -n $LEADER ]] && break
-    sleep 0.2
-done
-[[ -n $LEADER ]] || fail "the installed system did not start"
+CONSOLE=$VM/console.log
+find_leader "$CONSOLE"
 # Listening beyond loopback, engramd speaks TLS with the certificate it made at its first start.
 BASE=https://127.0.0.1:8080
 CURL_TLS=(--cacert "$ROOT/var/lib/engram/tls/cert.pem")
