@@ -2,6 +2,7 @@
 //! KV placed by RoPE, rejected blobs, a full NVMe tier, the prefix cache, the fidelity gate,
 //! and `engram ingest --kv` / `ask` / `eval fusion` end to end.
 
+use std::ops::ControlFlow;
 use std::path::Path;
 use std::sync::{Arc, OnceLock};
 
@@ -123,6 +124,70 @@ fn fused_prefill_recomputing_every_token_equals_full() {
     let reuse = run(l, &bos_store, &p, Policy::Reuse);
     assert!(max_diff(&full.logits, &reuse.logits) > TOL_SAME_LOGITS);
     assert!(kl_divergence(&full.logits, &reuse.logits) > 0.0);
+}
+
+/// `Policy::Query`'s first pass ends early: a query observer that breaks at layer 3 sees layers
+/// 0-3 with the same queries as a pass through every layer, gets no logits, and leaves those
+/// layers' KV as that pass does.
+#[test]
+fn a_query_observer_ends_the_pass_at_its_layer() {
+    let l = llm();
+    let tokens: Vec<u32> = chunk_tokens(&l.tokenizer, PASSAGES[0]).expect("tokenize");
+    let positions: Vec<i32> = (0..tokens.len() as i32).collect();
+    let mut seen: Vec<(usize, Vec<f32>)> = Vec::new();
+    let mut whole_kv = l.model.new_cache(tokens.len());
+    let logits = l
+        .model
+        .forward_queries(
+            &tokens,
+            &positions,
+            &mut whole_kv,
+            Logits::Last,
+            &mut |li, q| {
+                seen.push((li, q.to_vec()));
+                ControlFlow::Continue(())
+            },
+        )
+        .expect("every layer");
+    assert_eq!(seen.len(), l.model.config().n_layer);
+    assert!(!logits.is_empty());
+
+    let mut early: Vec<(usize, Vec<f32>)> = Vec::new();
+    let mut early_kv = l.model.new_cache(tokens.len());
+    let logits = l
+        .model
+        .forward_queries(
+            &tokens,
+            &positions,
+            &mut early_kv,
+            Logits::Last,
+            &mut |li, q| {
+                early.push((li, q.to_vec()));
+                if li < 3 {
+                    ControlFlow::Continue(())
+                } else {
+                    ControlFlow::Break(())
+                }
+            },
+        )
+        .expect("four layers");
+    assert!(logits.is_empty(), "a pass that ends early has no logits");
+    assert_eq!(early, seen[..4], "layers 0-3 and their queries");
+    let (_, heads, _) = whole_kv.shape();
+    for layer in 0..4 {
+        for head in 0..heads {
+            assert_eq!(
+                early_kv.keys(layer, head, tokens.len()),
+                whole_kv.keys(layer, head, tokens.len()),
+                "keys, layer {layer} head {head}"
+            );
+            assert_eq!(
+                early_kv.values(layer, head, tokens.len()),
+                whole_kv.values(layer, head, tokens.len()),
+                "values, layer {layer} head {head}"
+            );
+        }
+    }
 }
 
 /// A chunk's stored keys, rotated to where the chunk sits in a prompt, equal the keys a plain

@@ -30,10 +30,11 @@ pub enum Policy {
     /// CacheBlend: every token through the check layer, then the fraction R of chunk tokens
     /// whose values deviate most, plus the suffix, through the rest.
     Deviation(f32),
-    /// Query-aware (A3, ProphetKV) on top of `boundary:4`: the suffix is run once over the
-    /// stored KV to see which stored tokens its queries attend to (attention mass summed over
-    /// layers, heads and suffix tokens); each chunk's first 4 tokens and the fraction R of
-    /// chunk tokens with the most mass are recomputed, then the suffix again.
+    /// Query-aware (A3, ProphetKV) on top of `boundary:4`: the suffix is run over the stored
+    /// KV through the first 12 layers to see which stored tokens its last 8 tokens attend to
+    /// (attention mass summed over those layers, heads and tokens); each chunk's first 4
+    /// tokens and the fraction R of chunk tokens with the most mass are recomputed, then the
+    /// suffix again.
     Query(f32),
 }
 

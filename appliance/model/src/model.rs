@@ -1,5 +1,6 @@
 //! The Llama-family forward pass over explicit positions and a caller-owned KV cache.
 
+use std::ops::ControlFlow;
 use std::path::Path;
 use std::sync::Arc;
 
@@ -51,8 +52,10 @@ pub type LayerObserver<'f> = dyn FnMut(usize, &[f32], &[f32]) + 'f;
 
 /// Receives each layer's index and the call's queries after RoPE (`[tokens][q_width]`, f32),
 /// before that layer's attention: what a fused prefill uses to see which stored tokens a
-/// question attends to.
-pub type QueryObserver<'f> = dyn FnMut(usize, &[f32]) + 'f;
+/// question attends to. Returning `ControlFlow::Break` ends the call there and it returns no
+/// logits: the call's slots hold that layer's keys and values but nothing in later layers, so
+/// the caller truncates them.
+pub type QueryObserver<'f> = dyn FnMut(usize, &[f32]) -> ControlFlow<()> + 'f;
 
 /// One sequence of a [`Model::forward_batch`] call: its next tokens, their positions, and the
 /// sequence's own cache.
@@ -653,7 +656,9 @@ impl Model {
                 );
             }
             if let Some(obs) = queries.as_deref_mut() {
-                obs(li, &s.q[..n * qw]);
+                if obs(li, &s.q[..n * qw]).is_break() {
+                    return Ok((Vec::new(), kept));
+                }
             }
             if let (Some(dev), Some(b)) = (deviation, blend.as_mut()) {
                 let keep = select_rows(&dev, &mut *b.select);
