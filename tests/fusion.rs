@@ -760,10 +760,21 @@ fn cli_eval_fusion_reports_every_policy() {
             "recompute_fraction",
             "ttft_ms_median",
             "ttft_ratio_vs_full",
+            "first_token_agreement_decisive",
+            "decisive_questions",
         ] {
             assert!(p[name][field].is_number(), "{name}.{field} missing: {v}");
         }
     }
+    assert_eq!(p["full"]["first_token_agreement_decisive"], 1.0);
+    let margins = p["full"]["per_question"]["full_first_token_margin"]
+        .as_array()
+        .expect("full's margins");
+    assert_eq!(
+        margins.len() as u64,
+        v["config"]["questions"].as_u64().unwrap()
+    );
+    assert!(margins.iter().all(|m| m.as_f64().unwrap() >= 0.0), "{v}");
     assert_eq!(p["full"]["kl_mean"], 0.0);
     assert_eq!(p["full"]["recompute_fraction"], 1.0);
     // Recomputing everything is full prefill again.

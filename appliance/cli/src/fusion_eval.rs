@@ -29,6 +29,11 @@ use crate::ModelArgs;
 /// Policies compared when `--policies` is not given.
 const DEFAULT_POLICIES: &str = "full,reuse,boundary:16,deviation:0.15";
 
+/// A first token is a near-tie in full prefill below this top-1 minus top-2 logit margin (the
+/// line llama.cpp's reference outputs draw, as `engram gpu check` does): a fused cache can flip
+/// it through rounding alone.
+const DECISIVE_MARGIN: f64 = 0.3;
+
 #[derive(Args)]
 pub struct FusionArgs {
     #[command(flatten)]
@@ -178,6 +183,8 @@ pub fn run(a: FusionArgs) -> Result<()> {
     let mut tallies: BTreeMap<String, Tally> = BTreeMap::new();
     let mut deviations: BTreeMap<String, Deviation> = BTreeMap::new();
     let mut skipped = 0usize;
+    // Full prefill's top-1 minus top-2 first-token logit, per question.
+    let mut full_margins: Vec<f64> = Vec::new();
     let order: Vec<String> = policies.iter().map(Policy::name).collect();
     for (qi, ex) in examples.iter().enumerate() {
         let chunk_ids: Vec<Vec<u32>> = ex
@@ -265,6 +272,9 @@ pub fn run(a: FusionArgs) -> Result<()> {
                     )
                 }
             };
+            if reference.is_none() {
+                full_margins.push(top2_margin(&done.logits));
+            }
             let (ref_first, _, ref_steps, ref_answer) = reference.get_or_insert_with(|| {
                 // The answer's tokens (at least the first, even when it ends the answer).
                 let n = answer_len.max(1).min(steps.len());
@@ -333,6 +343,13 @@ pub fn run(a: FusionArgs) -> Result<()> {
     for name in &order {
         let t = &tallies[name];
         let ttft = median(&t.ttft_ms);
+        let decisive: Vec<bool> = t
+            .first_token_flags
+            .iter()
+            .zip(&full_margins)
+            .filter(|(_, &m)| m >= DECISIVE_MARGIN)
+            .map(|(&f, _)| f)
+            .collect();
         let delta: Vec<f64> = t
             .gold_f1
             .iter()
@@ -343,6 +360,9 @@ pub fn run(a: FusionArgs) -> Result<()> {
             name.clone(),
             serde_json::json!({
                 "first_token_agreement": t.first_token_agree as f64 / t.n as f64,
+                "first_token_agreement_decisive":
+                    decisive.iter().filter(|&&f| f).count() as f64 / decisive.len().max(1) as f64,
+                "decisive_questions": decisive.len(),
                 "answer_f1_vs_full": mean(&t.answer_f1),
                 "answer_em_vs_full": mean(&t.answer_em),
                 "tf_kl_mean": mean(&t.tf_kl),
@@ -365,6 +385,7 @@ pub fn run(a: FusionArgs) -> Result<()> {
                     "answer_f1_vs_full": t.answer_f1,
                     "tf_kl": t.tf_kl,
                     "first_token_agree": t.first_token_flags,
+                    "full_first_token_margin": full_margins,
                     "ttft_ms": t.ttft_ms,
                 },
             }),
@@ -440,6 +461,22 @@ pub fn run(a: FusionArgs) -> Result<()> {
             v["kv_load_ms_median"].as_f64().unwrap_or(0.0),
         );
     }
+    println!(
+        "first-token agreement where full's top-2 logit margin is at least {DECISIVE_MARGIN} \
+         ({} of {} questions): {}",
+        report["policies"]["full"]["decisive_questions"],
+        examples.len() - skipped,
+        order
+            .iter()
+            .map(|p| format!(
+                "{p} {:.3}",
+                report["policies"][p]["first_token_agreement_decisive"]
+                    .as_f64()
+                    .unwrap_or(0.0)
+            ))
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
     for (name, d) in &report["kv_deviation"]
         .as_object()
         .cloned()
@@ -568,6 +605,23 @@ pub(crate) fn quantile(v: &[f64], q: f64) -> f64 {
     s[((s.len() - 1) as f64 * q).round() as usize]
 }
 
+/// The largest logit minus the second largest (0 with fewer than two).
+fn top2_margin(logits: &[f32]) -> f64 {
+    let (mut a, mut b) = (f32::NEG_INFINITY, f32::NEG_INFINITY);
+    for &x in logits {
+        if x > a {
+            (a, b) = (x, a);
+        } else if x > b {
+            b = x;
+        }
+    }
+    if b.is_finite() {
+        f64::from(a - b)
+    } else {
+        0.0
+    }
+}
+
 fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
 }
@@ -615,5 +669,12 @@ mod tests {
         let f = token_f1("exeter college oxford", "exeter college");
         assert!((f - 0.8).abs() < 1e-9);
         assert_eq!(median(&[3.0, 1.0, 2.0]), 2.0);
+    }
+
+    #[test]
+    fn top2_margin_is_the_gap_below_the_largest() {
+        assert!((top2_margin(&[0.5, 2.0, 1.25, -3.0]) - 0.75).abs() < 1e-9);
+        assert!((top2_margin(&[2.0, 0.5, 2.0]) - 0.0).abs() < 1e-9);
+        assert_eq!(top2_margin(&[1.0]), 0.0);
     }
 }
