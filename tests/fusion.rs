@@ -134,43 +134,28 @@ fn a_query_observer_ends_the_pass_at_its_layer() {
     let l = llm();
     let tokens: Vec<u32> = chunk_tokens(&l.tokenizer, PASSAGES[0]).expect("tokenize");
     let positions: Vec<i32> = (0..tokens.len() as i32).collect();
-    let mut seen: Vec<(usize, Vec<f32>)> = Vec::new();
-    let mut whole_kv = l.model.new_cache(tokens.len());
-    let logits = l
-        .model
-        .forward_queries(
-            &tokens,
-            &positions,
-            &mut whole_kv,
-            Logits::Last,
-            &mut |li, q| {
+    // A pass whose observer records every layer's queries and breaks after `last`.
+    let pass = |last: usize| {
+        let mut seen: Vec<(usize, Vec<f32>)> = Vec::new();
+        let mut kv = l.model.new_cache(tokens.len());
+        let logits = l
+            .model
+            .forward_queries(&tokens, &positions, &mut kv, Logits::Last, &mut |li, q| {
                 seen.push((li, q.to_vec()));
-                ControlFlow::Continue(())
-            },
-        )
-        .expect("every layer");
-    assert_eq!(seen.len(), l.model.config().n_layer);
-    assert!(!logits.is_empty());
-
-    let mut early: Vec<(usize, Vec<f32>)> = Vec::new();
-    let mut early_kv = l.model.new_cache(tokens.len());
-    let logits = l
-        .model
-        .forward_queries(
-            &tokens,
-            &positions,
-            &mut early_kv,
-            Logits::Last,
-            &mut |li, q| {
-                early.push((li, q.to_vec()));
-                if li < 3 {
+                if li < last {
                     ControlFlow::Continue(())
                 } else {
                     ControlFlow::Break(())
                 }
-            },
-        )
-        .expect("four layers");
+            })
+            .expect("forward_queries");
+        (seen, kv, logits)
+    };
+    let (seen, whole_kv, logits) = pass(usize::MAX);
+    assert_eq!(seen.len(), l.model.config().n_layer);
+    assert!(!logits.is_empty());
+
+    let (early, early_kv, logits) = pass(3);
     assert!(logits.is_empty(), "a pass that ends early has no logits");
     assert_eq!(early, seen[..4], "layers 0-3 and their queries");
     let (_, heads, _) = whole_kv.shape();

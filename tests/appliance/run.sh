@@ -110,10 +110,12 @@ cleanup() {
     [[ -n $NSPAWN_PID ]] && kill "$NSPAWN_PID" 2>/dev/null || true
 }
 trap cleanup EXIT
+# The booted container's console.
+CONSOLE=$OUT/console.log
 # The container's init: the child of systemd-nspawn that is PID 1 in its own PID namespace.
 # nspawn first forks an outer child that sets up the namespaces and exits at once; taking the
 # first child it has (as this once did) sometimes catches that one, and every nsenter into it
-# then fails.
+# then fails. Its console is $CONSOLE.
 find_leader() {
     local p ns
     LEADER=
@@ -125,22 +127,21 @@ find_leader() {
         kill -0 "$NSPAWN_PID" 2>/dev/null || break
         sleep 0.2
     done
-    tail -20 "$1" >&2 || true
-    fail "the container did not start (see $1)"
+    tail -20 "$CONSOLE" >&2 || true
+    fail "the container did not start (see $CONSOLE)"
 }
 boot() {
     systemd-nspawn -q -D "$ROOT" -b --register=no --keep-unit --private-network \
         --machine=engram-test --bind-ro="$(realpath "$M/v1")":/media/engram \
-        --bind-ro="$(realpath "$M/v2")":/media/engram-upgrade >"$OUT/console.log" 2>&1 </dev/null &
+        --bind-ro="$(realpath "$M/v2")":/media/engram-upgrade >"$CONSOLE" 2>&1 </dev/null &
     NSPAWN_PID=$!
-    find_leader "$OUT/console.log"
+    find_leader
 }
 in_ct() { nsenter -t "$LEADER" -a "$@"; }
 # The daemon's address inside the container, and what curl needs to trust it (set for the
 # installed VM, whose engramd listens beyond loopback and so speaks TLS).
 BASE=http://127.0.0.1:8080
 CURL_TLS=()
-CONSOLE=$OUT/console.log
 http() { nsenter -t "$LEADER" -n curl -sS "${CURL_TLS[@]}" "$@"; }
 wait_active() {
     local state=
@@ -331,11 +332,11 @@ p = json.load(sys.stdin)["partitiontable"]
 print([x for x in p["partitions"] if x["type"].upper() == "C12A7328-F81F-11D2-BA4B-00A0C93EC93B"][0]["start"] * 512)')
 mdir -i "$VM/disk.raw@@$ESP_START" ::/EFI/BOOT/BOOTX64.EFI >/dev/null 2>&1 || fail "no EFI/BOOT/BOOTX64.EFI on the ESP"
 PASSWORD=$(head -1 "$ROOT/var/lib/engram/initial-admin-password")
-systemd-nspawn -q -D "$ROOT" -b --register=no --keep-unit --private-network --machine=engram-vm \
-    >"$VM/console.log" 2>&1 </dev/null &
-NSPAWN_PID=$!
 CONSOLE=$VM/console.log
-find_leader "$CONSOLE"
+systemd-nspawn -q -D "$ROOT" -b --register=no --keep-unit --private-network --machine=engram-vm \
+    >"$CONSOLE" 2>&1 </dev/null &
+NSPAWN_PID=$!
+find_leader
 # Listening beyond loopback, engramd speaks TLS with the certificate it made at its first start.
 BASE=https://127.0.0.1:8080
 CURL_TLS=(--cacert "$ROOT/var/lib/engram/tls/cert.pem")

@@ -19,7 +19,7 @@ use engram_fusion::{
     DEFAULT_LAYOUT, DEFAULT_SYSTEM,
 };
 use engram_kvstore::{DramTier, IoMode, KvDtype, KvStore, NvmeOptions, NvmeTier};
-use engram_model::{argmax, Logits};
+use engram_model::{argmax, top_k, Logits};
 use engram_tokenizer::Detokenizer;
 use serde::Deserialize;
 
@@ -385,12 +385,13 @@ pub fn run(a: FusionArgs) -> Result<()> {
                     "answer_f1_vs_full": t.answer_f1,
                     "tf_kl": t.tf_kl,
                     "first_token_agree": t.first_token_flags,
-                    "full_first_token_margin": full_margins,
                     "ttft_ms": t.ttft_ms,
                 },
             }),
         );
     }
+    // Full prefill's margins, once: every policy's decisive questions are these.
+    out["full"]["per_question"]["full_first_token_margin"] = serde_json::json!(full_margins);
     let kv_deviation: serde_json::Map<String, serde_json::Value> = deviations
         .iter()
         .map(|(name, d)| (name.clone(), d.json()))
@@ -607,18 +608,9 @@ pub(crate) fn quantile(v: &[f64], q: f64) -> f64 {
 
 /// The largest logit minus the second largest (0 with fewer than two).
 fn top2_margin(logits: &[f32]) -> f64 {
-    let (mut a, mut b) = (f32::NEG_INFINITY, f32::NEG_INFINITY);
-    for &x in logits {
-        if x > a {
-            (a, b) = (x, a);
-        } else if x > b {
-            b = x;
-        }
-    }
-    if b.is_finite() {
-        f64::from(a - b)
-    } else {
-        0.0
+    match top_k(logits, 2)[..] {
+        [(_, a), (_, b)] => f64::from(a - b),
+        _ => 0.0,
     }
 }
 
