@@ -120,6 +120,7 @@ struct Tally {
     ttft_ms: Vec<f64>,
     kv_load_ms: Vec<f64>,
     recompute_ms: Vec<f64>,
+    rank_ms: Vec<f64>,
     n: usize,
 }
 
@@ -305,6 +306,7 @@ pub fn run(a: FusionArgs) -> Result<()> {
             t.ttft_ms.push(ms(s.total_time));
             t.kv_load_ms.push(ms(s.kv_load_time()));
             t.recompute_ms.push(ms(s.recompute_time + s.suffix_time));
+            t.rank_ms.push(ms(s.rank_time));
             if s.chunks_computed > 0 && policy != Policy::Full {
                 eprintln!(
                     "question {qi}: {} chunks had no stored KV and were computed",
@@ -379,6 +381,7 @@ pub fn run(a: FusionArgs) -> Result<()> {
                 "ttft_speedup_vs_full": full_ttft / ttft,
                 "kv_load_ms_median": median(&t.kv_load_ms),
                 "compute_ms_median": median(&t.recompute_ms),
+                "rank_ms_median": median(&t.rank_ms),
                 "questions": t.n,
                 "per_question": {
                     "kl": t.kl,

@@ -82,6 +82,10 @@ pub struct FuseStats {
     /// Rotating and copying it into the cache.
     #[serde(serialize_with = "ms")]
     pub kv_place_time: Duration,
+    /// Choosing the stored tokens to recompute (`query:R`: its partial pass over the suffix and
+    /// the attention mass).
+    #[serde(serialize_with = "ms")]
+    pub rank_time: Duration,
     /// Recomputing chunk tokens.
     #[serde(serialize_with = "ms")]
     pub recompute_time: Duration,
@@ -116,6 +120,7 @@ impl FuseStats {
         let stages = self.prefix_time
             + self.kv_load_time()
             + self.kv_compute_time
+            + self.rank_time
             + self.recompute_time
             + self.suffix_time;
         let v = serde_json::json!({
@@ -129,6 +134,7 @@ impl FuseStats {
             },
             "kv_bytes": self.kv_bytes_read,
             "prefix_cached_tokens": self.prefix_cached_tokens,
+            "rank_ms": ms(self.rank_time),
             "recompute_ms": ms(self.recompute_time),
             "recomputed_tokens": self.recomputed_chunk_tokens,
             "question_prefill_ms": ms(self.suffix_time),
@@ -437,6 +443,8 @@ pub fn fused_prefill_interleaved(
                     .map(|i| i + from)
                     .collect();
                 rows.sort_unstable();
+                stats.rank_time = pauses.own(t, spent);
+                let (t, spent) = (Instant::now(), pauses.spent);
                 let all: Vec<u32> = prompt.chunks.concat();
                 let mut tokens: Vec<u32> = rows.iter().map(|&i| all[i]).collect();
                 let mut positions: Vec<i32> = rows

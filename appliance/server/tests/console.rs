@@ -868,6 +868,7 @@ fn documents_retrieval_and_chat_work_without_script() {
         "prefix_prefill_ms",
         "kv_load_ms",
         "kv_compute_ms",
+        "rank_ms",
         "recompute_ms",
         "question_prefill_ms",
         "prefill_other_ms",

@@ -114,12 +114,13 @@ pub struct TimingRow {
 
 /// The timing breakdown's rows in order: (catalog key, JSON field in milliseconds). The rows
 /// from the prefix to "other" add up to the prefill total.
-const TIMING_ROWS: [(&str, &str); 11] = [
+const TIMING_ROWS: [(&str, &str); 12] = [
     ("chat.t_retrieve", "retrieve_ms"),
     ("chat.t_queue", "queue_ms"),
     ("chat.t_prefix", "prefix_prefill_ms"),
     ("chat.t_kv_load", "kv_load_ms"),
     ("chat.t_kv_compute", "kv_compute_ms"),
+    ("chat.t_rank", "rank_ms"),
     ("chat.t_recompute", "recompute_ms"),
     ("chat.t_prefill", "question_prefill_ms"),
     ("chat.t_prefill_other", "prefill_other_ms"),
