@@ -9,7 +9,7 @@
 //! matches.
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use engram_kvstore::{
@@ -308,19 +308,36 @@ impl ChunkStore {
         let t = Instant::now();
         let found = self.store.get_many(&keys);
         times.read = t.elapsed();
+        let expected = |tokens: &[u32]| KvLayout {
+            n_layer: cfg.n_layer,
+            n_head_kv: cfg.n_head_kv,
+            head_dim: cfg.head_dim,
+            n_tokens: tokens.len(),
+        };
+        // Every blob is verified and decoded on the model's pool: each is independent, and
+        // checksumming and copying a few megabytes each is most of a fetch from DRAM.
+        let t = Instant::now();
+        let decoded: Vec<Mutex<Option<engram_kvstore::Result<ChunkKv>>>> =
+            found.iter().map(|_| Mutex::new(None)).collect();
+        model.pool().run(found.len(), |i| {
+            if let Some((bytes, _)) = &found[i] {
+                let kv = engram_kvstore::decode(
+                    bytes,
+                    &self.fingerprint,
+                    chunks[i],
+                    &expected(chunks[i]),
+                );
+                *decoded[i].lock().unwrap_or_else(PoisonError::into_inner) = Some(kv);
+            }
+        });
+        times.decode = t.elapsed();
         let mut out = Vec::with_capacity(chunks.len());
-        for ((tokens, key), hit) in chunks.iter().zip(&keys).zip(found) {
-            let expected = KvLayout {
-                n_layer: cfg.n_layer,
-                n_head_kv: cfg.n_head_kv,
-                head_dim: cfg.head_dim,
-                n_tokens: tokens.len(),
-            };
-            if let Some((bytes, tier)) = hit {
-                let t = Instant::now();
-                match engram_kvstore::decode(&bytes, &self.fingerprint, tokens, &expected) {
+        for (((tokens, key), hit), kv) in chunks.iter().zip(&keys).zip(found).zip(decoded) {
+            let expected = expected(tokens);
+            let kv = kv.into_inner().unwrap_or_else(PoisonError::into_inner);
+            if let (Some((bytes, tier)), Some(kv)) = (hit, kv) {
+                match kv {
                     Ok(kv) => {
-                        times.decode += t.elapsed();
                         out.push(Fetched {
                             kv,
                             source: Source::Tier(tier),
@@ -329,7 +346,6 @@ impl ChunkStore {
                         continue;
                     }
                     Err(e) => {
-                        times.decode += t.elapsed();
                         let reason = Reject::of(&e);
                         self.counters.reject(reason, tier);
                         self.store.report_corrupt(key);

@@ -272,19 +272,33 @@ impl KvCache {
         pool.run(layers.len(), |layer| {
             let mut guard = layers[layer].lock().unwrap_or_else(|e| e.into_inner());
             let (kl, vl) = &mut *guard;
-            let mut key = vec![0.0f32; hd];
+            // A tile's worth of keys at a time: converted to f32 and back in one slice call
+            // each (F16C where the CPU has it), rotated token by token, then scattered into
+            // the tile's `[head_dim][KV_TILE]` rows.
+            let mut key = vec![0.0f32; KV_TILE * hd];
+            let mut rotated = vec![f16::ZERO; KV_TILE * hd];
             for head in 0..heads {
                 let base = head * stride * hd;
                 let (ks, vs) = (k(layer, head), v(layer, head));
                 let keys = &mut kl[base..base + stride * hd];
-                for t in 0..n {
-                    for (dst, src) in key.iter_mut().zip(&ks[t * hd..(t + 1) * hd]) {
-                        *dst = src.to_f32();
+                let mut t = 0;
+                while t < n {
+                    // The tokens from `t` to the end of slot `first + t`'s tile.
+                    let m = (KV_TILE - (first + t) % KV_TILE).min(n - t);
+                    let (key, rotated) = (&mut key[..m * hd], &mut rotated[..m * hd]);
+                    ks[t * hd..(t + m) * hd].convert_to_f32_slice(key);
+                    for (i, x) in key.chunks_exact_mut(hd).enumerate() {
+                        rope.rotate(x, &angles[(t + i) * pairs..(t + i + 1) * pairs]);
                     }
-                    rope.rotate(&mut key, &angles[t * pairs..(t + 1) * pairs]);
-                    for (d, &x) in key.iter().enumerate() {
-                        keys[key_tile_index(first + t, d, hd)] = f16::from_f32(x);
+                    rotated.convert_from_f32_slice(key);
+                    let tile = key_tile_index(first + t, 0, hd);
+                    for d in 0..hd {
+                        let row = &mut keys[tile + d * KV_TILE..][..m];
+                        for (i, dst) in row.iter_mut().enumerate() {
+                            *dst = rotated[i * hd + d];
+                        }
                     }
+                    t += m;
                 }
                 let at = base + first * hd;
                 vl[at..at + n * hd].copy_from_slice(vs);
@@ -387,6 +401,70 @@ mod tests {
                         assert!(
                             (got - want).abs() <= 1e-4 * (1.0 + want.abs()),
                             "len {len} q {qi} slot {s}: {got} vs {want}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    /// `append_prerope` writes each key rotated to its position and rounded to f16 once, and
+    /// each value as stored, wherever the new slots fall: starting inside a key tile, and
+    /// spanning whole tiles and part of another.
+    #[test]
+    fn append_prerope_rotates_every_key_to_its_position() {
+        let hd = 16;
+        let c = cfg(hd);
+        let rope = Rope::new(&c, None);
+        let pool = ThreadPool::new(2).expect("pool");
+        for (before, n) in [(0, 1), (0, 64), (37, 150), (63, 2), (64, 65)] {
+            let mut kv = KvCache::new(&c, before + n);
+            let earlier: Vec<i32> = (0..before as i32).collect();
+            kv.append_slots(&earlier).expect("slots");
+            let at = 500 - n as i32;
+            let positions: Vec<i32> = (at..at + n as i32).collect();
+            // [layer][head][token][dim], distinct per layer and head.
+            let side = |salt: usize| -> Vec<f16> {
+                (0..c.n_layer * c.n_head_kv * n * hd)
+                    .map(|i| f16::from_f32(((i * 37 + salt) % 41) as f32 / 20.0 - 1.0))
+                    .collect()
+            };
+            let (ks, vs) = (side(3), side(11));
+            let head = |l: usize, h: usize| -> std::ops::Range<usize> {
+                let at = (l * c.n_head_kv + h) * n * hd;
+                at..at + n * hd
+            };
+            let first = kv
+                .append_prerope(
+                    &rope,
+                    &positions,
+                    |l, h| &ks[head(l, h)],
+                    |l, h| &vs[head(l, h)],
+                    &pool,
+                )
+                .expect("place");
+            assert_eq!(first, before);
+            for l in 0..c.n_layer {
+                for h in 0..c.n_head_kv {
+                    let (kh, vh) = (&ks[head(l, h)], &vs[head(l, h)]);
+                    for t in 0..n {
+                        let mut want: Vec<f32> = kh[t * hd..(t + 1) * hd]
+                            .iter()
+                            .map(|x| x.to_f32())
+                            .collect();
+                        rope.rotate_at(&mut want, positions[t]);
+                        let want: Vec<f32> =
+                            want.iter().map(|&x| f16::from_f32(x).to_f32()).collect();
+                        assert_eq!(
+                            kv.key(l, h, first + t),
+                            want,
+                            "{before}+{n}: key {l}/{h}/{t}"
+                        );
+                        let values = kv.values(l, h, first + n);
+                        assert_eq!(
+                            &values[(first + t) * hd..][..hd],
+                            &vh[t * hd..(t + 1) * hd],
+                            "value {l}/{h}/{t}"
                         );
                     }
                 }
