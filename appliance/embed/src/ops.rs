@@ -35,27 +35,6 @@ where
     });
 }
 
-/// `f(i)` for `i` in `0..n` on `pool`, results in index order.
-pub(crate) fn par_map<T, F>(pool: &ThreadPool, n: usize, f: F) -> Vec<T>
-where
-    T: Send,
-    F: Fn(usize) -> T + Sync,
-{
-    let slots: Vec<Mutex<Option<T>>> = (0..n).map(|_| Mutex::new(None)).collect();
-    pool.run(n, |i| {
-        let v = f(i);
-        *slots[i].lock().unwrap_or_else(|p| p.into_inner()) = Some(v);
-    });
-    slots
-        .into_iter()
-        .map(|s| {
-            s.into_inner()
-                .unwrap_or_else(|p| p.into_inner())
-                .expect("ThreadPool::run runs every task")
-        })
-        .collect()
-}
-
 /// In-place LayerNorm of one row: `(x - mean) / sqrt(var + eps) * w + b`, statistics in f64,
 /// on the kernels' SIMD kernel.
 pub(crate) fn layer_norm(row: &mut [f32], w: &[f32], b: &[f32], eps: f32) {
@@ -114,7 +93,7 @@ pub(crate) fn attention(
     let row = 3 * hidden;
     let scale = 1.0 / (d as f32).sqrt();
     let tokens = spans.iter().map(|s| s.start + s.len).max().unwrap_or(0);
-    let per_task = par_map(pool, spans.len() * heads, |task| {
+    let per_task = pool.map(spans.len() * heads, |task| {
         let (s, h) = (spans[task / heads], task % heads);
         let len = s.len;
         let at = |i: usize, part: usize| &qkv[(s.start + i) * row + part * hidden + h * d..][..d];
@@ -236,9 +215,5 @@ mod tests {
         for (i, row) in data.chunks(5).enumerate() {
             assert!(row.iter().all(|&v| v == i as f32));
         }
-        assert_eq!(
-            par_map(&pool, 50, |i| i * 2),
-            (0..50).map(|i| i * 2).collect::<Vec<_>>()
-        );
     }
 }

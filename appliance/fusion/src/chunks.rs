@@ -9,7 +9,7 @@
 //! matches.
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use engram_kvstore::{
@@ -317,24 +317,15 @@ impl ChunkStore {
         // Every blob is verified and decoded on the model's pool: each is independent, and
         // checksumming and copying a few megabytes each is most of a fetch from DRAM.
         let t = Instant::now();
-        let decoded: Vec<Mutex<Option<engram_kvstore::Result<ChunkKv>>>> =
-            found.iter().map(|_| Mutex::new(None)).collect();
-        model.pool().run(found.len(), |i| {
-            if let Some((bytes, _)) = &found[i] {
-                let kv = engram_kvstore::decode(
-                    bytes,
-                    &self.fingerprint,
-                    chunks[i],
-                    &expected(chunks[i]),
-                );
-                *decoded[i].lock().unwrap_or_else(PoisonError::into_inner) = Some(kv);
-            }
+        let decoded = model.pool().map(found.len(), |i| {
+            found[i].as_ref().map(|(bytes, _)| {
+                engram_kvstore::decode(bytes, &self.fingerprint, chunks[i], &expected(chunks[i]))
+            })
         });
         times.decode = t.elapsed();
         let mut out = Vec::with_capacity(chunks.len());
         for (((tokens, key), hit), kv) in chunks.iter().zip(&keys).zip(found).zip(decoded) {
             let expected = expected(tokens);
-            let kv = kv.into_inner().unwrap_or_else(PoisonError::into_inner);
             if let (Some((bytes, tier)), Some(kv)) = (hit, kv) {
                 match kv {
                     Ok(kv) => {

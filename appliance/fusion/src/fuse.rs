@@ -512,10 +512,7 @@ fn attention_mass(
     let heads = model.config().n_head;
     let group = heads / kv_heads.max(1);
     let scale = 1.0 / (hd as f32).sqrt();
-    let per_layer: Vec<std::sync::Mutex<Vec<f32>>> = (0..layers.min(queries.len()))
-        .map(|_| std::sync::Mutex::new(Vec::new()))
-        .collect();
-    model.pool().run(per_layer.len(), |l| {
+    let per_layer = model.pool().map(layers.min(queries.len()), |l| {
         let mut mass = vec![0.0f32; placed];
         for h in 0..kv_heads {
             // This KV head's query heads, for every suffix token: [nq][hd].
@@ -551,14 +548,11 @@ fn attention_mass(
                 }
             }
         }
-        *per_layer[l].lock().unwrap_or_else(|e| e.into_inner()) = mass;
+        mass
     });
     let mut total = vec![0.0f32; placed];
     for m in per_layer {
-        for (t, x) in total
-            .iter_mut()
-            .zip(m.into_inner().unwrap_or_else(|e| e.into_inner()))
-        {
+        for (t, x) in total.iter_mut().zip(m) {
             *t += x;
         }
     }

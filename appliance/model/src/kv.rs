@@ -447,6 +447,7 @@ mod tests {
             for l in 0..c.n_layer {
                 for h in 0..c.n_head_kv {
                     let (kh, vh) = (&ks[head(l, h)], &vs[head(l, h)]);
+                    let values = kv.values(l, h, first + n);
                     for t in 0..n {
                         let mut want: Vec<f32> = kh[t * hd..(t + 1) * hd]
                             .iter()
@@ -460,7 +461,6 @@ mod tests {
                             want,
                             "{before}+{n}: key {l}/{h}/{t}"
                         );
-                        let values = kv.values(l, h, first + n);
                         assert_eq!(
                             &values[(first + t) * hd..][..hd],
                             &vh[t * hd..(t + 1) * hd],

@@ -197,6 +197,26 @@ impl ThreadPool {
     }
 }
 
+impl ThreadPool {
+    /// `f(i)` for every `i` in `0..n` on the pool (as [`run`](Self::run)), the results in index
+    /// order.
+    pub fn map<T: Send, F: Fn(usize) -> T + Sync>(&self, n: usize, f: F) -> Vec<T> {
+        let slots: Vec<Mutex<Option<T>>> = (0..n).map(|_| Mutex::new(None)).collect();
+        self.run(n, |i| {
+            let v = f(i);
+            *slots[i].lock().unwrap_or_else(PoisonError::into_inner) = Some(v);
+        });
+        slots
+            .into_iter()
+            .map(|s| {
+                s.into_inner()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .expect("ThreadPool::run runs every task")
+            })
+            .collect()
+    }
+}
+
 impl Drop for ThreadPool {
     fn drop(&mut self) {
         let sh = &*self.shared;
@@ -277,6 +297,18 @@ mod tests {
                 });
                 assert!(hits.iter().all(|h| h.load(SeqCst) == 1), "{threads} {n}");
             }
+        }
+    }
+
+    #[test]
+    fn map_returns_every_result_in_index_order() {
+        for threads in [1, 3] {
+            let pool = ThreadPool::new(threads).unwrap();
+            assert_eq!(
+                pool.map(50, |i| i * 2),
+                (0..50).map(|i| i * 2).collect::<Vec<_>>()
+            );
+            assert!(pool.map(0, |i| i).is_empty());
         }
     }
 
