@@ -10,8 +10,8 @@ use std::time::Instant;
 use anyhow::{Context, Result};
 use clap::Args;
 use engram_fusion::{
-    chunk_tokens, fused_prefill, rag_frame, rag_prompt, ChunkStore, GateLimits, OutputText, Policy,
-    DEFAULT_POLICY, DEFAULT_SYSTEM,
+    chunk_tokens, fused_prefill, rag_frame, rag_prompt, ChunkStore, CopyBias, GateLimits,
+    OutputText, Policy, DEFAULT_COPY_BIAS, DEFAULT_POLICY, DEFAULT_SYSTEM,
 };
 use engram_kb::{KnowledgeBase, SearchRequest};
 use engram_kvstore::{DramTier, IoMode, KvDtype, KvStore, NvmeOptions, NvmeTier};
@@ -85,6 +85,10 @@ pub struct AskArgs {
     /// Sampling temperature (0 = greedy).
     #[arg(long, default_value_t = 0.0)]
     temperature: f32,
+    /// Logit bias of the tokens that continue, in a retrieved passage, what the answer has
+    /// written so far (0 = off); see `engram_fusion::CopyBias`.
+    #[arg(long, default_value_t = DEFAULT_COPY_BIAS)]
+    copy_bias: f32,
     /// Print one JSON object (answer, citations, timings) instead of streaming.
     #[arg(long)]
     json: bool,
@@ -221,6 +225,7 @@ pub fn ask(a: AskArgs) -> Result<()> {
         policy,
         a.max_tokens,
         a.temperature,
+        a.copy_bias,
         &mut |piece| {
             if !json {
                 let mut out = stdout.lock();
@@ -323,6 +328,7 @@ pub fn generate(
     policy: Policy,
     max_tokens: usize,
     temperature: f32,
+    copy_bias: f32,
     on_piece: &mut dyn FnMut(&str),
 ) -> Result<Generated> {
     let started = Instant::now();
@@ -334,6 +340,8 @@ pub fn generate(
     })?;
     let mut text = OutputText::answer(question, &[]);
     let mut history = prompt.tokens();
+    let prompt_len = history.len();
+    let copy = CopyBias::from_prompt(prompt, &llm.tokenizer, copy_bias);
     let mut detok = Detokenizer::new(&llm.tokenizer, true);
     let mut logits = done.logits;
     let decode_start = Instant::now();
@@ -341,6 +349,9 @@ pub fn generate(
     let mut generated = 0;
     let mut stopped = false;
     for (i, pos) in (done.next_position..).take(max_tokens).enumerate() {
+        if let Some(c) = &copy {
+            c.apply(&history[prompt_len..], &mut logits);
+        }
         let id = sampler.sample(&logits, &history);
         first_token.get_or_insert_with(|| started.elapsed());
         if llm.tokenizer.is_eog(id) {

@@ -576,7 +576,7 @@ fn answer_of(loaded: &crate::Loaded, ids: &[u32], question: &str) -> (String, us
 
 /// The 2.5 % and 97.5 % points of the mean of `v` over 2,000 bootstrap resamples (a fixed
 /// seed, so a run is reproducible).
-fn bootstrap_ci95(v: &[f64]) -> [f64; 2] {
+pub(crate) fn bootstrap_ci95(v: &[f64]) -> [f64; 2] {
     if v.is_empty() {
         return [0.0, 0.0];
     }

@@ -14,8 +14,8 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use engram_fusion::{
-    chunk_tokens, no_answer, rag_prompt_with, relevant, Layout, Policy, DEFAULT_LAYOUT,
-    DEFAULT_POLICY, DEFAULT_SYSTEM,
+    chunk_tokens, no_answer, rag_prompt_with, relevant, Layout, Policy, DEFAULT_COPY_BIAS,
+    DEFAULT_LAYOUT, DEFAULT_POLICY, DEFAULT_SYSTEM,
 };
 use engram_kb::{NewDocument, SearchRequest};
 use engram_kvstore::{DramTier, KvDtype, KvStore};
@@ -46,6 +46,14 @@ pub struct QaArgs {
     /// `engram_fusion::LAYOUTS`.
     #[arg(long, default_value = DEFAULT_LAYOUT.name)]
     layouts: String,
+    /// Copy biases to compare, comma-separated (the default first; 0 = off): each layout is
+    /// answered once per bias, on the same passages. See `engram_fusion::CopyBias`.
+    #[arg(long, default_value_t = DEFAULT_COPY_BIAS.to_string())]
+    copy_bias: String,
+    /// Which half of the evenly spread questions: `a` or `b` take every other one of 2 x
+    /// --limit (two disjoint sets, one to tune on and one to check on); `all` the --limit.
+    #[arg(long, default_value = "all")]
+    half: String,
     /// Most tokens generated per answer.
     #[arg(long, default_value_t = 32)]
     max_tokens: usize,
@@ -218,15 +226,29 @@ pub fn run(a: QaArgs) -> Result<()> {
     let (qa_path, ctx_path, chinese) = set_files(&a.root, &a.set)?;
     let mut items: Vec<QaItem> = crate::eval::read_jsonl(&qa_path)?;
     let paragraphs: Vec<crate::eval::CorpusDoc> = crate::eval::read_jsonl(&ctx_path)?;
-    if a.limit > 0 && items.len() > a.limit {
+    let (spread, keep) = match a.half.as_str() {
+        "all" => (a.limit, None),
+        "a" => (a.limit * 2, Some(0)),
+        "b" => (a.limit * 2, Some(1)),
+        other => bail!("--half is `a`, `b` or `all`, not `{other}`"),
+    };
+    if a.limit > 0 && items.len() > spread {
         // Evenly spread: the sets list questions article by article.
         let n = items.len();
         items = items
             .into_iter()
             .enumerate()
-            .filter(|(i, _)| (i * a.limit) % n < a.limit)
+            .filter(|(i, _)| (i * spread) % n < spread)
             .map(|(_, q)| q)
-            .take(a.limit)
+            .take(spread)
+            .collect();
+    }
+    if let Some(half) = keep {
+        items = items
+            .into_iter()
+            .enumerate()
+            .filter(|(i, _)| i % 2 == half)
+            .map(|(_, q)| q)
             .collect();
     }
     if items.is_empty() {
@@ -249,6 +271,30 @@ pub fn run(a: QaArgs) -> Result<()> {
         })
         .collect::<Result<_>>()?;
     let policy: Policy = a.policy.parse()?;
+    let biases: Vec<f32> = a
+        .copy_bias
+        .split(',')
+        .map(|b| {
+            b.trim()
+                .parse::<f32>()
+                .ok()
+                .filter(|b| b.is_finite() && *b >= 0.0)
+                .with_context(|| format!("--copy-bias `{b}` is not a number >= 0"))
+        })
+        .collect::<Result<_>>()?;
+    // Every layout with every bias, named by the layout alone when one bias is compared.
+    let systems: Vec<(Layout, f32, String)> = layouts
+        .iter()
+        .flat_map(|l| biases.iter().map(move |&b| (*l, b)))
+        .map(|(l, b)| {
+            let name = if biases.len() == 1 {
+                format!("engram:{}", l.name)
+            } else {
+                format!("engram:{}/copy={b}", l.name)
+            };
+            (l, b, name)
+        })
+        .collect();
 
     let mut kb_args = a.kb.clone();
     let _temp = if kb_args.data_dir.is_none() {
@@ -286,7 +332,7 @@ pub fn run(a: QaArgs) -> Result<()> {
         KvDtype::F16,
     )?;
 
-    let mut tallies: Vec<Tally> = layouts.iter().map(|_| Tally::default()).collect();
+    let mut tallies: Vec<Tally> = systems.iter().map(|_| Tally::default()).collect();
     let mut peer = Tally::default();
     let (mut recalled, mut skipped, mut refused) = (0usize, 0usize, 0usize);
     let mut best_dense = Vec::new();
@@ -343,7 +389,8 @@ pub fn run(a: QaArgs) -> Result<()> {
             item.question,
             item.answers.first().map(String::as_str).unwrap_or("")
         )];
-        for ((layout, tally), prompt) in layouts.iter().zip(tallies.iter_mut()).zip(&prompts) {
+        for ((layout, bias, name), tally) in systems.iter().zip(tallies.iter_mut()) {
+            let prompt = &prompts[layouts.iter().position(|l| l == layout).unwrap_or(0)];
             if !grounded {
                 let answer = no_answer(&item.question);
                 tally.add(
@@ -351,7 +398,7 @@ pub fn run(a: QaArgs) -> Result<()> {
                     retrieve_ms,
                     false,
                 );
-                line.push(format!("  {}: {answer:?}", layout.name));
+                line.push(format!("  {name}: {answer:?}"));
                 continue;
             }
             let g = generate(
@@ -362,6 +409,7 @@ pub fn run(a: QaArgs) -> Result<()> {
                 policy,
                 a.max_tokens,
                 0.0,
+                *bias,
                 &mut |_| {},
             )?;
             let answer = g.text.trim().to_owned();
@@ -371,10 +419,7 @@ pub fn run(a: QaArgs) -> Result<()> {
                 retrieve_ms + g.first_token.as_secs_f64() * 1e3,
                 answer.is_empty(),
             );
-            line.push(format!(
-                "  {} (f1 {:.2}): {answer:?}",
-                layout.name, score.f1
-            ));
+            line.push(format!("  {name} (f1 {:.2}): {answer:?}", score.f1));
         }
         if let Some(url) = &a.peer {
             let (text, ms) = ask_peer(
@@ -397,12 +442,22 @@ pub fn run(a: QaArgs) -> Result<()> {
         Some(path) => Some(off_topic(&kb, &collection, path, a.limit.max(1))?),
         None => None,
     };
+    let systems_run = systems;
     let mut systems = serde_json::Map::new();
-    for (layout, tally) in layouts.iter().zip(&tallies) {
-        systems.insert(
-            format!("engram:{}", layout.name),
-            tally.json("ttft_ms_mean"),
-        );
+    for ((_, _, name), tally) in systems_run.iter().zip(&tallies) {
+        let mut v = tally.json("ttft_ms_mean");
+        if tally.f1.len() == tallies[0].f1.len() && !std::ptr::eq(tally, &tallies[0]) {
+            // Paired against the first system, on the same questions.
+            let delta: Vec<f64> = tally
+                .f1
+                .iter()
+                .zip(&tallies[0].f1)
+                .map(|(x, y)| x - y)
+                .collect();
+            v["f1_delta_vs_first"] = mean(&delta).into();
+            v["f1_delta_ci95"] = serde_json::json!(crate::fusion_eval::bootstrap_ci95(&delta));
+        }
+        systems.insert(name.clone(), v);
     }
     if a.peer.is_some() {
         systems.insert("peer".into(), peer.json("answer_ms_mean"));
@@ -457,20 +512,31 @@ pub fn run(a: QaArgs) -> Result<()> {
         }
     }
     println!(
-        "{:<24} {:>6} {:>6} {:>10} {:>6}",
+        "{:<32} {:>6} {:>6} {:>10} {:>6}",
         "system", "F1", "EM", "TTFT ms", "empty"
     );
-    let mut rows: Vec<(String, &Tally)> = layouts
+    let mut rows: Vec<(String, &Tally)> = systems_run
         .iter()
         .zip(&tallies)
-        .map(|(l, t)| (format!("engram:{}", l.name), t))
+        .map(|((_, _, name), t)| (name.clone(), t))
         .collect();
     if a.peer.is_some() {
         rows.push(("peer (llama.cpp)".into(), &peer));
     }
     for (name, t) in rows {
+        let delta = if std::ptr::eq(t, &tallies[0]) || t.f1.len() != tallies[0].f1.len() {
+            String::new()
+        } else {
+            let d: Vec<f64> =
+                t.f1.iter()
+                    .zip(&tallies[0].f1)
+                    .map(|(x, y)| x - y)
+                    .collect();
+            let [lo, hi] = crate::fusion_eval::bootstrap_ci95(&d);
+            format!("  F1 vs first {:+.3} [{lo:+.3}, {hi:+.3}]", mean(&d))
+        };
         println!(
-            "{name:<24} {:>6.3} {:>6.3} {:>10.0} {:>6}",
+            "{name:<32} {:>6.3} {:>6.3} {:>10.0} {:>6}{delta}",
             mean(&t.f1),
             mean(&t.em),
             mean(&t.ttft_ms),

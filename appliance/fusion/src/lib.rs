@@ -11,6 +11,7 @@
 
 mod answer;
 mod chunks;
+mod copy;
 mod error;
 mod fuse;
 mod gate;
@@ -23,6 +24,7 @@ pub use chunks::{
     bos_frame, precompute, ChunkCounters, ChunkCounts, ChunkStore, FetchTimes, Fetched, Reject,
     Source, FINGERPRINT_RECORD,
 };
+pub use copy::{check_copy_bias, ends_number, CopyBias, DEFAULT_COPY_BIAS, MAX_COPY_BIAS};
 pub use error::{FusionError, Result};
 pub use fuse::{
     fused_prefill, fused_prefill_interleaved, FuseStats, FusedPrompt, Interleave, Prefilled,

@@ -56,6 +56,8 @@ pub struct RawConfig {
     #[serde(default)]
     pub fusion: RawFusion,
     #[serde(default)]
+    pub answers: RawAnswers,
+    #[serde(default)]
     pub limits: RawLimits,
     #[serde(default)]
     pub auth: RawAuth,
@@ -99,6 +101,14 @@ pub struct RawKv {
 pub struct RawFusion {
     pub policy: Option<String>,
     pub gate_max_kl: Option<f64>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawAnswers {
+    /// Logit bias of a RAG answer's in-word passage continuations (`engram_fusion::CopyBias`);
+    /// 0 turns it off.
+    pub copy_bias: Option<f32>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -161,6 +171,8 @@ pub struct Config {
     pub prefix_cache_mib: u64,
     pub policy: Policy,
     pub gate_max_kl: f64,
+    /// See [`RawAnswers::copy_bias`].
+    pub copy_bias: f32,
     pub max_upload_bytes: usize,
     pub queue_depth: Option<usize>,
     /// Sequences decoded together at most; `None`: the profile's.
@@ -288,6 +300,12 @@ impl RawConfig {
                 format!("{gate_max_kl} must be a positive number of nats"),
             ));
         }
+        let copy_bias = self
+            .answers
+            .copy_bias
+            .unwrap_or(engram_fusion::DEFAULT_COPY_BIAS);
+        engram_fusion::check_copy_bias(copy_bias)
+            .map_err(|e| ServerError::config("answers.copy_bias", e))?;
         let l = &self.limits;
         let positive = |key: &str, v: Option<usize>, default: usize| -> Result<usize> {
             match v {
@@ -381,6 +399,7 @@ impl RawConfig {
             prefix_cache_mib: self.kv.prefix_cache_mib.unwrap_or(DEFAULT_PREFIX_CACHE_MIB),
             policy,
             gate_max_kl,
+            copy_bias,
             max_upload_bytes,
             queue_depth: l.queue_depth,
             batch_size: l.batch_size,
@@ -416,7 +435,22 @@ mod tests {
         assert_eq!(c.listen.to_string(), DEFAULT_LISTEN);
         assert_eq!(c.kv_dir, PathBuf::from("data/kv"));
         assert_eq!(c.policy, DEFAULT_POLICY);
+        assert_eq!(c.copy_bias, engram_fusion::DEFAULT_COPY_BIAS);
         assert!(c.llm.ends_with(DEFAULT_LLM));
+    }
+
+    #[test]
+    fn the_copy_bias_is_set_or_refused_by_name() {
+        let c = RawConfig::parse("[answers]\ncopy_bias = 0\n")
+            .unwrap()
+            .validate()
+            .unwrap();
+        assert_eq!(c.copy_bias, 0.0);
+        let e = RawConfig::parse("[answers]\ncopy_bias = -1\n")
+            .unwrap()
+            .validate()
+            .unwrap_err();
+        assert!(e.to_string().contains("answers.copy_bias"), "{e}");
     }
 
     #[test]

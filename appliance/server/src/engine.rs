@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 
 use engram_fusion::{
     chunk_tokens, fused_prefill_interleaved, no_answer, rag_frame, rag_prompt, ChunkStore,
-    FusedPrompt, GateLimits, Interleave, OutputText, Policy, PrefixCache, DEFAULT_SYSTEM,
+    CopyBias, FusedPrompt, GateLimits, Interleave, OutputText, Policy, PrefixCache, DEFAULT_SYSTEM,
 };
 use engram_grammar::{Constrained, Grammar, TokenTrie};
 use engram_kvstore::{DramTier, KvDtype, KvStore, NvmeTier};
@@ -59,6 +59,8 @@ pub struct EngineOptions {
     pub prefix_cache_mib: u64,
     pub policy: Policy,
     pub gate_max_kl: f64,
+    /// A RAG answer's copy bias when the job does not set one (`engram_fusion::CopyBias`).
+    pub copy_bias: f32,
     pub queue_depth: usize,
     /// Sequences decoded together at most (the profile's `batch_size`).
     pub max_batch: usize,
@@ -104,7 +106,9 @@ pub enum Event {
 /// How a job picks its tokens and when it ends early: greedy at temperature 0, else sampled
 /// (nucleus `top_p`, 1 disables) from a generator seeded with `seed`; the answer ends before
 /// the first of `stops` that appears in its text. With a `grammar`, only tokens that keep the
-/// output inside it are sampled, and the answer ends when the grammar is complete.
+/// output inside it are sampled, and the answer ends when the grammar is complete. A RAG
+/// answer without a grammar finishes the passages' words as they spell them (`copy_bias`,
+/// `None`: the configured one; see `engram_fusion::CopyBias`).
 #[derive(Clone, Debug)]
 pub struct Sampling {
     pub temperature: f32,
@@ -112,6 +116,7 @@ pub struct Sampling {
     pub seed: u64,
     pub stops: Vec<String>,
     pub grammar: Option<Arc<Grammar>>,
+    pub copy_bias: Option<f32>,
 }
 
 impl Sampling {
@@ -122,6 +127,7 @@ impl Sampling {
             seed,
             stops: Vec::new(),
             grammar: None,
+            copy_bias: None,
         }
     }
 }
@@ -319,6 +325,8 @@ struct Active<'t> {
     out: OutputText,
     /// The grammar the output is held to, if the job has one.
     constrained: Option<Constrained>,
+    /// A RAG answer's bias towards its passages' spelling.
+    copy: Option<CopyBias>,
     /// The logits the next token is sampled from.
     logits: Vec<f32>,
     /// The last sampled token, fed at `position` by the next step.
@@ -582,6 +590,9 @@ impl Engine {
     /// Samples a sequence's next token from its logits (among those its grammar allows) and
     /// sends its text.
     fn advance(&self, a: &mut Active<'_>) -> Advance {
+        if let Some(c) = &a.copy {
+            c.apply(&a.history[a.prompt_tokens..], &mut a.logits);
+        }
         if let Some(c) = &mut a.constrained {
             if !c.mask(&mut a.logits) {
                 // Cannot happen for a grammar that is not complete; ends it rather than loop.
@@ -858,6 +869,14 @@ impl Engine {
             .prefix_tokens
             .with_label_values(&["miss"])
             .inc_by(prefix.saturating_sub(cached) as u64);
+        let copy = match &job.prompt {
+            Prompt::Rag { .. } if job.sampling.grammar.is_none() => CopyBias::from_prompt(
+                &prompt,
+                &self.tokenizer,
+                job.sampling.copy_bias.unwrap_or(self.opts.copy_bias),
+            ),
+            _ => None,
+        };
         let sampler = Sampler::new(SamplingParams {
             temperature: job.sampling.temperature,
             top_p: job.sampling.top_p,
@@ -872,6 +891,7 @@ impl Engine {
             detok: Detokenizer::new(&self.tokenizer, true),
             out,
             constrained,
+            copy,
             logits: done.logits,
             pending: 0,
             position: done.next_position,

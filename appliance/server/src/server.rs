@@ -171,6 +171,7 @@ impl Daemon {
                 prefix_cache_mib: config.prefix_cache_mib,
                 policy: config.policy,
                 gate_max_kl: config.gate_max_kl,
+                copy_bias: config.copy_bias,
                 queue_depth,
                 max_batch,
             },

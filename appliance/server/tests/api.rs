@@ -583,6 +583,18 @@ fn errors_share_one_shape() {
         (r.status, r.error_type().as_str()),
         (400, "invalid_request")
     );
+    // A copy bias outside 0..=10 is refused by name before anything is retrieved.
+    let r = s.call(
+        "POST",
+        "/api/v1/qa",
+        Some(&s.admin),
+        Some(json!({"question": "x", "collections": ["a"], "max_tokens": 8, "copy_bias": 11})),
+    );
+    assert_eq!(
+        (r.status, r.error_type().as_str()),
+        (400, "invalid_request")
+    );
+    assert!(r.text().contains("copy_bias"), "{}", r.text());
     let r = s.call("GET", "/api/v1/nowhere", Some(&s.admin), None);
     assert_eq!((r.status, r.error_type().as_str()), (404, "not_found"));
     let r = s.call("PUT", "/api/v1/search", Some(&s.admin), Some(json!({})));

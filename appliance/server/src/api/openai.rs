@@ -593,6 +593,7 @@ pub async fn chat(
             seed: b.seed.unwrap_or(0),
             stops,
             grammar,
+            copy_bias: None,
         },
         policy,
     )?;
@@ -904,6 +905,7 @@ pub async fn completions(
             seed: b.seed.unwrap_or(0),
             stops: stop_strings(b.stop.as_ref())?,
             grammar: None,
+            copy_bias: None,
         },
         None,
     )?;

@@ -39,6 +39,9 @@ pub struct QaBody {
     pub temperature: f32,
     #[serde(default)]
     pub seed: u64,
+    /// Logit bias towards finishing a word or number the way the retrieved passages spell it
+    /// (0 turns it off, at most 10); the configured `answers.copy_bias` by default.
+    pub copy_bias: Option<f32>,
     #[serde(default)]
     pub stream: bool,
 }
@@ -143,6 +146,9 @@ pub async fn qa(
         .map(str::parse)
         .transpose()
         .map_err(|e: engram_fusion::FusionError| ApiError::invalid("policy", e.to_string()))?;
+    if let Some(bias) = b.copy_bias {
+        engram_fusion::check_copy_bias(bias).map_err(|e| ApiError::invalid("copy_bias", e))?;
+    }
     if b.question.trim().is_empty() {
         return Err(ApiError::invalid("question", "must not be empty"));
     }
@@ -168,7 +174,10 @@ pub async fn qa(
             passages: hits.into_iter().map(|h| h.text).collect(),
         },
         max_tokens,
-        crate::engine::Sampling::new(b.temperature, b.seed),
+        crate::engine::Sampling {
+            copy_bias: b.copy_bias,
+            ..crate::engine::Sampling::new(b.temperature, b.seed)
+        },
         policy,
     )?;
     if !b.stream {

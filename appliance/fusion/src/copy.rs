@@ -1,0 +1,260 @@
+//! Copy bias: a number a RAG answer has started writing is nudged to go on as a retrieved
+//! passage writes it.
+//!
+//! A small model answers from passages by copying, and numbers are where it loses the thread:
+//! asked within how many days expense claims are submitted, the default model writes " 3" and
+//! then weighs " days" against "0" almost evenly (0.7 apart), though the passage says "within 30
+//! days" and no passage says "3 days"; asked how many people were lost in Algiers, it answers
+//! "3" where the passage says "30 to 50 thousand". While the answer's last token ends in a
+//! digit, its longest ending that also occurs in the retrieved passages is found, and every
+//! token that follows that ending there (another digit, a separator, a unit) gets
+//! [`CopyBias`]'s bias added to its logit: the passages' own continuations win such near-ties,
+//! and among them, or where the model is sure of something else, the model still chooses.
+//! Elsewhere nothing is biased: biasing every continuation of any ending made answers run on,
+//! copying the rest of a sentence, and biasing only digits after digits turned "7,000,000"
+//! into "734,000" when another passage had "734". Measured with `engram eval qa --copy-bias`
+//! (docs/bench/2026-11-27-copy-bias.md).
+
+use std::collections::HashMap;
+
+use engram_tokenizer::Tokenizer;
+
+use crate::fuse::FusedPrompt;
+
+/// Logit bias of the default RAG answer (see the module documentation and the measurement).
+pub const DEFAULT_COPY_BIAS: f32 = 2.0;
+
+/// The largest bias a request or the configuration may set: beyond it the passage's spelling
+/// overrides anything the model writes.
+pub const MAX_COPY_BIAS: f32 = 10.0;
+
+/// Whether `bias` is a copy bias one may set: 0 (off) to [`MAX_COPY_BIAS`].
+pub fn check_copy_bias(bias: f32) -> std::result::Result<(), String> {
+    if bias.is_finite() && (0.0..=MAX_COPY_BIAS).contains(&bias) {
+        Ok(())
+    } else {
+        Err(format!("{bias} is outside 0..={MAX_COPY_BIAS}"))
+    }
+}
+
+/// The longest answer ending looked for in the passages, in tokens: longer matches are rare and
+/// change no continuation set in practice.
+const MAX_MATCH: usize = 32;
+
+/// Between two chunks in [`CopyBias::text`]: no match runs across it.
+const SEPARATOR: u32 = u32::MAX;
+
+/// The passages of one prompt, indexed for the in-word continuations of an answer's ending.
+#[derive(Debug, Clone)]
+pub struct CopyBias {
+    /// The chunks' token ids one after another, [`SEPARATOR`] after each.
+    text: Vec<u32>,
+    /// Token ids that end in a digit (`ends_number`) among the passages' tokens.
+    numeric: std::collections::HashSet<u32>,
+    /// Token id -> its positions in `text`, ascending.
+    at: HashMap<u32, Vec<usize>>,
+    bias: f32,
+}
+
+/// Whether a token whose piece is `piece` leaves the text in a number: it ends in an ASCII
+/// digit.
+pub fn ends_number(piece: &[u8]) -> bool {
+    piece.last().is_some_and(u8::is_ascii_digit)
+}
+
+impl CopyBias {
+    /// The bias over `prompt`'s retrieved chunks, numbers told by `tokenizer`'s pieces;
+    /// `None` when `bias` is 0 or there are no chunks.
+    pub fn from_prompt(prompt: &FusedPrompt, tokenizer: &Tokenizer, bias: f32) -> Option<Self> {
+        Self::new(&prompt.chunks, bias, |t| {
+            ends_number(tokenizer.token_piece(t))
+        })
+    }
+
+    /// The bias over `chunks` (token ids), where `in_number(t)` says whether token `t` ends in
+    /// a digit; `None` when `bias` is 0 or nothing is to be copied.
+    pub fn new(
+        chunks: &[Vec<u32>],
+        bias: f32,
+        in_number: impl Fn(u32) -> bool,
+    ) -> Option<CopyBias> {
+        if bias == 0.0 || chunks.iter().all(Vec::is_empty) {
+            return None;
+        }
+        let mut text = Vec::with_capacity(chunks.iter().map(|c| c.len() + 1).sum());
+        for c in chunks {
+            text.extend_from_slice(c);
+            text.push(SEPARATOR);
+        }
+        let mut at: HashMap<u32, Vec<usize>> = HashMap::new();
+        for (i, &t) in text.iter().enumerate() {
+            if t != SEPARATOR {
+                at.entry(t).or_default().push(i);
+            }
+        }
+        let numeric = at.keys().copied().filter(|&t| in_number(t)).collect();
+        Some(CopyBias {
+            text,
+            numeric,
+            at,
+            bias,
+        })
+    }
+
+    /// The tokens that follow, somewhere in the passages, the longest ending of `answer` (the
+    /// tokens generated so far) the passages contain, in ascending order; empty unless the
+    /// answer's last token ends in a digit and occurs in a passage.
+    pub fn continuations(&self, answer: &[u32]) -> Vec<u32> {
+        let Some(&last) = answer.last() else {
+            return Vec::new();
+        };
+        if !self.numeric.contains(&last) {
+            return Vec::new();
+        }
+        let Some(ends) = self.at.get(&last) else {
+            return Vec::new();
+        };
+        // The occurrences of the answer's last `len` tokens, grown while any remain.
+        let mut matched: Vec<usize> = ends.clone();
+        for len in 2..=answer.len().min(MAX_MATCH) {
+            let want = answer[answer.len() - len];
+            let longer: Vec<usize> = matched
+                .iter()
+                .copied()
+                .filter(|&end| end + 1 >= len && self.text[end + 1 - len] == want)
+                .collect();
+            if longer.is_empty() {
+                break;
+            }
+            matched = longer;
+        }
+        let mut next: Vec<u32> = matched
+            .iter()
+            .map(|&end| self.text[end + 1])
+            .filter(|&t| t != SEPARATOR)
+            .collect();
+        next.sort_unstable();
+        next.dedup();
+        next
+    }
+
+    /// Adds the bias to the logit of every continuation of `answer` (see
+    /// [`Self::continuations`]); returns how many tokens got it.
+    pub fn apply(&self, answer: &[u32], logits: &mut [f32]) -> usize {
+        let mut n = 0;
+        for t in self.continuations(answer) {
+            if let Some(l) = logits.get_mut(t as usize) {
+                *l += self.bias;
+                n += 1;
+            }
+        }
+        n
+    }
+
+    /// The logit bias.
+    pub fn bias(&self) -> f32 {
+        self.bias
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    // Token ids in these tests: 0-9 the digits, 20 " ", 21 ",", and every other id a word.
+    fn digit(t: u32) -> bool {
+        t < 10
+    }
+
+    fn bias(chunks: &[&[u32]]) -> CopyBias {
+        let chunks: Vec<Vec<u32>> = chunks.iter().map(|c| c.to_vec()).collect();
+        CopyBias::new(&chunks, 1.5, digit).unwrap()
+    }
+
+    #[test]
+    fn the_longest_ending_found_decides_the_continuations() {
+        // " within" " " "3" "0" " days" | " " "3" "1" " March" | "7" "3" "8"
+        let b = bias(&[&[27, 20, 3, 0, 29], &[20, 3, 1, 25, 7, 3, 8]]);
+        // Ending "3": its three occurrences are followed by "0", "1" and "8".
+        assert_eq!(b.continuations(&[3]), vec![0, 1, 8]);
+        // Ending " " "3": two of them, followed by "0" and "1".
+        assert_eq!(b.continuations(&[20, 3]), vec![0, 1]);
+        // " within" " " "3": only the first, followed by "0".
+        assert_eq!(b.continuations(&[27, 20, 3]), vec![0]);
+        // An answer that left the passages a token ago is matched on what it shares with them:
+        // "42" "3" is not in them, "3" is.
+        assert_eq!(b.continuations(&[42, 3]), vec![0, 1, 8]);
+        // Nothing generated yet, or a last token found nowhere: no continuation.
+        assert!(b.continuations(&[]).is_empty());
+        assert!(b.continuations(&[3, 9]).is_empty());
+    }
+
+    #[test]
+    fn only_a_number_is_continued_and_with_whatever_follows_it() {
+        // "7" "," "0" "0" "0" " km" | "7" "3" "4"
+        let b = bias(&[&[7, 21, 0, 0, 0, 30], &[7, 3, 4]]);
+        // After "7" the separator is as much the passages' as the digit.
+        assert_eq!(b.continuations(&[7]), vec![3, 21]);
+        // After "7" "," "0" "0" "0" the unit follows.
+        assert_eq!(b.continuations(&[7, 21, 0, 0, 0]), vec![30]);
+        // After a word, or after a separator, nothing is biased.
+        assert!(b.continuations(&[7, 21, 0, 0, 0, 30]).is_empty());
+        assert!(b.continuations(&[7, 21]).is_empty());
+    }
+
+    #[test]
+    fn no_match_runs_across_chunks() {
+        let b = bias(&[&[1, 2], &[3, 4]]);
+        // "2" ends the first chunk, "3" starts the next: they are not one number.
+        assert!(b.continuations(&[1, 2]).is_empty());
+        assert_eq!(b.continuations(&[2, 3]), vec![4]);
+        assert!(b.continuations(&[4]).is_empty());
+    }
+
+    #[test]
+    fn the_bias_flips_a_near_tie_to_the_passage_and_leaves_a_clear_choice() {
+        let b = bias(&[&[20, 3, 0, 29]]);
+        // After " " "3", " days" (29) leads "0" by 0.7: the passage's "0" wins.
+        let mut logits = vec![0.0f32; 30];
+        logits[29] = 28.2;
+        logits[0] = 27.5;
+        assert_eq!(b.apply(&[20, 3], &mut logits), 1);
+        assert!(logits[0] > logits[29]);
+        // A lead larger than the bias is kept.
+        let mut logits = vec![0.0f32; 30];
+        logits[29] = 30.0;
+        logits[0] = 27.5;
+        b.apply(&[20, 3], &mut logits);
+        assert!(logits[29] > logits[0]);
+        // Continuations outside the vocabulary are ignored.
+        let b = bias(&[&[20, 3, 99]]);
+        assert_eq!(b.apply(&[20, 3], &mut [0.0; 4]), 0);
+    }
+
+    #[test]
+    fn a_bias_is_checked() {
+        assert!(check_copy_bias(0.0).is_ok());
+        assert!(check_copy_bias(DEFAULT_COPY_BIAS).is_ok());
+        assert!(check_copy_bias(MAX_COPY_BIAS).is_ok());
+        for bad in [-0.5, 10.5, f32::NAN, f32::INFINITY] {
+            assert!(check_copy_bias(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn a_zero_bias_or_no_passage_is_no_bias() {
+        assert!(CopyBias::new(&[vec![1, 2]], 0.0, digit).is_none());
+        assert!(CopyBias::new(&[], 1.0, digit).is_none());
+        assert!(CopyBias::new(&[Vec::new()], 1.0, digit).is_none());
+    }
+
+    #[test]
+    fn numbers_are_told_by_their_last_digit() {
+        assert!(ends_number(b"3"));
+        assert!(ends_number(b" 2010"));
+        assert!(!ends_number(b" days"));
+        assert!(!ends_number(b","));
+        assert!(!ends_number(b""));
+        assert!(!ends_number("三".as_bytes()));
+    }
+}
