@@ -11,11 +11,12 @@
 //! [`CopyBias`]'s bias added to its logit: the passages' own continuations win such near-ties,
 //! and among them, or where the model is sure of something else, the model still chooses.
 //! Elsewhere nothing is biased: biasing every continuation of any ending made answers run on,
-//! copying the rest of a sentence, and biasing only digits after digits turned "7,000,000"
-//! into "734,000" when another passage had "734". Measured with `engram eval qa --copy-bias`
+//! copying the rest of a sentence, and biasing only a letter or digit straight after one (to
+//! finish the word) turned "7,000,000" into "734,000", another passage's number, as the comma
+//! was not biased. Measured with `engram eval qa --copy-bias`
 //! (docs/bench/2026-11-27-copy-bias.md).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 use engram_tokenizer::Tokenizer;
 
@@ -37,20 +38,20 @@ pub fn check_copy_bias(bias: f32) -> std::result::Result<(), String> {
     }
 }
 
-/// The longest answer ending looked for in the passages, in tokens: longer matches are rare and
-/// change no continuation set in practice.
+/// The longest answer ending looked for in the passages, in tokens (a bound on the work of one
+/// step).
 const MAX_MATCH: usize = 32;
 
 /// Between two chunks in [`CopyBias::text`]: no match runs across it.
 const SEPARATOR: u32 = u32::MAX;
 
-/// The passages of one prompt, indexed for the in-word continuations of an answer's ending.
+/// The passages of one prompt, indexed for the continuations of an answer's ending.
 #[derive(Debug, Clone)]
 pub struct CopyBias {
     /// The chunks' token ids one after another, [`SEPARATOR`] after each.
     text: Vec<u32>,
     /// Token ids that end in a digit (`ends_number`) among the passages' tokens.
-    numeric: std::collections::HashSet<u32>,
+    numeric: HashSet<u32>,
     /// Token id -> its positions in `text`, ascending.
     at: HashMap<u32, Vec<usize>>,
     bias: f32,

@@ -106,9 +106,9 @@ pub enum Event {
 /// How a job picks its tokens and when it ends early: greedy at temperature 0, else sampled
 /// (nucleus `top_p`, 1 disables) from a generator seeded with `seed`; the answer ends before
 /// the first of `stops` that appears in its text. With a `grammar`, only tokens that keep the
-/// output inside it are sampled, and the answer ends when the grammar is complete. A RAG
-/// answer without a grammar finishes the passages' words as they spell them (`copy_bias`,
-/// `None`: the configured one; see `engram_fusion::CopyBias`).
+/// output inside it are sampled, and the answer ends when the grammar is complete. In a RAG
+/// answer without a grammar, a number goes on as the passages write it (`copy_bias`, `None`:
+/// the configured one; see `engram_fusion::CopyBias`).
 #[derive(Clone, Debug)]
 pub struct Sampling {
     pub temperature: f32,
