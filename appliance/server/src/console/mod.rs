@@ -105,6 +105,7 @@ impl Facts {
             ("kv.prefix_cache_mib", config.prefix_cache_mib.to_string()),
             ("fusion.policy", config.policy.to_string()),
             ("fusion.gate_max_kl", config.gate_max_kl.to_string()),
+            ("answers.copy_bias", config.copy_bias.to_string()),
             (
                 "limits.max_upload_bytes",
                 config.max_upload_bytes.to_string(),
