@@ -283,16 +283,18 @@ pub fn run(a: QaArgs) -> Result<()> {
         })
         .collect::<Result<_>>()?;
     // Every layout with every bias, named by the layout alone when one bias is compared.
-    let systems: Vec<(Layout, f32, String)> = layouts
+    // (index into `layouts`, bias, name)
+    let systems: Vec<(usize, f32, String)> = layouts
         .iter()
-        .flat_map(|l| biases.iter().map(move |&b| (*l, b)))
-        .map(|(l, b)| {
+        .enumerate()
+        .flat_map(|(li, l)| biases.iter().map(move |&b| (li, l.name, b)))
+        .map(|(li, layout, b)| {
             let name = if biases.len() == 1 {
-                format!("engram:{}", l.name)
+                format!("engram:{layout}")
             } else {
-                format!("engram:{}/copy={b}", l.name)
+                format!("engram:{layout}/copy={b}")
             };
-            (l, b, name)
+            (li, b, name)
         })
         .collect();
 
@@ -390,7 +392,7 @@ pub fn run(a: QaArgs) -> Result<()> {
             item.answers.first().map(String::as_str).unwrap_or("")
         )];
         for ((layout, bias, name), tally) in systems.iter().zip(tallies.iter_mut()) {
-            let prompt = &prompts[layouts.iter().position(|l| l == layout).unwrap_or(0)];
+            let prompt = &prompts[*layout];
             if !grounded {
                 let answer = no_answer(&item.question);
                 tally.add(
@@ -446,16 +448,9 @@ pub fn run(a: QaArgs) -> Result<()> {
     let mut systems = serde_json::Map::new();
     for ((_, _, name), tally) in systems_run.iter().zip(&tallies) {
         let mut v = tally.json("ttft_ms_mean");
-        if tally.f1.len() == tallies[0].f1.len() && !std::ptr::eq(tally, &tallies[0]) {
-            // Paired against the first system, on the same questions.
-            let delta: Vec<f64> = tally
-                .f1
-                .iter()
-                .zip(&tallies[0].f1)
-                .map(|(x, y)| x - y)
-                .collect();
-            v["f1_delta_vs_first"] = mean(&delta).into();
-            v["f1_delta_ci95"] = serde_json::json!(crate::fusion_eval::bootstrap_ci95(&delta));
+        if let Some((delta, ci)) = f1_vs_first(tally, &tallies[0]) {
+            v["f1_delta_vs_first"] = delta.into();
+            v["f1_delta_ci95"] = serde_json::json!(ci);
         }
         systems.insert(name.clone(), v);
     }
@@ -524,16 +519,9 @@ pub fn run(a: QaArgs) -> Result<()> {
         rows.push(("peer (llama.cpp)".into(), &peer));
     }
     for (name, t) in rows {
-        let delta = if std::ptr::eq(t, &tallies[0]) || t.f1.len() != tallies[0].f1.len() {
-            String::new()
-        } else {
-            let d: Vec<f64> =
-                t.f1.iter()
-                    .zip(&tallies[0].f1)
-                    .map(|(x, y)| x - y)
-                    .collect();
-            let [lo, hi] = crate::fusion_eval::bootstrap_ci95(&d);
-            format!("  F1 vs first {:+.3} [{lo:+.3}, {hi:+.3}]", mean(&d))
+        let delta = match f1_vs_first(t, &tallies[0]) {
+            Some((d, [lo, hi])) => format!("  F1 vs first {d:+.3} [{lo:+.3}, {hi:+.3}]"),
+            None => String::new(),
         };
         println!(
             "{name:<32} {:>6.3} {:>6.3} {:>10.0} {:>6}{delta}",
@@ -544,6 +532,16 @@ pub fn run(a: QaArgs) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// `t`'s F1 minus `first`'s, paired on the same questions: the mean and its bootstrap 95 %
+/// interval; `None` for `first` itself (or a tally of other questions).
+fn f1_vs_first(t: &Tally, first: &Tally) -> Option<(f64, [f64; 2])> {
+    if std::ptr::eq(t, first) || t.f1.len() != first.f1.len() {
+        return None;
+    }
+    let d: Vec<f64> = t.f1.iter().zip(&first.f1).map(|(x, y)| x - y).collect();
+    Some((mean(&d), crate::fusion_eval::bootstrap_ci95(&d)))
 }
 
 /// Asks `limit` queries of a BEIR queries.jsonl: (refused by the relevance floor, asked, best

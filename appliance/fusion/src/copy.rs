@@ -151,11 +151,6 @@ impl CopyBias {
         }
         n
     }
-
-    /// The logit bias.
-    pub fn bias(&self) -> f32 {
-        self.bias
-    }
 }
 
 #[cfg(test)]
