@@ -771,4 +771,31 @@ fn cli_eval_fusion_reports_every_policy() {
     assert_eq!(p["deviation:1"]["first_token_agreement"], 1.0);
     assert!(p["reuse"]["recompute_fraction"].as_f64().unwrap() < 0.5);
 
+    // The answers are recorded per question, so two runs can be compared: this run against
+    // itself with one of full's answers changed.
+    let full_q = &p["full"]["per_question"];
+    assert_eq!(full_q["question"], serde_json::json!([0, 1]), "{v}");
+    assert_eq!(full_q["answer"].as_array().map(Vec::len), Some(2), "{v}");
+    let first = dir.join("first.json");
+    std::fs::write(&first, &out.stdout).expect("write");
+    let mut changed = v.clone();
+    changed["policies"]["full"]["per_question"]["answer"][1] = "a different answer".into();
+    let second = dir.join("second.json");
+    std::fs::write(&second, changed.to_string()).expect("write");
+    let diff = std::process::Command::new(engram_bin())
+        .args(["eval", "fusion-diff"])
+        .args([&first, &second])
+        .arg("--json")
+        .output()
+        .expect("running engram");
+    assert!(
+        diff.status.success(),
+        "{}",
+        String::from_utf8_lossy(&diff.stderr)
+    );
+    let d: serde_json::Value = serde_json::from_slice(&diff.stdout).expect("JSON");
+    assert_eq!(d["full"]["questions"], 2, "{d}");
+    assert_eq!(d["full"]["first_token_agreement"], 1.0, "{d}");
+    assert_eq!(d["full"]["answer_em"], 0.5, "{d}");
+    assert_eq!(d["boundary:4"]["answer_em"], 1.0, "{d}");
 }

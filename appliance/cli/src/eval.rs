@@ -44,6 +44,9 @@ enum EvalCommand {
     /// Writes held-out fusion questions (MuSiQue-shaped JSON for `eval fusion`) from a QA
     /// set: each gold paragraph among distractors of other articles, up to a token budget.
     FusionSet(crate::fusion_set::FusionSetArgs),
+    /// How far two `eval fusion --json` runs agree, policy by policy: first token, answer F1
+    /// and exact match between the runs (on `full`, the reference's own reproducibility).
+    FusionDiff(crate::fusion_eval::FusionDiffArgs),
 }
 
 #[derive(Args)]
@@ -195,6 +198,7 @@ pub fn eval(a: EvalArgs) -> Result<()> {
         EvalCommand::Qa(q) => crate::qa_eval::run(q),
         EvalCommand::MixedSet(m) => crate::mixed_set::run(m),
         EvalCommand::FusionSet(f) => crate::fusion_set::run(f),
+        EvalCommand::FusionDiff(d) => crate::fusion_eval::diff(d),
     }
 }
 

@@ -111,6 +111,10 @@ type Reference = (u32, Vec<u32>, Vec<Vec<f32>>, String);
 struct Tally {
     first_token_agree: usize,
     first_token_flags: Vec<bool>,
+    /// Index in the data file of each question evaluated (skipped ones are absent).
+    question: Vec<usize>,
+    first_token: Vec<u32>,
+    answer: Vec<String>,
     answer_f1: Vec<f64>,
     answer_em: Vec<f64>,
     tf_kl: Vec<f64>,
@@ -287,6 +291,9 @@ pub fn run(a: FusionArgs) -> Result<()> {
                 (first, forced, steps[..n.max(1)].to_vec(), answer.clone())
             });
             t.n += 1;
+            t.question.push(qi);
+            t.first_token.push(first);
+            t.answer.push(answer.clone());
             t.first_token_agree += usize::from(first == *ref_first);
             t.first_token_flags.push(first == *ref_first);
             t.kl.push(kl_divergence(&ref_steps[0], &done.logits));
@@ -384,6 +391,9 @@ pub fn run(a: FusionArgs) -> Result<()> {
                 "rank_ms_median": median(&t.rank_ms),
                 "questions": t.n,
                 "per_question": {
+                    "question": t.question,
+                    "first_token": t.first_token,
+                    "answer": t.answer,
                     "kl": t.kl,
                     "answer_f1_vs_full": t.answer_f1,
                     "tf_kl": t.tf_kl,
@@ -652,6 +662,139 @@ pub fn token_f1(prediction: &str, reference: &str) -> f64 {
     crate::qa_eval::overlap_f1(&normalize(prediction), &normalize(reference))
 }
 
+/// `engram eval fusion-diff`: how far two `eval fusion --json` runs agree, policy by policy.
+#[derive(Args)]
+pub struct FusionDiffArgs {
+    /// The first run's JSON (`eval fusion --json`), the reference.
+    a: PathBuf,
+    /// The second run's JSON, over the same data file.
+    b: PathBuf,
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+/// What one policy gave for one question in one run.
+#[derive(Debug)]
+struct Answered {
+    first_token: u64,
+    answer: String,
+}
+
+/// One policy's answers in one run, by question index.
+fn run_answers(report: &serde_json::Value, policy: &str) -> BTreeMap<u64, Answered> {
+    let q = &report["policies"][policy]["per_question"];
+    let (ids, firsts, answers) = (
+        q["question"].as_array(),
+        q["first_token"].as_array(),
+        q["answer"].as_array(),
+    );
+    let (Some(ids), Some(firsts), Some(answers)) = (ids, firsts, answers) else {
+        return BTreeMap::new();
+    };
+    ids.iter()
+        .zip(firsts)
+        .zip(answers)
+        .filter_map(|((i, f), a)| {
+            let answered = Answered {
+                first_token: f.as_u64()?,
+                answer: a.as_str()?.to_owned(),
+            };
+            Some((i.as_u64()?, answered))
+        })
+        .collect()
+}
+
+/// Agreement of two runs of one policy on the questions both answered: first token, answer F1
+/// and exact match (the measures `eval fusion` takes against full prefill).
+#[derive(Debug, PartialEq)]
+struct RunAgreement {
+    questions: usize,
+    first_token: f64,
+    answer_f1: f64,
+    answer_em: f64,
+}
+
+fn run_agreement(a: &BTreeMap<u64, Answered>, b: &BTreeMap<u64, Answered>) -> Option<RunAgreement> {
+    let pairs: Vec<(&Answered, &Answered)> =
+        a.iter().filter_map(|(q, x)| Some((x, b.get(q)?))).collect();
+    if pairs.is_empty() {
+        return None;
+    }
+    let n = pairs.len() as f64;
+    let share = |f: &dyn Fn(&Answered, &Answered) -> f64| {
+        pairs.iter().map(|(x, y)| f(x, y)).sum::<f64>() / n
+    };
+    let same = |yes: bool| f64::from(u8::from(yes));
+    Some(RunAgreement {
+        questions: pairs.len(),
+        first_token: share(&|x, y| same(x.first_token == y.first_token)),
+        answer_f1: share(&|x, y| token_f1(&y.answer, &x.answer)),
+        answer_em: share(&|x, y| same(normalize(&x.answer) == normalize(&y.answer))),
+    })
+}
+
+/// Compares two `eval fusion` runs (two builds, two machines, two instruction sets): for each
+/// policy in both, how often the runs give the same first token and the same answer. Run on
+/// `full` alone, it is the reference's own reproducibility, the floor under what any fused
+/// policy can agree with it.
+pub fn diff(a: FusionDiffArgs) -> Result<()> {
+    let read = |p: &PathBuf| -> Result<serde_json::Value> {
+        let text =
+            std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
+        serde_json::from_str(&text).with_context(|| format!("{}: not JSON", p.display()))
+    };
+    let (ra, rb) = (read(&a.a)?, read(&a.b)?);
+    let names: Vec<String> = ra["policies"]
+        .as_object()
+        .map(|o| o.keys().cloned().collect())
+        .unwrap_or_default();
+    let mut out = serde_json::Map::new();
+    for name in names {
+        let (x, y) = (run_answers(&ra, &name), run_answers(&rb, &name));
+        if x.is_empty() {
+            bail!(
+                "{}: policy {name} has no per-question answers (written before they were recorded)",
+                a.a.display()
+            );
+        }
+        if let Some(g) = run_agreement(&x, &y) {
+            out.insert(
+                name,
+                serde_json::json!({
+                    "questions": g.questions,
+                    "first_token_agreement": g.first_token,
+                    "answer_f1": g.answer_f1,
+                    "answer_em": g.answer_em,
+                }),
+            );
+        }
+    }
+    if out.is_empty() {
+        bail!("the two runs share no policy and question");
+    }
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&out)?);
+        return Ok(());
+    }
+    println!("{} against {}", a.b.display(), a.a.display());
+    println!(
+        "{:<16} {:>9} {:>8} {:>8} {:>8}",
+        "policy", "questions", "1st-tok", "F1", "EM"
+    );
+    for (name, v) in &out {
+        println!(
+            "{:<16} {:>9} {:>8.3} {:>8.3} {:>8.3}",
+            name,
+            v["questions"],
+            v["first_token_agreement"].as_f64().unwrap_or(0.0),
+            v["answer_f1"].as_f64().unwrap_or(0.0),
+            v["answer_em"].as_f64().unwrap_or(0.0),
+        );
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -664,6 +807,36 @@ mod tests {
         let f = token_f1("exeter college oxford", "exeter college");
         assert!((f - 0.8).abs() < 1e-9);
         assert_eq!(median(&[3.0, 1.0, 2.0]), 2.0);
+    }
+
+    #[test]
+    fn runs_agree_on_the_questions_both_answered() {
+        let run = |v: &[(u64, u64, &str)]| -> BTreeMap<u64, Answered> {
+            v.iter()
+                .map(|&(q, first_token, a)| {
+                    let answer = a.to_owned();
+                    (
+                        q,
+                        Answered {
+                            first_token,
+                            answer,
+                        },
+                    )
+                })
+                .collect()
+        };
+        let a = run(&[(0, 7, "30 days"), (1, 3, "Paris"), (2, 5, "the Rhine")]);
+        let b = run(&[(0, 7, "30 days"), (2, 9, "Rhine river"), (4, 1, "x")]);
+        let g = run_agreement(&a, &b).expect("questions 0 and 2 in both");
+        assert_eq!(g.questions, 2);
+        assert!((g.first_token - 0.5).abs() < 1e-9);
+        // "the Rhine" ("rhine", SQuAD drops articles) against "Rhine river": F1 2/3.
+        assert!(
+            (g.answer_f1 - (1.0 + 2.0 / 3.0) / 2.0).abs() < 1e-9,
+            "{g:?}"
+        );
+        assert!((g.answer_em - 0.5).abs() < 1e-9);
+        assert_eq!(run_agreement(&a, &run(&[(9, 1, "")])), None);
     }
 
     #[test]
