@@ -13,9 +13,11 @@
 #                             --previous, the older .deb is on it too, for a rollback)
 #   engram-V-installer.iso    with --installer: the bootable installer (hybrid BIOS + UEFI,
 #                             GRUB): a Debian live system (packaging/installer/) whose
-#                             engram-install partitions a disk and installs Debian and Engram
-#                             from the same repository on the ISO, unattended with an answer
-#                             file (packaging/installer/answers.example.conf)
+#                             engram-install partitions a disk and copies onto it the system
+#                             image install/system.squashfs (Debian and Engram, installed here
+#                             from the same repository, which the ISO also carries), then
+#                             configures it for the server, unattended with an answer file
+#                             (packaging/installer/answers.example.conf)
 #
 # Signing: ENGRAM_ARCHIVE_GNUPGHOME (see packaging/repo/build.sh); without it a throwaway key.
 set -euo pipefail
@@ -79,11 +81,42 @@ echo "images: $ISO ($(du -h "$ISO" | cut -f1))" >&2
 echo "$ISO"
 [[ $INSTALLER == 1 ]] || exit 0
 
-# The installer's live system: built once per package list and installer files (cached).
+# The installed system, as one image. It is installed here, from this medium's repository alone,
+# as `engram-install` once installed it on the server: under the installer's emulated or small
+# CPU that install was nine tenths of the installer's time (one dpkg after another, the
+# initramfs, 580 s of 640 s under QEMU), here it is native. What differs between servers (the
+# disk's UUIDs, hostname, network, listen address, boot loaders, the first admin, the machine
+# id) is set by `engram-install`, so the image holds nothing of one server.
 I=$PWD/packaging/installer
-LIVE_PACKAGES="linux-image-amd64,live-boot,systemd-sysv,udev,kmod,mmdebstrap,gpgv,grub-pc-bin,grub-efi-amd64-bin,grub2-common,e2fsprogs,dosfstools,fdisk,util-linux"
-key=$( (echo "$LIVE_PACKAGES"; cat "$I/engram-install" "$I/engram-installer.service" \
-    "$I/engram-console-issue" "$I/engram-console-issue.service") | sha256sum | cut -c1-16)
+SYSTEM_PACKAGES="systemd,systemd-sysv,dbus,apt,udev,kmod,e2fsprogs,dosfstools,linux-image-amd64,initramfs-tools,grub-pc,grub-efi-amd64-bin,engram"
+SYSTEM=$(realpath -m "$OUT/system-$VERSION")
+rm -rf "$SYSTEM" "$SYSTEM.squashfs"
+REPO_ABS=$(realpath "$REPO")
+echo "images: installing the system image from $REPO" >&2
+unshare --net mmdebstrap --quiet --variant=minbase --include="$SYSTEM_PACKAGES" \
+    --hook-dir=/usr/share/mmdebstrap/hooks/file-mirror-automount \
+    --keyring="$REPO_ABS/engram-archive-keyring.gpg" \
+    --aptopt='Acquire::Languages "none"' \
+    --dpkgopt=force-unsafe-io \
+    --customize-hook='rm -f "$1/etc/dpkg/dpkg.cfg.d/99mmdebstrap"' \
+    --customize-hook='install -m 0644 '"$REPO_ABS"'/engram-archive-keyring.gpg "$1/usr/share/keyrings/"' \
+    --customize-hook='echo "# Engram installs from its media: mount one and run its install.sh" >"$1/etc/apt/sources.list"' \
+    --customize-hook='install -m 0755 '"$I"'/engram-console-issue "$1/usr/sbin/engram-console-issue"' \
+    --customize-hook='install -m 0644 '"$I"'/engram-console-issue.service "$1/lib/systemd/system/"' \
+    --customize-hook='ln -sf /lib/systemd/system/engram-console-issue.service "$1/etc/systemd/system/multi-user.target.wants/"' \
+    --customize-hook='rm -f "$1/var/lib/dbus/machine-id" "$1/var/lib/systemd/random-seed"' \
+    bookworm "$SYSTEM" "deb [signed-by=$REPO_ABS/engram-archive-keyring.gpg] file://$REPO_ABS bookworm main" >&2 \
+    || die "mmdebstrap could not install the system image from $REPO"
+[[ -x $SYSTEM/usr/bin/engramd ]] && compgen -G "$SYSTEM/boot/vmlinuz-*" >/dev/null \
+    && compgen -G "$SYSTEM/boot/initrd.img-*" >/dev/null || die "the system image lacks engramd, the kernel or its initramfs"
+# zstd level 6: level 15 (mksquashfs's default) took several times as long for a few per cent.
+mksquashfs "$SYSTEM" "$SYSTEM.squashfs" -comp zstd -Xcompression-level 6 -quiet -no-progress -noappend >&2 \
+    || die "mksquashfs (system image)"
+rm -rf "$SYSTEM"
+
+# The installer's live system: built once per package list and installer files (cached).
+LIVE_PACKAGES="linux-image-amd64,live-boot,systemd-sysv,udev,kmod,squashfs-tools,gpgv,grub-pc-bin,grub-efi-amd64-bin,grub2-common,e2fsprogs,dosfstools,fdisk,util-linux"
+key=$( (echo "$LIVE_PACKAGES"; cat "$I/engram-install" "$I/engram-installer.service") | sha256sum | cut -c1-16)
 LIVE=$(realpath -m "$OUT/cache/live-$key")
 if [[ ! -s $LIVE/filesystem.squashfs ]]; then
     echo "images: building the installer's live system" >&2
@@ -93,8 +126,6 @@ if [[ ! -s $LIVE/filesystem.squashfs ]]; then
         --customize-hook='install -m 0755 '"$I"'/engram-install "$1/usr/sbin/engram-install"' \
         --customize-hook='install -m 0644 '"$I"'/engram-installer.service "$1/lib/systemd/system/"' \
         --customize-hook='ln -s /lib/systemd/system/engram-installer.service "$1/etc/systemd/system/multi-user.target.wants/"' \
-        --customize-hook='mkdir -p "$1/usr/share/engram-installer"' \
-        --customize-hook='install -m 0644 -t "$1/usr/share/engram-installer" '"$I"'/engram-console-issue '"$I"'/engram-console-issue.service' \
         --customize-hook='echo engram-installer >"$1/etc/hostname"' \
         --customize-hook='cp "$1"/boot/vmlinuz-* '"$LIVE"'/vmlinuz; cp "$1"/boot/initrd.img-* '"$LIVE"'/initrd.img' \
         --customize-hook='rm -rf "$1"/boot/* "$1"/var/cache/apt/archives/*.deb "$1"/var/lib/apt/lists/*' \
@@ -111,6 +142,7 @@ cp -al "$REPO" "$STAGE"
 rm -f "$STAGE/SHA256SUMS" "$STAGE/SHA256SUMS.gpg"
 mkdir -p "$STAGE/live" "$STAGE/boot/grub" "$STAGE/install"
 cp "$LIVE/vmlinuz" "$LIVE/initrd.img" "$LIVE/filesystem.squashfs" "$STAGE/live/"
+mv "$SYSTEM.squashfs" "$STAGE/install/system.squashfs"
 install -m 0644 "$I/grub.cfg" "$STAGE/boot/grub/grub.cfg"
 install -m 0644 "$I/answers.example.conf" "$STAGE/install/answers.conf"
 sign_medium "$STAGE"

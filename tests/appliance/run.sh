@@ -270,12 +270,13 @@ cleanup
 LEADER=
 NSPAWN_PID=
 
-# The installer ISO on a blank disk, as a server would boot it (TCG: this machine's KVM hangs
-# 64-bit guests), with no network card and the answers on a second disk labelled ENGRAM-CFG.
-# One vCPU: the install is one dpkg after another, and a second vCPU under multi-threaded TCG
-# mostly adds locking between the vCPU threads (1,183 s against 1,319-1,368 s with two on a
-# 2-core Xeon, docs/bench/2026-11-27-ci-time.md). The timeout only has to catch a hung
-# installer, not a slow host.
+# The installer ISO on a blank disk, as a server would boot it (TCG: these machines have no
+# nested virtualisation), with no network card and the answers on a second disk labelled
+# ENGRAM-CFG. One vCPU: under multi-threaded TCG a second one mostly added locking between the
+# vCPU threads (docs/bench/2026-11-27-ci-time.md). The installer copies a system image built
+# with the media, so what runs emulated is the live system's boot, the checksum, the copy and
+# GRUB (docs/bench/2026-11-28-ci-time.md). The timeout only has to catch a hung installer, not
+# a slow host.
 if ! command -v qemu-system-x86_64 >/dev/null; then
     step "installing qemu-system-x86 (bookworm-backports: bookworm's conflicts with qemu-utils)"
     grep -rqs bookworm-backports /etc/apt/sources.list /etc/apt/sources.list.d \
@@ -296,7 +297,7 @@ else
     truncate -s 4M "$VM/answers.img"
     mkfs.vfat -n ENGRAM-CFG "$VM/answers.img" >/dev/null
     mcopy -i "$VM/answers.img" "$VM/engram-install.conf" ::engram-install.conf
-    timeout 2100 qemu-system-x86_64 -machine q35 -accel tcg -cpu max -m 3072 -smp 1 -nic none \
+    timeout 1500 qemu-system-x86_64 -machine q35 -accel tcg -cpu max -m 3072 -smp 1 -nic none \
         -display none -monitor none -serial "file:$VM/serial.log" -no-reboot \
         -drive "file=$INSTALLER,media=cdrom,readonly=on" \
         -drive "file=$VM/disk.raw,format=raw,if=virtio" \
@@ -324,6 +325,8 @@ for f in /var/log/engram-install.log /etc/engram/first-admin /var/lib/engram/ini
     [[ -e $ROOT$f ]] || fail "the installed system has no $f"
 done
 [[ $(cat "$ROOT/etc/hostname") == engram-vm ]] || fail "hostname"
+# The image carries no machine id: the installer gives each server its own.
+grep -Eqx '[0-9a-f]{32}' "$ROOT/etc/machine-id" || fail "the installed system has no machine id of its own: $(cat "$ROOT/etc/machine-id")"
 # Both boot loaders: GRUB's BIOS core in the BIOS boot partition, the UEFI fallback loader on the ESP.
 dd if="$VM/disk.raw" bs=512 count=1 2>/dev/null | grep -aq GRUB || fail "no GRUB in the MBR"
 ESP_START=$(sfdisk -J "$VM/disk.raw" | python3 -c '
