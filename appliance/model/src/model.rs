@@ -6,7 +6,6 @@ use std::sync::Arc;
 
 use engram_gguf::GgufFile;
 use half::f16;
-use half::slice::HalfFloatSliceExt;
 
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
@@ -139,10 +138,7 @@ impl Model {
 
     /// A stable 128-bit identity of the model's computation: xxh3-128 over the configuration
     /// (architecture, shapes, RoPE settings) and every tensor's name, type, shape and bytes.
-    /// Stored KV carries it, so KV computed by other weights is never reused. The version in
-    /// the hashed string names the forward pass's arithmetic: v2 rounds keys to f16 before
-    /// RoPE, so KV stored by v1 is recomputed rather than placed a rounding away from what
-    /// full prefill now computes. Hashing runs once,
+    /// Stored KV carries it, so KV computed by other weights is never reused. Hashing runs once,
     /// on first use, at memory speed (about 10 ms for the 100 MB default model, seconds for a
     /// 70B one).
     pub fn fingerprint(&self) -> [u8; 16] {
@@ -151,7 +147,7 @@ impl Model {
             let c = &self.cfg;
             h.update(
                 format!(
-                    "engram-model-fingerprint-v2|{}|{} {} {} {} {} {} {} {}|{} {} {} {:?} {:?}",
+                    "engram-model-fingerprint-v1|{}|{} {} {} {} {} {} {} {}|{} {} {} {:?} {:?}",
                     c.arch.name(),
                     c.n_layer,
                     c.n_embd,
@@ -636,10 +632,6 @@ impl Model {
             if let Some(w) = &layer.k_norm {
                 rms_norm_in_place(&mut s.k[..n * kvw], w, cfg.rms_eps);
             }
-            // Keys are rounded to f16 before RoPE as well as after (the cache holds f16). A
-            // chunk's keys are stored before RoPE in f16 and rotated when placed, so a chunk
-            // placed where it was computed then holds bit for bit the keys full prefill writes.
-            round_to_f16(&mut s.k[..n * kvw]);
             if let Some(obs) = observer.as_deref_mut() {
                 k_raw[..n * kvw].copy_from_slice(&s.k[..n * kvw]);
                 obs(li, &k_raw[..n * kvw], &s.v[..n * kvw]);
@@ -870,15 +862,4 @@ fn compact_rows<T: Copy>(keep: &[usize], buf: &mut [T], width: usize) {
 
 fn add_assign(x: &mut [f32], y: &[f32]) {
     x.iter_mut().zip(y).for_each(|(a, b)| *a += b);
-}
-
-/// Rounds every value to the nearest f16 in place (a tile at a time through the slice
-/// conversions, F16C where the CPU has it).
-fn round_to_f16(x: &mut [f32]) {
-    let mut tile = [f16::ZERO; 256];
-    for part in x.chunks_mut(tile.len()) {
-        let tile = &mut tile[..part.len()];
-        tile.convert_from_f32_slice(part);
-        tile.convert_to_f32_slice(part);
-    }
 }

@@ -526,7 +526,7 @@ struct RefMath {
     /// Round every matmul input to Q8_0 first, as llama.cpp (and the crate) do for Q8_0
     /// weights.
     q8_activations: bool,
-    /// Round keys and values to f16, as the model's cache stores them (keys before RoPE too).
+    /// Round keys and values to f16, as the model's cache stores them.
     f16_kv: bool,
 }
 
@@ -723,10 +723,6 @@ impl Reference {
             let (mut qs, mut ks, mut vs) = (Vec::new(), Vec::new(), Vec::new());
             for (pos, x) in xs.iter().enumerate() {
                 let [mut q, mut k, v] = self.qkv(layer, x);
-                if self.math.f16_kv {
-                    // The model rounds keys to f16 before RoPE as well as after.
-                    k.iter_mut().for_each(|x| *x = f16::from_f64(*x).to_f64());
-                }
                 self.rope(&mut q, pos);
                 self.rope(&mut k, pos);
                 let (mut k, mut v) = (k, v);
