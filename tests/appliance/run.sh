@@ -17,7 +17,8 @@
 # 5. Upgrade to V2 from its bundle (install.sh, as an admin would): a snapshot first, the
 #    document still there, the history says upgrade. Roll back to V1: still there. Back up,
 #    wipe /var/lib/engram, restore: still there.
-# 6. The installer ISO in QEMU on a blank disk, answers on a second disk: INSTALL COMPLETE;
+# 6. The installer ISO with a damaged system image refused before it touches the disk; the
+#    installer ISO in QEMU on a blank disk, answers on a second disk: INSTALL COMPLETE;
 #    the installed root booted with nspawn (engramd over TLS, the tty's banner, sign-in).
 # 7. The installed disk booted in QEMU under UEFI and under BIOS to engramd started and the
 #    login prompt with its banner.
@@ -293,15 +294,51 @@ VM=$OUT/vm
 if [[ $REUSE == 1 ]] && grep -aqs 'engram-install: INSTALL COMPLETE' "$VM/serial.log"; then
     step "reusing the installed disk in $VM"
 else
-    step "installer ISO in QEMU (TCG, no network card, answers on ENGRAM-CFG)"
     rm -rf "$VM"
     mkdir -p "$VM"
-    truncate -s 8G "$VM/disk.raw"
     printf '%s\n' disk=auto hostname=engram-vm network=none admin=operator1 listen=0.0.0.0:8080 \
         finish=poweroff >"$VM/engram-install.conf"
     truncate -s 4M "$VM/answers.img"
     mkfs.vfat -n ENGRAM-CFG "$VM/answers.img" >/dev/null
     mcopy -i "$VM/answers.img" "$VM/engram-install.conf" ::engram-install.conf
+
+    # A medium written badly: 4 KiB of the system image overwritten in a copy of the ISO. The
+    # installer must stop on the checksum, say why, and leave the disk as it was (a marker on
+    # it survives).
+    step "installer ISO with a damaged system image in QEMU: refused, the disk untouched"
+    read -r lba size < <(xorriso -indev "$INSTALLER" -find /install/system.squashfs -exec report_lba -- 2>/dev/null \
+        | awk -F' *, *' '/^File data lba:/ { print $2, $4 }')
+    [[ -n $lba && -n $size ]] || fail "install/system.squashfs not found on $INSTALLER"
+    cp "$INSTALLER" "$VM/damaged.iso"
+    head -c 4096 /dev/urandom | dd of="$VM/damaged.iso" bs=4096 seek=$((lba * 2048 / 4096 + size / 8192)) \
+        conv=notrunc status=none
+    truncate -s 8G "$VM/disk.raw"
+    echo "engram-test: this disk must survive a refused install" | dd of="$VM/disk.raw" conv=notrunc status=none
+    : >"$VM/damaged.log"
+    qemu-system-x86_64 -machine q35 -accel tcg -cpu max -m 3072 -smp 1 -nic none \
+        -display none -monitor none -serial "file:$VM/damaged.log" -no-reboot \
+        -drive "file=$VM/damaged.iso,media=cdrom,readonly=on" \
+        -drive "file=$VM/disk.raw,format=raw,if=virtio" \
+        -drive "file=$VM/answers.img,format=raw,if=virtio" -boot d 2>>"$LOG" &
+    qpid=$!
+    refused=0
+    for _ in $(seq 900); do
+        grep -aq 'engram-install: FAILED' "$VM/damaged.log" && { refused=1; break; }
+        kill -0 "$qpid" 2>/dev/null || break
+        sleep 1
+    done
+    kill "$qpid" 2>/dev/null || true
+    wait "$qpid" 2>/dev/null || true
+    ((refused)) || { grep -a 'engram-install' "$VM/damaged.log" | tail -10; fail "the damaged medium was not refused"; }
+    grep -a 'engram-install: FAILED' "$VM/damaged.log" | grep -q 'does not match its signed SHA256SUMS' \
+        || fail "the damaged medium was refused for another reason: $(grep -a 'engram-install: FAILED' "$VM/damaged.log")"
+    head -c 64 "$VM/disk.raw" | grep -aq 'this disk must survive a refused install' \
+        || fail "the refused install changed the disk"
+    grep -a 'engram-install: FAILED' "$VM/damaged.log" | tr -d '\r' | sed 's/^/  /'
+    rm -f "$VM/damaged.iso" "$VM/disk.raw"
+
+    step "installer ISO in QEMU (TCG, no network card, answers on ENGRAM-CFG)"
+    truncate -s 8G "$VM/disk.raw"
     timeout 1500 qemu-system-x86_64 -machine q35 -accel tcg -cpu max -m 3072 -smp 1 -nic none \
         -display none -monitor none -serial "file:$VM/serial.log" -no-reboot \
         -drive "file=$INSTALLER,media=cdrom,readonly=on" \
