@@ -291,6 +291,26 @@ if ! command -v qemu-system-x86_64 >/dev/null; then
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq -t bookworm-backports qemu-system-x86 >/dev/null
 fi
 VM=$OUT/vm
+# Every VM here: TCG, one vCPU, no network card, the serial port into a log.
+QEMU=(qemu-system-x86_64 -machine q35 -accel tcg -cpu max -m 3072 -smp 1 -nic none -display none
+    -monitor none -no-reboot)
+# qemu_until LOG PATTERN QEMU-ARGS...: runs a VM with its serial port in LOG until PATTERN shows
+# there (then stops it and succeeds), the VM ends, or 900 s pass.
+qemu_until() {
+    local log=$1 pattern=$2 qpid seen=1
+    shift 2
+    : >"$log"
+    "${QEMU[@]}" -serial "file:$log" "$@" 2>>"$LOG" &
+    qpid=$!
+    for _ in $(seq 900); do
+        grep -aq "$pattern" "$log" && { seen=0; break; }
+        kill -0 "$qpid" 2>/dev/null || break
+        sleep 1
+    done
+    kill "$qpid" 2>/dev/null || true
+    wait "$qpid" 2>/dev/null || true
+    return $seen
+}
 if [[ $REUSE == 1 ]] && grep -aqs 'engram-install: INSTALL COMPLETE' "$VM/serial.log"; then
     step "reusing the installed disk in $VM"
 else
@@ -314,22 +334,11 @@ else
         conv=notrunc status=none
     truncate -s 8G "$VM/disk.raw"
     echo "engram-test: this disk must survive a refused install" | dd of="$VM/disk.raw" conv=notrunc status=none
-    : >"$VM/damaged.log"
-    qemu-system-x86_64 -machine q35 -accel tcg -cpu max -m 3072 -smp 1 -nic none \
-        -display none -monitor none -serial "file:$VM/damaged.log" -no-reboot \
+    qemu_until "$VM/damaged.log" 'engram-install: FAILED' \
         -drive "file=$VM/damaged.iso,media=cdrom,readonly=on" \
         -drive "file=$VM/disk.raw,format=raw,if=virtio" \
-        -drive "file=$VM/answers.img,format=raw,if=virtio" -boot d 2>>"$LOG" &
-    qpid=$!
-    refused=0
-    for _ in $(seq 900); do
-        grep -aq 'engram-install: FAILED' "$VM/damaged.log" && { refused=1; break; }
-        kill -0 "$qpid" 2>/dev/null || break
-        sleep 1
-    done
-    kill "$qpid" 2>/dev/null || true
-    wait "$qpid" 2>/dev/null || true
-    ((refused)) || { grep -a 'engram-install' "$VM/damaged.log" | tail -10; fail "the damaged medium was not refused"; }
+        -drive "file=$VM/answers.img,format=raw,if=virtio" -boot d \
+        || { grep -a 'engram-install' "$VM/damaged.log" | tail -10; fail "the damaged medium was not refused"; }
     grep -a 'engram-install: FAILED' "$VM/damaged.log" | grep -q 'does not match its signed SHA256SUMS' \
         || fail "the damaged medium was refused for another reason: $(grep -a 'engram-install: FAILED' "$VM/damaged.log")"
     head -c 64 "$VM/disk.raw" | grep -aq 'this disk must survive a refused install' \
@@ -339,8 +348,7 @@ else
 
     step "installer ISO in QEMU (TCG, no network card, answers on ENGRAM-CFG)"
     truncate -s 8G "$VM/disk.raw"
-    timeout 1500 qemu-system-x86_64 -machine q35 -accel tcg -cpu max -m 3072 -smp 1 -nic none \
-        -display none -monitor none -serial "file:$VM/serial.log" -no-reboot \
+    timeout 1500 "${QEMU[@]}" -serial "file:$VM/serial.log" \
         -drive "file=$INSTALLER,media=cdrom,readonly=on" \
         -drive "file=$VM/disk.raw,format=raw,if=virtio" \
         -drive "file=$VM/answers.img,format=raw,if=virtio" -boot d \
@@ -413,25 +421,14 @@ trap - EXIT
 # must show the console URL, the certificate's fingerprint and the first admin. (engramd's first
 # start, which makes the certificate, was the nspawn boot above.)
 boot_vm() {
-    local fw=$1 log=$VM/boot-$1.log firmware=() qpid ok=0
+    local fw=$1 log=$VM/boot-$1.log firmware=()
     if [[ $fw == uefi ]]; then
         cp /usr/share/OVMF/OVMF_VARS_4M.fd "$VM/efivars.fd"
         firmware=(-drive if=pflash,format=raw,readonly=on,file=/usr/share/OVMF/OVMF_CODE_4M.fd
             -drive "if=pflash,format=raw,file=$VM/efivars.fd")
     fi
-    : >"$log"
-    qemu-system-x86_64 -machine q35 -accel tcg -cpu max -m 3072 -smp 1 -nic none -display none \
-        -monitor none -serial "file:$log" -no-reboot "${firmware[@]}" \
-        -drive "file=$VM/disk.raw,format=raw,if=virtio" 2>>"$LOG" &
-    qpid=$!
-    for _ in $(seq 900); do
-        grep -aq 'engram-vm login: ' "$log" && { ok=1; break; }
-        kill -0 "$qpid" 2>/dev/null || break
-        sleep 1
-    done
-    kill "$qpid" 2>/dev/null || true
-    wait "$qpid" 2>/dev/null || true
-    ((ok)) || { tail -30 "$log"; fail "$fw boot: no login prompt within 900 s (see $log)"; }
+    qemu_until "$log" 'engram-vm login: ' "${firmware[@]}" -drive "file=$VM/disk.raw,format=raw,if=virtio" \
+        || { tail -30 "$log"; fail "$fw boot: no login prompt within 900 s (see $log)"; }
     if [[ $fw == uefi ]]; then
         grep -aq 'efi: EFI v' "$log" || fail "uefi boot: the kernel did not start under UEFI"
     else
