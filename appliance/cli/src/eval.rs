@@ -45,7 +45,9 @@ enum EvalCommand {
     /// set: each gold paragraph among distractors of other articles, up to a token budget.
     FusionSet(crate::fusion_set::FusionSetArgs),
     /// How far two `eval fusion --json` runs agree, policy by policy: first token, answer F1
-    /// and exact match between the runs (on `full`, the reference's own reproducibility).
+    /// and exact match between the runs (on `full`, the reference's own reproducibility), and,
+    /// when both ran on the same data file, each run's gold F1 with the paired difference's
+    /// 95 % interval (whether a change costs answers).
     FusionDiff(crate::fusion_eval::FusionDiffArgs),
 }
 

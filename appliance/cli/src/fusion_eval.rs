@@ -14,9 +14,9 @@ use std::time::Duration;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use engram_fusion::{
-    bos_frame, chunk_tokens, fused_prefill, kl_divergence, rag_frame, rag_prefix_frame,
-    rag_prompt_with, ChunkStore, FuseStats, Layout, OutputText, Policy, PrefixCache,
-    DEFAULT_LAYOUT, DEFAULT_SYSTEM,
+    bos_frame, chunk_tokens, distinct_passages, fused_prefill, kl_divergence, rag_frame,
+    rag_prefix_frame, rag_prompt_with, ChunkStore, FuseStats, Layout, OutputText, Policy,
+    PrefixCache, DEFAULT_LAYOUT, DEFAULT_SYSTEM,
 };
 use engram_kvstore::{DramTier, IoMode, KvDtype, KvStore, NvmeOptions, NvmeTier};
 use engram_model::{argmax, top_k, Logits};
@@ -73,6 +73,12 @@ pub struct FusionArgs {
     /// tokens' mean would correct it (`kv_deviation` in the JSON; see `kv_deviation.rs`).
     #[arg(long)]
     kv_deviation: bool,
+    /// Passages of a question that make its prompt: `all`, as the data gives them, or
+    /// `distinct`, as engramd assembles a prompt (a passage that mostly repeats one before it
+    /// is left out, `engram_fusion::distinct_passages`). Both policies and full prefill get the
+    /// same prompt either way.
+    #[arg(long, default_value = "all", value_parser = ["all", "distinct"])]
+    passages: String,
     /// Print JSON instead of a table.
     #[arg(long)]
     json: bool,
@@ -190,15 +196,22 @@ pub fn run(a: FusionArgs) -> Result<()> {
     let mut skipped = 0usize;
     // Full prefill's top-1 minus top-2 first-token logit, per question.
     let mut full_margins: Vec<f64> = Vec::new();
+    // Passages in each question's prompt (fewer than the data's with `--passages distinct`).
+    let mut passages_kept: Vec<f64> = Vec::new();
     let order: Vec<String> = policies.iter().map(Policy::name).collect();
     for (qi, ex) in examples.iter().enumerate() {
-        let chunk_ids: Vec<Vec<u32>> = ex
+        let texts: Vec<String> = ex
             .ctxs
             .iter()
-            .map(|c| {
-                let t = passage_text(&c.title, &c.text);
-                chunk_tokens(tokenizer, &t)
-            })
+            .map(|c| passage_text(&c.title, &c.text))
+            .collect();
+        let kept: Vec<usize> = match a.passages.as_str() {
+            "distinct" => distinct_passages(&texts),
+            _ => (0..texts.len()).collect(),
+        };
+        let chunk_ids: Vec<Vec<u32>> = kept
+            .iter()
+            .map(|&i| chunk_tokens(tokenizer, &texts[i]))
             .collect::<engram_tokenizer::Result<_>>()?;
         let prompt = rag_prompt_with(
             layout,
@@ -219,6 +232,7 @@ pub fn run(a: FusionArgs) -> Result<()> {
             skipped += 1;
             continue;
         }
+        passages_kept.push(kept.len() as f64);
         // Ingestion: every chunk's KV computed and stored (not part of TTFT).
         for c in &chunk_ids {
             chunks.ensure(model, c)?;
@@ -399,6 +413,7 @@ pub fn run(a: FusionArgs) -> Result<()> {
                     "tf_kl": t.tf_kl,
                     "first_token_agree": t.first_token_flags,
                     "ttft_ms": t.ttft_ms,
+                    "gold_f1": t.gold_f1,
                 },
             }),
         );
@@ -422,6 +437,8 @@ pub fn run(a: FusionArgs) -> Result<()> {
             "layout": layout.name,
             "threads": model.threads(),
             "answer_tokens": a.answer_tokens,
+            "passages": a.passages,
+            "passages_per_question_mean": mean(&passages_kept),
         },
     });
     if a.json {
@@ -749,6 +766,7 @@ pub fn diff(a: FusionDiffArgs) -> Result<()> {
         .as_object()
         .map(|o| o.keys().cloned().collect())
         .unwrap_or_default();
+    let gold = gold_answers(&ra, &rb);
     let mut out = serde_json::Map::new();
     for name in names {
         let (x, y) = (run_answers(&ra, &name), run_answers(&rb, &name));
@@ -759,15 +777,19 @@ pub fn diff(a: FusionDiffArgs) -> Result<()> {
             );
         }
         if let Some(g) = run_agreement(&x, &y) {
-            out.insert(
-                name,
-                serde_json::json!({
-                    "questions": g.questions,
-                    "first_token_agreement": g.first_token,
-                    "answer_f1": g.answer_f1,
-                    "answer_em": g.answer_em,
-                }),
-            );
+            let mut v = serde_json::json!({
+                "questions": g.questions,
+                "first_token_agreement": g.first_token,
+                "answer_f1": g.answer_f1,
+                "answer_em": g.answer_em,
+            });
+            if let Some(gold) = &gold {
+                let (fa, fb, ci) = gold_f1_pair(&x, &y, gold);
+                v["gold_f1_a"] = fa.into();
+                v["gold_f1_b"] = fb.into();
+                v["gold_f1_delta_ci95"] = serde_json::json!(ci);
+            }
+            out.insert(name, v);
         }
     }
     if out.is_empty() {
@@ -779,20 +801,60 @@ pub fn diff(a: FusionDiffArgs) -> Result<()> {
     }
     println!("{} against {}", a.b.display(), a.a.display());
     println!(
-        "{:<16} {:>9} {:>8} {:>8} {:>8}",
-        "policy", "questions", "1st-tok", "F1", "EM"
+        "{:<16} {:>9} {:>8} {:>8} {:>8} {:>9} {:>9} {:>18}",
+        "policy", "questions", "1st-tok", "F1", "EM", "gold F1 a", "gold F1 b", "b - a CI95"
     );
     for (name, v) in &out {
+        let f = |k: &str| v[k].as_f64().unwrap_or(f64::NAN);
         println!(
-            "{:<16} {:>9} {:>8.3} {:>8.3} {:>8.3}",
+            "{:<16} {:>9} {:>8.3} {:>8.3} {:>8.3} {:>9.3} {:>9.3}   [{:+.3}, {:+.3}]",
             name,
             v["questions"],
-            v["first_token_agreement"].as_f64().unwrap_or(0.0),
-            v["answer_f1"].as_f64().unwrap_or(0.0),
-            v["answer_em"].as_f64().unwrap_or(0.0),
+            f("first_token_agreement"),
+            f("answer_f1"),
+            f("answer_em"),
+            f("gold_f1_a"),
+            f("gold_f1_b"),
+            v["gold_f1_delta_ci95"][0].as_f64().unwrap_or(f64::NAN),
+            v["gold_f1_delta_ci95"][1].as_f64().unwrap_or(f64::NAN),
         );
     }
     Ok(())
+}
+
+/// The gold answers of the data file both runs were measured on, by question index: none when
+/// they name different files (the same questions are then not known to be the same) or the
+/// file cannot be read.
+fn gold_answers(a: &serde_json::Value, b: &serde_json::Value) -> Option<Vec<Vec<String>>> {
+    let data = a["config"]["data"].as_str()?;
+    if b["config"]["data"].as_str()? != data {
+        return None;
+    }
+    let examples: Vec<Example> = serde_json::from_str(&std::fs::read_to_string(data).ok()?).ok()?;
+    Some(examples.into_iter().map(|e| e.answers).collect())
+}
+
+/// Gold F1 of each run's answers on the questions both answered, and the 95 % bootstrap
+/// interval of the paired difference (b - a): whether a change of prompt or build costs
+/// answers, not only whether it changes them.
+fn gold_f1_pair(
+    a: &BTreeMap<u64, Answered>,
+    b: &BTreeMap<u64, Answered>,
+    gold: &[Vec<String>],
+) -> (f64, f64, [f64; 2]) {
+    let f1 = |x: &Answered, q: u64| {
+        gold.get(q as usize).map_or(0.0, |g| {
+            g.iter().map(|r| token_f1(&x.answer, r)).fold(0.0, f64::max)
+        })
+    };
+    let pairs: Vec<(f64, f64)> = a
+        .iter()
+        .filter_map(|(&q, x)| Some((f1(x, q), f1(b.get(&q)?, q))))
+        .collect();
+    let fa: Vec<f64> = pairs.iter().map(|p| p.0).collect();
+    let fb: Vec<f64> = pairs.iter().map(|p| p.1).collect();
+    let delta: Vec<f64> = pairs.iter().map(|p| p.1 - p.0).collect();
+    (mean(&fa), mean(&fb), bootstrap_ci95(&delta))
 }
 
 #[cfg(test)]
@@ -837,6 +899,20 @@ mod tests {
         );
         assert!((g.answer_em - 0.5).abs() < 1e-9);
         assert_eq!(run_agreement(&a, &run(&[(9, 1, "")])), None);
+
+        // Gold F1 of each run on questions 0 and 2, the best over each question's answers.
+        let gold: Vec<Vec<String>> = [&["30 days"][..], &["Paris"], &["Rhine", "the Rhine river"]]
+            .iter()
+            .map(|g| g.iter().map(|s| s.to_string()).collect())
+            .collect();
+        let (fa, fb, ci) = gold_f1_pair(&a, &b, &gold);
+        assert!((fa - 1.0).abs() < 1e-9, "{fa}");
+        assert!((fb - 1.0).abs() < 1e-9, "{fb}");
+        assert_eq!(ci, [0.0, 0.0]);
+        let worse = run(&[(0, 7, "thirty"), (2, 9, "Rhine river")]);
+        let (_, fb, ci) = gold_f1_pair(&a, &worse, &gold);
+        assert!((fb - 0.5).abs() < 1e-9, "{fb}");
+        assert!(ci[0] <= -0.5 && ci[1] <= 0.0, "{ci:?}");
     }
 
     #[test]

@@ -14,8 +14,8 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use engram_fusion::{
-    chunk_tokens, no_answer, rag_prompt_with, relevant, Layout, Policy, DEFAULT_COPY_BIAS,
-    DEFAULT_LAYOUT, DEFAULT_POLICY, DEFAULT_SYSTEM,
+    chunk_tokens, distinct_passages, no_answer, rag_prompt_with, relevant, Layout, Policy,
+    DEFAULT_COPY_BIAS, DEFAULT_LAYOUT, DEFAULT_POLICY, DEFAULT_SYSTEM,
 };
 use engram_kb::{NewDocument, SearchRequest};
 use engram_kvstore::{DramTier, KvDtype, KvStore};
@@ -353,7 +353,13 @@ pub fn run(a: QaArgs) -> Result<()> {
         best_dense.push(best.unwrap_or(0.0) as f64);
         let grounded = relevant(&item.question, best);
         refused += usize::from(!grounded);
-        let passages: Vec<String> = hits.iter().map(|h| h.text.clone()).collect();
+        // As engramd: a passage that mostly repeats a better-ranked one is left out (the peer
+        // gets the same passages).
+        let texts: Vec<&str> = hits.iter().map(|h| h.text.as_str()).collect();
+        let passages: Vec<String> = distinct_passages(&texts)
+            .into_iter()
+            .map(|i| hits[i].text.clone())
+            .collect();
         let chunks: Vec<Vec<u32>> = passages
             .iter()
             .map(|p| chunk_tokens(&llm.tokenizer, p))

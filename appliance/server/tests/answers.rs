@@ -47,26 +47,31 @@ fn sample_daemon(dir: &Path) -> (std::net::SocketAddr, String) {
         assert_eq!(r.status, 202, "{}", r.text());
         ids.push(r.json()["documents"][0]["id"].as_u64().unwrap());
     }
-    let deadline = Instant::now() + Duration::from_secs(300);
     for id in ids {
-        loop {
-            let r = common::request(
-                addr,
-                "GET",
-                &format!("/api/v1/collections/handbook/documents/{id}"),
-                Some(&key),
-                None,
-            );
-            let stage = r.json()["stage"].as_str().unwrap_or("").to_owned();
-            if stage == "done" {
-                break;
-            }
-            assert_ne!(stage, "failed", "{}", r.text());
-            assert!(Instant::now() < deadline, "document {id} stuck at {stage}");
-            std::thread::sleep(Duration::from_millis(50));
-        }
+        wait_indexed(addr, &key, id);
     }
     (addr, key)
+}
+
+/// Waits until document `id` of the handbook collection is indexed.
+fn wait_indexed(addr: std::net::SocketAddr, key: &str, id: u64) {
+    let deadline = Instant::now() + Duration::from_secs(300);
+    loop {
+        let r = common::request(
+            addr,
+            "GET",
+            &format!("/api/v1/collections/handbook/documents/{id}"),
+            Some(key),
+            None,
+        );
+        let stage = r.json()["stage"].as_str().unwrap_or("").to_owned();
+        if stage == "done" {
+            return;
+        }
+        assert_ne!(stage, "failed", "{}", r.text());
+        assert!(Instant::now() < deadline, "document {id} stuck at {stage}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
 }
 
 fn ask(addr: std::net::SocketAddr, key: &str, question: &str) -> Value {
@@ -137,4 +142,33 @@ fn the_sample_corpus_is_answered_from_its_passages() {
         .filter_map(|v| v["text"].as_str().map(str::to_owned))
         .collect();
     assert_eq!(streamed.trim(), whole);
+
+    // The handbook uploaded a second time under another name: its chunks are retrieved with
+    // the same scores as the first copy's, and only one of each pair goes into the prompt and
+    // the citations (the rest repeat what is already there).
+    let folder = concat!(env!("CARGO_MANIFEST_DIR"), "/../../docs/samples/handbook");
+    let text = std::fs::read_to_string(format!("{folder}/employee-handbook.md")).unwrap();
+    let r = post(
+        addr,
+        &key,
+        "/api/v1/collections/handbook/documents/text",
+        json!({"name": "employee-handbook-copy.md", "text": text}),
+    );
+    assert_eq!(r.status, 202, "{}", r.text());
+    wait_indexed(addr, &key, r.json()["documents"][0]["id"].as_u64().unwrap());
+    let r = ask(addr, &key, question);
+    assert!(r["answer"].as_str().unwrap().contains("25"), "{r}");
+    let cited: Vec<(String, Value)> = r["citations"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| {
+            let name = c["doc_name"].as_str().unwrap();
+            (name.replace("-copy", ""), c["chars"].clone())
+        })
+        .collect();
+    assert!(!cited.is_empty(), "{r}");
+    for (i, c) in cited.iter().enumerate() {
+        assert!(!cited[..i].contains(c), "the same chunk cited twice: {r}");
+    }
 }

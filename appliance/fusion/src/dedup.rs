@@ -1,0 +1,118 @@
+//! Near-duplicate passages: a retrieved passage whose text is mostly in better-ranked ones
+//! adds no fact to a RAG prompt, and it makes fused prefill drift from full prefill (repeated
+//! text is read differently the second time, and a chunk's stored KV never saw the first).
+
+use std::collections::HashSet;
+
+/// Units per shingle: eight words (or Han characters) in a row. Long enough that ordinary
+/// phrases ("one of the largest", "in the early twentieth century") do not make two unrelated
+/// passages look alike; short enough that a sentence copied from one passage into another
+/// shows up.
+const SHINGLE: usize = 8;
+
+/// A passage is redundant when at least this share of its shingles is in passages kept
+/// before it. One half: of MuSiQue's 1,500 passages (overlapping windows of the same
+/// Wikipedia articles) 558 repeat under 0.4 of their text and 841 repeat 0.7 or more, with few
+/// between (`docs/bench/2026-11-28-fusion-musique.md`). A chunk that shares only its overlap
+/// with a neighbour (32 of 256 tokens by default) stays.
+pub const REDUNDANT_SHARE: f64 = 0.5;
+
+/// Indices of the passages to keep, in their order: a passage is dropped when at least
+/// [`REDUNDANT_SHARE`] of its shingles already appear in the passages kept before it.
+/// `passages` are in rank order (best first), so of two near-duplicates the better-ranked
+/// stays. A passage too short to have a shingle is kept.
+pub fn distinct_passages<S: AsRef<str>>(passages: &[S]) -> Vec<usize> {
+    let mut seen: HashSet<u64> = HashSet::new();
+    let mut keep = Vec::with_capacity(passages.len());
+    for (i, p) in passages.iter().enumerate() {
+        let own = shingles(p.as_ref());
+        let repeated = own.iter().filter(|s| seen.contains(s)).count();
+        if own.is_empty() || (repeated as f64) < REDUNDANT_SHARE * own.len() as f64 {
+            seen.extend(own);
+            keep.push(i);
+        }
+    }
+    keep
+}
+
+/// The distinct hashes of a text's shingles: runs of [`SHINGLE`] units, where a unit is a
+/// lower-cased run of letters and digits or a single Han character (Chinese has no spaces).
+fn shingles(text: &str) -> HashSet<u64> {
+    let mut units: Vec<u64> = Vec::new();
+    let mut word = String::new();
+    let flush = |word: &mut String, units: &mut Vec<u64>| {
+        if !word.is_empty() {
+            units.push(xxhash_rust::xxh3::xxh3_64(word.as_bytes()));
+            word.clear();
+        }
+    };
+    for c in text.chars() {
+        if is_han(c) {
+            flush(&mut word, &mut units);
+            let mut b = [0u8; 4];
+            units.push(xxhash_rust::xxh3::xxh3_64(c.encode_utf8(&mut b).as_bytes()));
+        } else if c.is_alphanumeric() {
+            word.extend(c.to_lowercase());
+        } else {
+            flush(&mut word, &mut units);
+        }
+    }
+    flush(&mut word, &mut units);
+    units
+        .windows(SHINGLE)
+        .map(|w| {
+            let bytes: Vec<u8> = w.iter().flat_map(|u| u.to_le_bytes()).collect();
+            xxhash_rust::xxh3::xxh3_64(&bytes)
+        })
+        .collect()
+}
+
+fn is_han(c: char) -> bool {
+    matches!(c as u32, 0x3400..=0x4DBF | 0x4E00..=0x9FFF | 0xF900..=0xFAFF | 0x20000..=0x2FA1F)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const A: &str = "The observatory on the northern ridge was built in the early twentieth \
+                     century by a society of amateur astronomers, who raised the money through \
+                     subscriptions and public lectures.";
+    const B: &str = "Every employee gets 25 days of paid leave per year, and unused days may be \
+                     carried over into the first quarter of the next year.";
+
+    #[test]
+    fn a_repeated_passage_is_dropped_and_the_better_ranked_copy_kept() {
+        let shifted = format!("{} Its first telescope was a refractor.", &A[30..]);
+        assert_eq!(distinct_passages(&[A, B, A]), vec![0, 1]);
+        // Case and punctuation do not hide a copy; a window shifted by a few words is one.
+        assert_eq!(
+            distinct_passages(&[A.to_uppercase().replace(',', ";"), B.into()]),
+            vec![0, 1]
+        );
+        assert_eq!(distinct_passages(&[A.to_owned(), shifted]), vec![0]);
+    }
+
+    #[test]
+    fn passages_that_share_a_sentence_or_less_are_kept() {
+        // Two passages with one sentence in common (a chunk and its neighbour's overlap).
+        let first = format!("{B} Requests go to the team lead at least two weeks ahead.");
+        let second = format!(
+            "Requests go to the team lead at least two weeks ahead. {A} The dome was turned \
+             by hand until an electric motor was fitted in the 1950s, and the weather station \
+             beside it has measured rain every day since 1921."
+        );
+        assert_eq!(distinct_passages(&[first, second]), vec![0, 1]);
+        // Too short for a shingle: kept, whatever it repeats.
+        assert_eq!(distinct_passages(&[A, "the northern ridge"]), vec![0, 1]);
+        assert_eq!(distinct_passages::<&str>(&[]), Vec::<usize>::new());
+    }
+
+    #[test]
+    fn chinese_is_compared_by_character() {
+        let a = "员工每年享有二十五天带薪年假，未使用的天数可以结转到下一年的第一季度。";
+        let b = "本公司总部位于上海，在北京、深圳和成都设有分公司，员工总数约为三千人。";
+        assert_eq!(distinct_passages(&[a, b, a]), vec![0, 1]);
+        assert_eq!(distinct_passages(&[a, b]), vec![0, 1]);
+    }
+}
