@@ -10,7 +10,7 @@ use std::time::Instant;
 use anyhow::{Context, Result};
 use clap::Args;
 use engram_fusion::{
-    chunk_tokens, distinct_passages, fused_prefill, rag_frame, rag_prompt, ChunkStore, CopyBias,
+    chunk_tokens, fused_prefill, rag_frame, rag_prompt, retain_distinct, ChunkStore, CopyBias,
     GateLimits, OutputText, Policy, DEFAULT_COPY_BIAS, DEFAULT_POLICY, DEFAULT_SYSTEM,
 };
 use engram_kb::{KnowledgeBase, SearchRequest};
@@ -172,15 +172,9 @@ pub fn ask(a: AskArgs) -> Result<()> {
     let t = Instant::now();
     let mut req = SearchRequest::new(&a.collection, &a.question);
     req.k = a.k;
-    let hits = kb.search(&req)?.hits;
+    let mut hits = kb.search(&req)?.hits;
     // As engramd: a passage that mostly repeats a better-ranked one is left out.
-    let keep = distinct_passages(&hits.iter().map(|h| h.text.as_str()).collect::<Vec<_>>());
-    let hits: Vec<_> = hits
-        .into_iter()
-        .enumerate()
-        .filter(|(i, _)| keep.binary_search(i).is_ok())
-        .map(|(_, h)| h)
-        .collect();
+    retain_distinct(&mut hits, |h| &h.text);
     let retrieve = t.elapsed();
 
     let llm = Llm::load(&a.kb)?;

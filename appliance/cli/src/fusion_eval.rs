@@ -14,8 +14,8 @@ use std::time::Duration;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use engram_fusion::{
-    bos_frame, chunk_tokens, distinct_passages, fused_prefill, kl_divergence, rag_frame,
-    rag_prefix_frame, rag_prompt_with, ChunkStore, FuseStats, Layout, OutputText, Policy,
+    bos_frame, chunk_tokens, fused_prefill, kl_divergence, rag_frame, rag_prefix_frame,
+    rag_prompt_with, retain_distinct, ChunkStore, FuseStats, Layout, OutputText, Policy,
     PrefixCache, DEFAULT_LAYOUT, DEFAULT_SYSTEM,
 };
 use engram_kvstore::{DramTier, IoMode, KvDtype, KvStore, NvmeOptions, NvmeTier};
@@ -75,7 +75,7 @@ pub struct FusionArgs {
     kv_deviation: bool,
     /// Passages of a question that make its prompt: `all`, as the data gives them, or
     /// `distinct`, as engramd assembles a prompt (a passage that mostly repeats one before it
-    /// is left out, `engram_fusion::distinct_passages`). Both policies and full prefill get the
+    /// is left out, `engram_fusion::retain_distinct`). Both policies and full prefill get the
     /// same prompt either way.
     #[arg(long, default_value = "all", value_parser = ["all", "distinct"])]
     passages: String,
@@ -200,18 +200,17 @@ pub fn run(a: FusionArgs) -> Result<()> {
     let mut passages_kept: Vec<f64> = Vec::new();
     let order: Vec<String> = policies.iter().map(Policy::name).collect();
     for (qi, ex) in examples.iter().enumerate() {
-        let texts: Vec<String> = ex
+        let mut texts: Vec<String> = ex
             .ctxs
             .iter()
             .map(|c| passage_text(&c.title, &c.text))
             .collect();
-        let kept: Vec<usize> = match a.passages.as_str() {
-            "distinct" => distinct_passages(&texts),
-            _ => (0..texts.len()).collect(),
-        };
-        let chunk_ids: Vec<Vec<u32>> = kept
+        if a.passages == "distinct" {
+            retain_distinct(&mut texts, String::as_str);
+        }
+        let chunk_ids: Vec<Vec<u32>> = texts
             .iter()
-            .map(|&i| chunk_tokens(tokenizer, &texts[i]))
+            .map(|t| chunk_tokens(tokenizer, t))
             .collect::<engram_tokenizer::Result<_>>()?;
         let prompt = rag_prompt_with(
             layout,
@@ -232,7 +231,7 @@ pub fn run(a: FusionArgs) -> Result<()> {
             skipped += 1;
             continue;
         }
-        passages_kept.push(kept.len() as f64);
+        passages_kept.push(texts.len() as f64);
         // Ingestion: every chunk's KV computed and stored (not part of TTFT).
         for c in &chunk_ids {
             chunks.ensure(model, c)?;

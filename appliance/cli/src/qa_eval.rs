@@ -14,7 +14,7 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use engram_fusion::{
-    chunk_tokens, distinct_passages, no_answer, rag_prompt_with, relevant, Layout, Policy,
+    chunk_tokens, no_answer, rag_prompt_with, relevant, retain_distinct, Layout, Policy,
     DEFAULT_COPY_BIAS, DEFAULT_LAYOUT, DEFAULT_POLICY, DEFAULT_SYSTEM,
 };
 use engram_kb::{NewDocument, SearchRequest};
@@ -355,11 +355,8 @@ pub fn run(a: QaArgs) -> Result<()> {
         refused += usize::from(!grounded);
         // As engramd: a passage that mostly repeats a better-ranked one is left out (the peer
         // gets the same passages).
-        let texts: Vec<&str> = hits.iter().map(|h| h.text.as_str()).collect();
-        let passages: Vec<String> = distinct_passages(&texts)
-            .into_iter()
-            .map(|i| hits[i].text.clone())
-            .collect();
+        let mut passages: Vec<String> = hits.iter().map(|h| h.text.clone()).collect();
+        retain_distinct(&mut passages, String::as_str);
         let chunks: Vec<Vec<u32>> = passages
             .iter()
             .map(|p| chunk_tokens(&llm.tokenizer, p))

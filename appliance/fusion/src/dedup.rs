@@ -17,22 +17,22 @@ const SHINGLE: usize = 8;
 /// with a neighbour (32 of 256 tokens by default) stays.
 pub const REDUNDANT_SHARE: f64 = 0.5;
 
-/// Indices of the passages to keep, in their order: a passage is dropped when at least
-/// [`REDUNDANT_SHARE`] of its shingles already appear in the passages kept before it.
-/// `passages` are in rank order (best first), so of two near-duplicates the better-ranked
-/// stays. A passage too short to have a shingle is kept.
-pub fn distinct_passages<S: AsRef<str>>(passages: &[S]) -> Vec<usize> {
+/// Keeps the passages that say something new: an item is dropped when at least
+/// [`REDUNDANT_SHARE`] of the shingles of its `text` already appear in the items kept before
+/// it. `items` are in rank order (best first), so of two near-duplicates the better-ranked
+/// stays; the order of those kept is unchanged. A passage too short to have a shingle is kept.
+pub fn retain_distinct<T>(items: &mut Vec<T>, text: impl Fn(&T) -> &str) {
     let mut seen: HashSet<u64> = HashSet::new();
-    let mut keep = Vec::with_capacity(passages.len());
-    for (i, p) in passages.iter().enumerate() {
-        let own = shingles(p.as_ref());
+    // `retain` visits every item once, in order.
+    items.retain(|item| {
+        let own = shingles(text(item));
         let repeated = own.iter().filter(|s| seen.contains(s)).count();
-        if own.is_empty() || (repeated as f64) < REDUNDANT_SHARE * own.len() as f64 {
+        let keep = own.is_empty() || (repeated as f64) < REDUNDANT_SHARE * own.len() as f64;
+        if keep {
             seen.extend(own);
-            keep.push(i);
         }
-    }
-    keep
+        keep
+    });
 }
 
 /// The distinct hashes of a text's shingles: runs of [`SHINGLE`] units, where a unit is a
@@ -74,6 +74,14 @@ fn is_han(c: char) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Indices of the passages [`retain_distinct`] keeps.
+    fn distinct_passages<S: AsRef<str>>(passages: &[S]) -> Vec<usize> {
+        let mut items: Vec<(usize, &str)> =
+            passages.iter().map(AsRef::as_ref).enumerate().collect();
+        retain_distinct(&mut items, |&(_, t)| t);
+        items.into_iter().map(|(i, _)| i).collect()
+    }
 
     const A: &str = "The observatory on the northern ridge was built in the early twentieth \
                      century by a society of amateur astronomers, who raised the money through \

@@ -7,7 +7,7 @@
 //!   (`full`, `reuse`, `boundary:N`, `deviation:R`).
 //! - [`PrefixCache`]: exact KV of shared prompt prefixes.
 //! - [`gate`](FidelityGate): the per-model self-check that decides whether fusion is used.
-//! - [`distinct_passages`]: drops retrieved passages that repeat better-ranked ones.
+//! - [`retain_distinct`]: drops retrieved passages that repeat better-ranked ones.
 #![forbid(unsafe_code)]
 
 mod answer;
@@ -27,7 +27,7 @@ pub use chunks::{
     Source, FINGERPRINT_RECORD,
 };
 pub use copy::{check_copy_bias, ends_number, CopyBias, DEFAULT_COPY_BIAS, MAX_COPY_BIAS};
-pub use dedup::{distinct_passages, REDUNDANT_SHARE};
+pub use dedup::{retain_distinct, REDUNDANT_SHARE};
 pub use error::{FusionError, Result};
 pub use fuse::{
     fused_prefill, fused_prefill_interleaved, FuseStats, FusedPrompt, Interleave, Prefilled,

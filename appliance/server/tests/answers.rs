@@ -10,6 +10,9 @@ use std::time::{Duration, Instant};
 use engram_server::{KeyStore, Scope};
 use serde_json::{json, Value};
 
+/// The sample corpus `scripts/run.sh` indexes.
+const HANDBOOK: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../docs/samples/handbook");
+
 fn post(addr: std::net::SocketAddr, key: &str, path: &str, body: Value) -> common::Resp {
     let bytes = serde_json::to_vec(&body).unwrap();
     common::request(
@@ -32,9 +35,8 @@ fn sample_daemon(dir: &Path) -> (std::net::SocketAddr, String) {
         json!({"name": "handbook"}),
     );
     assert_eq!(r.status, 201, "{}", r.text());
-    let folder = concat!(env!("CARGO_MANIFEST_DIR"), "/../../docs/samples/handbook");
     let mut ids = Vec::new();
-    for entry in std::fs::read_dir(folder).unwrap() {
+    for entry in std::fs::read_dir(HANDBOOK).unwrap() {
         let path = entry.unwrap().path();
         let name = path.file_name().unwrap().to_string_lossy().into_owned();
         let text = std::fs::read_to_string(&path).unwrap();
@@ -146,8 +148,7 @@ fn the_sample_corpus_is_answered_from_its_passages() {
     // The handbook uploaded a second time under another name: its chunks are retrieved with
     // the same scores as the first copy's, and only one of each pair goes into the prompt and
     // the citations (the rest repeat what is already there).
-    let folder = concat!(env!("CARGO_MANIFEST_DIR"), "/../../docs/samples/handbook");
-    let text = std::fs::read_to_string(format!("{folder}/employee-handbook.md")).unwrap();
+    let text = std::fs::read_to_string(format!("{HANDBOOK}/employee-handbook.md")).unwrap();
     let r = post(
         addr,
         &key,

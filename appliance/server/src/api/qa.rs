@@ -78,21 +78,16 @@ pub struct QaResponse {
 /// The hits an answer is built from: none when the best one is not about the question (see
 /// [`engram_fusion::relevant`]), so the engine answers that nothing relevant was found instead
 /// of letting the model invent an answer from unrelated passages; otherwise every hit but those
-/// that mostly repeat a better-ranked one (see [`engram_fusion::distinct_passages`]: the same
+/// that mostly repeat a better-ranked one (see [`engram_fusion::retain_distinct`]: the same
 /// text twice adds no fact, costs prefill and makes fused prefill drift from full prefill).
 /// The citations are the hits kept.
-pub fn grounded(question: &str, hits: Vec<Hit>) -> Vec<Hit> {
+pub fn grounded(question: &str, mut hits: Vec<Hit>) -> Vec<Hit> {
     let best = hits.iter().filter_map(|h| h.dense).reduce(f32::max);
     if !engram_fusion::relevant(question, best) {
         return Vec::new();
     }
-    let texts: Vec<&str> = hits.iter().map(|h| h.text.as_str()).collect();
-    let keep = engram_fusion::distinct_passages(&texts);
-    hits.into_iter()
-        .enumerate()
-        .filter(|(i, _)| keep.binary_search(i).is_ok())
-        .map(|(_, h)| h)
-        .collect()
+    engram_fusion::retain_distinct(&mut hits, |h| &h.text);
+    hits
 }
 
 pub fn citations(hits: &[Hit]) -> Vec<Citation> {
