@@ -85,8 +85,8 @@ pub struct AskArgs {
     /// Sampling temperature (0 = greedy).
     #[arg(long, default_value_t = 0.0)]
     temperature: f32,
-    /// While the answer is writing a number, logit bias of the tokens that follow its ending in
-    /// a retrieved passage (0 = off); see `engram_fusion::CopyBias`.
+    /// While the answer is writing a number or a character, logit bias of the tokens that
+    /// follow its ending in a retrieved passage (0 = off); see `engram_fusion::CopyBias`.
     #[arg(long, default_value_t = DEFAULT_COPY_BIAS)]
     copy_bias: f32,
     /// Print one JSON object (answer, citations, timings) instead of streaming.
@@ -372,7 +372,7 @@ pub fn generate(
         }
     }
     if !stopped {
-        on_piece(&text.finish(&detok.finish()).0);
+        on_piece(&text.finish().0);
     }
     Ok(Generated {
         text: text.text().to_owned(),

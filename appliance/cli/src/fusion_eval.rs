@@ -596,7 +596,7 @@ fn answer_of(loaded: &crate::Loaded, ids: &[u32], question: &str) -> (String, us
             return (text.text().trim().to_owned(), i + 1);
         }
     }
-    text.finish(&detok.finish());
+    text.finish();
     (text.text().trim().to_owned(), ids.len())
 }
 

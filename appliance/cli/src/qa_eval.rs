@@ -14,8 +14,8 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use engram_fusion::{
-    chunk_tokens, no_answer, rag_prompt_with, relevant, retain_distinct, Layout, Policy,
-    DEFAULT_COPY_BIAS, DEFAULT_LAYOUT, DEFAULT_POLICY, DEFAULT_SYSTEM,
+    chunk_tokens, no_answer, not_answered, rag_prompt_with, relevant, retain_distinct, Layout,
+    Policy, DEFAULT_COPY_BIAS, DEFAULT_LAYOUT, DEFAULT_POLICY, DEFAULT_SYSTEM,
 };
 use engram_kb::{NewDocument, SearchRequest};
 use engram_kvstore::{DramTier, KvDtype, KvStore};
@@ -121,6 +121,7 @@ struct Tally {
     em: Vec<f64>,
     /// Retrieval to first token (Engram), retrieval to whole answer (the peer).
     ttft_ms: Vec<f64>,
+    /// Answers with nothing in them: empty, or Engram's `not_answered`.
     empty: usize,
 }
 
@@ -397,12 +398,9 @@ pub fn run(a: QaArgs) -> Result<()> {
         for ((layout, bias, name), tally) in systems.iter().zip(tallies.iter_mut()) {
             let prompt = &prompts[*layout];
             if !grounded {
+                // A refusal is scored as no answer (its words are not an answer's).
                 let answer = no_answer(&item.question);
-                tally.add(
-                    best_score(answer, &item.answers, chinese),
-                    retrieve_ms,
-                    false,
-                );
+                tally.add(best_score("", &item.answers, chinese), retrieve_ms, false);
                 line.push(format!("  {name}: {answer:?}"));
                 continue;
             }
@@ -418,12 +416,9 @@ pub fn run(a: QaArgs) -> Result<()> {
                 &mut |_| {},
             )?;
             let answer = g.text.trim().to_owned();
-            let score = best_score(&answer, &item.answers, chinese);
-            tally.add(
-                score,
-                retrieve_ms + g.first_token.as_secs_f64() * 1e3,
-                answer.is_empty(),
-            );
+            let none = answer.is_empty() || answer == not_answered(&item.question);
+            let score = best_score(if none { "" } else { &answer }, &item.answers, chinese);
+            tally.add(score, retrieve_ms + g.first_token.as_secs_f64() * 1e3, none);
             line.push(format!("  {name} (f1 {:.2}): {answer:?}", score.f1));
         }
         if let Some(url) = &a.peer {

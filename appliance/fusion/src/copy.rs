@@ -1,22 +1,28 @@
-//! Copy bias: a number a RAG answer has started writing is nudged to go on as a retrieved
-//! passage writes it.
+//! Copy bias: a number or a character a RAG answer has started writing is nudged to go on as a
+//! retrieved passage writes it.
 //!
 //! A small model answers from passages by copying, and numbers are where it loses the thread:
 //! asked within how many days expense claims are submitted, the default model writes " 3" and
 //! then weighs " days" against "0" almost evenly (0.7 apart), though the passage says "within 30
 //! days" and no passage says "3 days"; asked how many people were lost in Algiers, it answers
-//! "3" where the passage says "30 to 50 thousand". While the answer's last token ends in a
-//! digit, its longest ending that also occurs in the retrieved passages is found, and every
-//! token that follows that ending there (another digit, a separator, a unit) gets
-//! [`CopyBias`]'s bias added to its logit: the passages' own continuations win such near-ties,
-//! and among them, or where the model is sure of something else, the model still chooses.
-//! Elsewhere nothing is biased: biasing every continuation of any ending made answers run on,
-//! copying the rest of a sentence, and biasing only a letter or digit straight after one (to
-//! finish the word) turned "7,000,000" into "734,000", another passage's number, as the comma
-//! was not biased. Measured with `engram eval qa --copy-bias`
-//! (docs/bench/2026-11-27-copy-bias.md).
+//! "3" where the passage says "30 to 50 thousand". While the answer [ends open](ends_open) (its
+//! last token ends in a digit, or its last character is not complete), its longest ending that
+//! also occurs in the retrieved passages is found, and every token that follows that ending
+//! there (another digit, a separator, a unit, the rest of the character) gets [`CopyBias`]'s
+//! bias added to its logit: the passages' own continuations win such near-ties, and among them,
+//! or where the model is sure of something else, the model still chooses.
+//!
+//! The character case is Chinese: a byte-level vocabulary spells most Han characters with two
+//! or three tokens, and the default model, having started a character from a passage, often
+//! ends it with another's bytes, writing characters no passage has ("20世线" for "20世纪",
+//! "政河" for "政治"). Elsewhere nothing is biased: biasing every continuation of any ending made
+//! English answers run on, copying the rest of a sentence, and so did continuing every whole
+//! Han character in Chinese (as many answers changed, none better on average); biasing only a
+//! letter or digit straight after one (to finish the word) turned "7,000,000" into "734,000",
+//! another passage's number, as the comma was not biased. Measured with `engram eval qa
+//! --copy-bias` (docs/bench/2026-11-27-copy-bias.md, docs/bench/2026-11-28-qa-zh.md).
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 
 use engram_tokenizer::Tokenizer;
 
@@ -50,8 +56,8 @@ const SEPARATOR: u32 = u32::MAX;
 pub struct CopyBias {
     /// The chunks' token ids one after another, [`SEPARATOR`] after each.
     text: Vec<u32>,
-    /// Token ids that end in a digit (`ends_number`) among the passages' tokens.
-    numeric: HashSet<u32>,
+    /// The bytes of every token id in the passages.
+    pieces: HashMap<u32, Vec<u8>>,
     /// Token id -> its positions in `text`, ascending.
     at: HashMap<u32, Vec<usize>>,
     bias: f32,
@@ -63,22 +69,41 @@ pub fn ends_number(piece: &[u8]) -> bool {
     piece.last().is_some_and(u8::is_ascii_digit)
 }
 
+/// Whether text ending in `tail` (its last bytes) is in the middle of something written as the
+/// passages write it: a number (it ends in an ASCII digit), or a character whose bytes are not
+/// all there yet (a byte-level vocabulary spells most Chinese characters with two or three
+/// tokens, and a model that starts one from a passage and ends it elsewhere writes a character
+/// no passage has: "20世线" for "20世纪").
+pub fn ends_open(tail: &[u8]) -> bool {
+    if ends_number(tail) {
+        return true;
+    }
+    // The last character's first byte: at most 3 continuation bytes (10xxxxxx) follow it.
+    let Some(start) = (tail.len().saturating_sub(4)..tail.len())
+        .rev()
+        .find(|&i| tail[i] & 0xC0 != 0x80)
+    else {
+        return false;
+    };
+    let want = match tail[start] {
+        0xC0..=0xDF => 2,
+        0xE0..=0xEF => 3,
+        0xF0..=0xF7 => 4,
+        _ => 1,
+    };
+    tail.len() - start < want
+}
+
 impl CopyBias {
-    /// The bias over `prompt`'s retrieved chunks, numbers told by `tokenizer`'s pieces;
-    /// `None` when `bias` is 0 or there are no chunks.
+    /// The bias over `prompt`'s retrieved chunks, pieces from `tokenizer`; `None` when `bias`
+    /// is 0 or there are no chunks.
     pub fn from_prompt(prompt: &FusedPrompt, tokenizer: &Tokenizer, bias: f32) -> Option<Self> {
-        Self::new(&prompt.chunks, bias, |t| {
-            ends_number(tokenizer.token_piece(t))
-        })
+        Self::new(&prompt.chunks, bias, |t| tokenizer.token_piece(t).to_vec())
     }
 
-    /// The bias over `chunks` (token ids), where `in_number(t)` says whether token `t` ends in
-    /// a digit; `None` when `bias` is 0 or nothing is to be copied.
-    pub fn new(
-        chunks: &[Vec<u32>],
-        bias: f32,
-        in_number: impl Fn(u32) -> bool,
-    ) -> Option<CopyBias> {
+    /// The bias over `chunks` (token ids), where `piece(t)` gives token `t`'s bytes; `None`
+    /// when `bias` is 0 or nothing is to be copied.
+    pub fn new(chunks: &[Vec<u32>], bias: f32, piece: impl Fn(u32) -> Vec<u8>) -> Option<CopyBias> {
         if bias == 0.0 || chunks.iter().all(Vec::is_empty) {
             return None;
         }
@@ -93,28 +118,44 @@ impl CopyBias {
                 at.entry(t).or_default().push(i);
             }
         }
-        let numeric = at.keys().copied().filter(|&t| in_number(t)).collect();
+        let pieces = at.keys().map(|&t| (t, piece(t))).collect();
         Some(CopyBias {
             text,
-            numeric,
+            pieces,
             at,
             bias,
         })
     }
 
+    /// Whether `answer` ends [open](ends_open), judged by its last tokens' bytes (those the
+    /// passages have: an answer whose last token they lack has nothing to copy anyway).
+    fn open(&self, answer: &[u32]) -> bool {
+        let mut tail: Vec<u8> = Vec::new();
+        for t in answer.iter().rev() {
+            let Some(p) = self.pieces.get(t) else {
+                break;
+            };
+            tail.splice(0..0, p.iter().copied());
+            if tail.len() >= 4 {
+                break;
+            }
+        }
+        ends_open(&tail)
+    }
+
     /// The tokens that follow, somewhere in the passages, the longest ending of `answer` (the
     /// tokens generated so far) the passages contain, in ascending order; empty unless the
-    /// answer's last token ends in a digit and occurs in a passage.
+    /// answer [ends open](ends_open) and its last token occurs in a passage.
     pub fn continuations(&self, answer: &[u32]) -> Vec<u32> {
         let Some(&last) = answer.last() else {
             return Vec::new();
         };
-        if !self.numeric.contains(&last) {
-            return Vec::new();
-        }
         let Some(ends) = self.at.get(&last) else {
             return Vec::new();
         };
+        if !self.open(answer) {
+            return Vec::new();
+        }
         // The occurrences of the answer's last `len` tokens, grown while any remain.
         let mut matched: Vec<usize> = ends.clone();
         for len in 2..=answer.len().min(MAX_MATCH) {
@@ -157,14 +198,26 @@ impl CopyBias {
 mod tests {
     use super::*;
 
-    // Token ids in these tests: 0-9 the digits, 20 " ", 21 ",", and every other id a word.
-    fn digit(t: u32) -> bool {
-        t < 10
+    // Token ids in these tests: 0-9 the digits, 20 " ", 21 ",", 100-105 bytes of Chinese
+    // characters (below), and every other id a word.
+    fn piece(t: u32) -> Vec<u8> {
+        match t {
+            0..=9 => vec![b'0' + t as u8],
+            20 => b" ".to_vec(),
+            21 => b",".to_vec(),
+            // "世" is E4 B8 96, "纪" E7 BA AA, "年" E5 B9 B4.
+            100 => vec![0xE4],
+            101 => vec![0xB8, 0x96],
+            102 => vec![0xE7],
+            103 => vec![0xBA, 0xAA],
+            104 => vec![0xE5, 0xB9, 0xB4],
+            _ => b" word".to_vec(),
+        }
     }
 
     fn bias(chunks: &[&[u32]]) -> CopyBias {
         let chunks: Vec<Vec<u32>> = chunks.iter().map(|c| c.to_vec()).collect();
-        CopyBias::new(&chunks, 1.5, digit).unwrap()
+        CopyBias::new(&chunks, 1.5, piece).unwrap()
     }
 
     #[test]
@@ -228,6 +281,36 @@ mod tests {
     }
 
     #[test]
+    fn a_character_split_over_tokens_ends_as_a_passage_ends_it() {
+        // "20世纪" "," "年": a byte-level vocabulary spells "纪" as two tokens, 102 and 103.
+        let b = bias(&[&[2, 0, 100, 101, 102, 103, 21, 104]]);
+        // Inside "纪" (its first byte written): the passage's second half.
+        assert_eq!(b.continuations(&[2, 0, 100, 101, 102]), vec![103]);
+        // After the whole character "世" or "纪", the model chooses: Chinese words are not
+        // continued (measured: docs/bench/2026-11-28-qa-zh.md).
+        assert!(b.continuations(&[2, 0, 100, 101]).is_empty());
+        assert!(b.continuations(&[100, 101, 102, 103]).is_empty());
+        // After a digit, as before: "20" goes on with "世"'s first byte.
+        assert_eq!(b.continuations(&[2, 0]), vec![100]);
+    }
+
+    #[test]
+    fn open_endings_are_numbers_and_split_characters() {
+        assert!(ends_open(b" 2010"));
+        assert!(ends_open(&"世".as_bytes()[..1]));
+        assert!(ends_open(&"世".as_bytes()[..2]));
+        assert!(ends_open(&[b'a', 0xF0, 0x9F, 0x98]));
+        assert!(ends_open(&[b'C', b'a', b'f', 0xC3]));
+        assert!(!ends_open("二十世".as_bytes()));
+        assert!(!ends_open(b" days"));
+        assert!(!ends_open("世，".as_bytes()));
+        assert!(!ends_open("Café".as_bytes()));
+        assert!(!ends_open(b""));
+        // Continuation bytes whose first byte is not in the tail: nothing to judge by.
+        assert!(!ends_open(&[0x80, 0x80, 0x80, 0x80]));
+    }
+
+    #[test]
     fn a_bias_is_checked() {
         assert!(check_copy_bias(0.0).is_ok());
         assert!(check_copy_bias(DEFAULT_COPY_BIAS).is_ok());
@@ -239,9 +322,9 @@ mod tests {
 
     #[test]
     fn a_zero_bias_or_no_passage_is_no_bias() {
-        assert!(CopyBias::new(&[vec![1, 2]], 0.0, digit).is_none());
-        assert!(CopyBias::new(&[], 1.0, digit).is_none());
-        assert!(CopyBias::new(&[Vec::new()], 1.0, digit).is_none());
+        assert!(CopyBias::new(&[vec![1, 2]], 0.0, piece).is_none());
+        assert!(CopyBias::new(&[], 1.0, piece).is_none());
+        assert!(CopyBias::new(&[Vec::new()], 1.0, piece).is_none());
     }
 
     #[test]

@@ -67,7 +67,9 @@ fn shingles(text: &str) -> HashSet<u64> {
         .collect()
 }
 
-fn is_han(c: char) -> bool {
+/// Whether `c` is a Han character (CJK unified ideographs, their extensions and compatibility
+/// forms).
+pub(crate) fn is_han(c: char) -> bool {
     matches!(c as u32, 0x3400..=0x4DBF | 0x4E00..=0x9FFF | 0xF900..=0xFAFF | 0x20000..=0x2FA1F)
 }
 

@@ -193,8 +193,7 @@ pub fn han_share(text: &str) -> f64 {
     let (mut han, mut letters) = (0usize, 0usize);
     for c in text.chars().filter(|c| c.is_alphanumeric()) {
         letters += 1;
-        if matches!(c as u32, 0x3400..=0x4DBF | 0x4E00..=0x9FFF | 0xF900..=0xFAFF | 0x20000..=0x2FA1F)
-        {
+        if crate::dedup::is_han(c) {
             han += 1;
         }
     }

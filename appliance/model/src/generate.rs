@@ -158,8 +158,7 @@ pub fn generate(
         pos += 1;
     }
     if finish == FinishReason::Length || finish == FinishReason::Eog {
-        let (emit, _) = stop.push(&detok.finish());
-        let rest = emit + &stop.flush();
+        let rest = stop.flush();
         if !rest.is_empty() {
             on_text(&rest);
         }

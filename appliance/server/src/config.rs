@@ -106,8 +106,8 @@ pub struct RawFusion {
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RawAnswers {
-    /// Logit bias of the passages' continuations of a number a RAG answer is writing
-    /// (`engram_fusion::CopyBias`); 0 turns it off.
+    /// Logit bias of the passages' continuations of a number or a character a RAG answer is
+    /// writing (`engram_fusion::CopyBias`); 0 turns it off.
     pub copy_bias: Option<f32>,
 }
 

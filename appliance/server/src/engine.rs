@@ -107,8 +107,8 @@ pub enum Event {
 /// (nucleus `top_p`, 1 disables) from a generator seeded with `seed`; the answer ends before
 /// the first of `stops` that appears in its text. With a `grammar`, only tokens that keep the
 /// output inside it are sampled, and the answer ends when the grammar is complete. In a RAG
-/// answer without a grammar, a number goes on as the passages write it (`copy_bias`, `None`:
-/// the configured one; see `engram_fusion::CopyBias`).
+/// answer without a grammar, a number or a character goes on as the passages write it
+/// (`copy_bias`, `None`: the configured one; see `engram_fusion::CopyBias`).
 #[derive(Clone, Debug)]
 pub struct Sampling {
     pub temperature: f32,
@@ -638,7 +638,7 @@ impl Engine {
     fn finish(&self, mut a: Active<'_>, mut finish_reason: &'static str) {
         // After a stop string nothing more goes out; else the detokenizer's and the stop
         // matcher's held text (which may still end at a stop string).
-        let (tail, stopped) = a.out.finish(&a.detok.finish());
+        let (tail, stopped) = a.out.finish();
         if stopped {
             finish_reason = "stop";
         }
@@ -925,7 +925,7 @@ mod tests {
                 return (out, true);
             }
         }
-        out.push_str(&m.finish("").0);
+        out.push_str(&m.finish().0);
         (out, false)
     }
 

@@ -451,7 +451,8 @@ fn sentencepiece_backend(vocab: &Vocab) -> Result<tokenizers::Tokenizer> {
 }
 
 /// Streams text as token ids arrive, emitting only complete UTF-8: a character whose bytes are
-/// split over several tokens is held back until its last byte arrives.
+/// split over several tokens is held back until its last byte arrives, and one still held when
+/// generation stops (a token limit, a stop) is never written: a reader gets no U+FFFD for it.
 #[derive(Debug)]
 pub struct Detokenizer<'a> {
     tokenizer: &'a Tokenizer,
@@ -512,10 +513,5 @@ impl<'a> Detokenizer<'a> {
     /// Whether bytes of an incomplete character are held back.
     pub fn has_pending(&self) -> bool {
         !self.pending.is_empty()
-    }
-
-    /// Flushes what is held back, lossily.
-    pub fn finish(self) -> String {
-        String::from_utf8_lossy(&self.pending).into_owned()
     }
 }

@@ -39,8 +39,8 @@ pub struct QaBody {
     pub temperature: f32,
     #[serde(default)]
     pub seed: u64,
-    /// Logit bias towards going on with a number the way the retrieved passages write it (0
-    /// turns it off, at most 10); the configured `answers.copy_bias` by default.
+    /// Logit bias towards going on with a number or a character the way the retrieved passages
+    /// write it (0 turns it off, at most 10); the configured `answers.copy_bias` by default.
     pub copy_bias: Option<f32>,
     #[serde(default)]
     pub stream: bool,
