@@ -8,7 +8,8 @@
 #                           [--model PATH] [--threads N] [--out FILE.jsonl]
 #
 # Prints one table per set, then one line per set:
-#   QA[set] engram_f1=X peer_f1=Y gap=X-Y recall@5=R
+#   QA[set] engram_f1=X peer_f1=Y gap=X-Y gap_ci95=[lo,hi] ... recall@5=R
+# (gap_ci95: the paired bootstrap 95 % interval of Engram's F1 minus the peer's)
 set -euo pipefail
 
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -31,7 +32,7 @@ while [[ $# -gt 0 ]]; do
         --model) model="$2"; shift 2 ;;
         --threads) threads="$2"; shift 2 ;;
         --out) out="$2"; shift 2 ;;
-        -h|--help) sed -n 2,11p "$0"; exit 0 ;;
+        -h|--help) sed -n 2,12p "$0"; exit 0 ;;
         *) die "unknown argument: $1" ;;
     esac
 done
@@ -76,8 +77,10 @@ r = json.loads(sys.argv[1])
 eng = next(v for k, v in r["systems"].items() if k.startswith("engram:"))
 peer = r["systems"]["peer"]
 k = r["k"]
+lo, hi = (-x for x in reversed(peer["f1_delta_ci95"]))
 print(f'QA[{r["set"]}] engram_f1={eng["f1"]:.3f} peer_f1={peer["f1"]:.3f} '
-      f'gap={eng["f1"] - peer["f1"]:+.3f} engram_em={eng["em"]:.3f} peer_em={peer["em"]:.3f} '
+      f'gap={eng["f1"] - peer["f1"]:+.3f} gap_ci95=[{lo:+.3f},{hi:+.3f}] '
+      f'engram_em={eng["em"]:.3f} peer_em={peer["em"]:.3f} '
       f'recall@{k}={r[f"recall@{k}"]:.3f} questions={r["questions"]} policy={r["policy"]}')
 PY
 )")

@@ -443,17 +443,21 @@ pub fn run(a: QaArgs) -> Result<()> {
         None => None,
     };
     let systems_run = systems;
-    let mut systems = serde_json::Map::new();
-    for ((_, _, name), tally) in systems_run.iter().zip(&tallies) {
-        let mut v = tally.json("ttft_ms_mean");
+    // Each system's tally, with its F1 against the first system's, paired.
+    let with_delta = |tally: &Tally, time: &str| {
+        let mut v = tally.json(time);
         if let Some((delta, ci)) = f1_vs_first(tally, &tallies[0]) {
             v["f1_delta_vs_first"] = delta.into();
             v["f1_delta_ci95"] = serde_json::json!(ci);
         }
-        systems.insert(name.clone(), v);
+        v
+    };
+    let mut systems = serde_json::Map::new();
+    for ((_, _, name), tally) in systems_run.iter().zip(&tallies) {
+        systems.insert(name.clone(), with_delta(tally, "ttft_ms_mean"));
     }
     if a.peer.is_some() {
-        systems.insert("peer".into(), peer.json("answer_ms_mean"));
+        systems.insert("peer".into(), with_delta(&peer, "answer_ms_mean"));
     }
     let out = serde_json::json!({
         "set": a.set,
