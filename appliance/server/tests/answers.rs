@@ -113,6 +113,22 @@ fn the_sample_corpus_is_answered_from_its_passages() {
         assert_eq!(r["citations"][0]["collection"], "handbook", "{r}");
     }
 
+    // In Chinese ("12 个字符"), cut off by the token limit at every point: "符" takes two of
+    // the default model's tokens, and an answer cut between them ends before it, never in
+    // U+FFFD.
+    for max_tokens in 3..=8 {
+        let r = post(
+            addr,
+            &key,
+            "/api/v1/qa",
+            json!({"question": "新密码至少需要多少个字符？", "collections": ["handbook"], "max_tokens": max_tokens}),
+        );
+        assert_eq!(r.status, 200, "{}", r.text());
+        let answer = r.json()["answer"].as_str().unwrap().to_owned();
+        assert!(answer.starts_with("12"), "{max_tokens}: {answer:?}");
+        assert!(!answer.contains('\u{FFFD}'), "{max_tokens}: {answer:?}");
+    }
+
     // Nothing in the handbook is about this: the answer says so instead of inventing one, and
     // cites nothing.
     let r = ask(addr, &key, "Who won the football World Cup in 2018?");
