@@ -78,20 +78,16 @@ pub fn ends_open(tail: &[u8]) -> bool {
     if ends_number(tail) {
         return true;
     }
-    // The last character's first byte: at most 3 continuation bytes (10xxxxxx) follow it.
+    // The last character's first byte: at most 3 continuation bytes (10xxxxxx) follow it. From
+    // there the character is incomplete when the decoder wants more bytes, the rule the
+    // detokenizer holds bytes back by.
     let Some(start) = (tail.len().saturating_sub(4)..tail.len())
         .rev()
         .find(|&i| tail[i] & 0xC0 != 0x80)
     else {
         return false;
     };
-    let want = match tail[start] {
-        0xC0..=0xDF => 2,
-        0xE0..=0xEF => 3,
-        0xF0..=0xF7 => 4,
-        _ => 1,
-    };
-    tail.len() - start < want
+    matches!(std::str::from_utf8(&tail[start..]), Err(e) if e.error_len().is_none())
 }
 
 impl CopyBias {
