@@ -57,6 +57,27 @@ struct FusionArgs {
     /// Runs of each figure; the median is reported.
     #[arg(long, default_value_t = 3)]
     repetitions: usize,
+    /// Also print, for the first --recompute variant, each layer's copy and compute times of
+    /// the overlapped run (copy lane against compute lane).
+    #[arg(long)]
+    timeline: bool,
+}
+
+/// How decode runs on the GPU (`engram gpu check` and `bench` compare the variants).
+#[derive(Args)]
+struct DecodePath {
+    /// How the decode GEMVs are launched: `default`, another block shape (`r1w4`, `r4w4`,
+    /// `r2w8`, `r8w2`: rows and warps per block; Q4_0 and Q4_K at 1 and 8 sequences), each
+    /// optionally with `/pN`, a persistent grid of N blocks per multiprocessor.
+    #[arg(long, default_value = "default")]
+    gemv: String,
+    /// Decode with the fused element-wise kernels (`GpuModel::set_fused`).
+    #[arg(long)]
+    fuse: bool,
+    /// Decode launch by launch instead of replaying a captured CUDA graph
+    /// (`GpuModel::set_graphs`).
+    #[arg(long)]
+    no_graphs: bool,
 }
 
 #[derive(Args)]
@@ -95,6 +116,12 @@ struct CheckArgs {
     /// needs four bytes of memory per weight).
     #[arg(long)]
     f32_reference: bool,
+    #[command(flatten)]
+    decode_path: DecodePath,
+    /// Also decode this many sequences of different lengths together (one batched call per
+    /// step) and hold each one's logits to the same sequence decoded alone.
+    #[arg(long, default_value_t = 0)]
+    batch: usize,
 }
 
 #[derive(Args)]
@@ -134,6 +161,8 @@ struct BenchArgs {
     /// device is synchronised between kinds, so these passes run slower).
     #[arg(long)]
     profile: bool,
+    #[command(flatten)]
+    decode_path: DecodePath,
 }
 
 /// Runs `engram gpu`.
@@ -156,7 +185,7 @@ mod imp {
     use std::time::Instant;
 
     use anyhow::{bail, Context};
-    use engram_kernels_cuda::{probe, Device};
+    use engram_kernels_cuda::{probe, Device, GemvLaunch};
     use engram_model::placement::{Device as PlacementDevice, Placement, PlacementRequest};
     use engram_model::{argmax, GpuModel, Logits, Model};
     use serde_json::json;
@@ -444,12 +473,16 @@ mod imp {
             references.push((quantized, f32));
         }
         let mut failed = false;
-        let mut dev = Some(open(c.device)?);
+        let mut device = open(c.device)?;
+        device.set_gemv_launch(GemvLaunch::parse(&c.decode_path.gemv)?);
+        let mut dev = Some(device);
         for spec in &c.layers {
             let device = dev.take().expect("device");
             let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
             let n_gpu = layer_count(spec, &model, &device, longest + decode + 1, 1, longest)?;
             let mut gpu = GpuModel::new(model.clone(), device, n_gpu)?;
+            gpu.set_fused(c.decode_path.fuse);
+            gpu.set_graphs(!c.decode_path.no_graphs);
             for (pi, (ids, (quantized, f32))) in prompts.iter().zip(&references).enumerate() {
                 let run = gpu_run(&mut gpu, ids, decode)?;
                 let vs_quantized = compare(&run, quantized, cfg.vocab_size);
@@ -520,12 +553,67 @@ mod imp {
                     })
                 );
             }
+            if c.batch > 1 {
+                failed |= !batch_check(&mut gpu, &c, decode)?;
+            }
             dev = Some(gpu.into_device());
         }
         if failed {
             bail!("the GPU path disagrees with the CPU path (see the lines above)");
         }
         Ok(())
+    }
+
+    /// Decodes `c.batch` sequences of different lengths together (one batched call per step)
+    /// and each alone, fed the same tokens; prints how far apart their logits are and returns
+    /// whether they agree (same argmax everywhere, within 1e-3 of the largest logit).
+    fn batch_check(gpu: &mut GpuModel, c: &CheckArgs, decode: usize) -> Result<bool> {
+        let vocab = gpu.model().config().vocab_size;
+        let steps = decode.max(2);
+        // Lengths across several attention splits (64 slots each).
+        let prompts: Vec<Vec<u32>> = (0..c.batch)
+            .map(|i| pseudo_tokens(c.prompt + 37 * i, vocab, c.seed + 100 + i as u64))
+            .collect();
+        // Alone: the reference tokens and logits of every step.
+        let mut alone = Vec::new();
+        for ids in &prompts {
+            alone.push(gpu_run(gpu, ids, steps)?);
+        }
+        let mut caches = Vec::new();
+        for ids in &prompts {
+            let mut kv = gpu.new_cache(ids.len() + steps + 1)?;
+            gpu.forward(ids, &positions(0, ids.len()), &mut kv, Logits::Last)?;
+            caches.push(kv);
+        }
+        let (mut max_abs, mut scale, mut disagree) = (0f32, 0f32, 0usize);
+        for step in 0..steps {
+            let toks: Vec<[u32; 1]> = alone.iter().map(|r| [r.greedy[step]]).collect();
+            let pos: Vec<[i32; 1]> = prompts.iter().map(|p| [(p.len() + step) as i32]).collect();
+            let mut seqs: Vec<(&[u32], &[i32], &mut engram_model::GpuCache)> = caches
+                .iter_mut()
+                .zip(toks.iter().zip(&pos))
+                .map(|(kv, (t, p))| (&t[..], &p[..], kv))
+                .collect();
+            let logits = gpu.forward_batch(&mut seqs, Logits::Last)?;
+            for (row, r) in logits.chunks(vocab).zip(&alone) {
+                let want = &r.steps[step];
+                for (a, b) in row.iter().zip(want) {
+                    max_abs = max_abs.max((a - b).abs());
+                    scale = scale.max(b.abs());
+                }
+                disagree += usize::from(argmax(row) != argmax(want));
+            }
+        }
+        let pass = disagree == 0 && max_abs <= 1e-3 * scale.max(1.0);
+        println!(
+            "{}",
+            json!({"model": c.model.file_name().map(|n| n.to_string_lossy()),
+                   "batch_check": c.batch, "placement": gpu.describe(), "steps": steps,
+                   "prompt_tokens": prompts.iter().map(Vec::len).collect::<Vec<_>>(),
+                   "max_abs": max_abs, "logits_max": scale, "argmax_disagreements": disagree,
+                   "pass": pass})
+        );
+        Ok(pass)
     }
 
     /// log-softmax of `v` (f64).
@@ -596,38 +684,43 @@ mod imp {
                    "policy": "full", "ttft_ms": 1e3 * full_ttft})
         );
 
-        for &r in &f.recompute {
+        let chunks: Vec<(&engram_model::HostKv, i32)> = stored
+            .iter()
+            .zip(&starts)
+            .map(|(s, &at)| (s, at as i32))
+            .collect();
+        for (ri, &r) in f.recompute.iter().enumerate() {
             let r = r.min(f.passage_tokens);
+            // One call: each passage's first r tokens recomputed in place, then the prefix
+            // and the question appended. Slots need not follow positions: the stored chunks go
+            // in first.
+            let mut toks = Vec::new();
+            let mut pos = Vec::new();
+            let mut slots = Vec::new();
+            let mut slot_base = 0;
+            for (p, &at) in passages.iter().zip(&starts) {
+                for (j, &t) in p.iter().take(r).enumerate() {
+                    toks.push(t);
+                    pos.push((at + j) as i32);
+                    slots.push(slot_base + j);
+                }
+                slot_base += p.len();
+            }
+            toks.extend_from_slice(&prefix);
+            pos.extend(positions(0, prefix.len()));
+            toks.extend_from_slice(&question);
+            pos.extend(positions(q_start, question.len()));
             let mut runs = Vec::new();
             let mut logits = Vec::new();
             let (mut load_ms, mut compute_ms) = (Vec::new(), Vec::new());
             for _ in 0..f.repetitions + 1 {
                 let mut kv = gpu.new_cache(total)?;
                 let start = Instant::now();
-                // Slots need not follow positions: the stored chunks go in first.
-                for (s, &at) in stored.iter().zip(&starts) {
-                    gpu.import_kv(&mut kv, s, at as i32)?;
+                for (s, shift) in &chunks {
+                    gpu.import_kv(&mut kv, s, *shift)?;
                 }
                 gpu.device().synchronize()?;
                 let loaded = start.elapsed().as_secs_f64();
-                // One call: each passage's first r tokens recomputed in place, then the prefix
-                // and the question appended.
-                let mut toks = Vec::new();
-                let mut pos = Vec::new();
-                let mut slots = Vec::new();
-                let mut slot_base = 0;
-                for (p, &at) in passages.iter().zip(&starts) {
-                    for (j, &t) in p.iter().take(r).enumerate() {
-                        toks.push(t);
-                        pos.push((at + j) as i32);
-                        slots.push(slot_base + j);
-                    }
-                    slot_base += p.len();
-                }
-                toks.extend_from_slice(&prefix);
-                pos.extend(positions(0, prefix.len()));
-                toks.extend_from_slice(&question);
-                pos.extend(positions(q_start, question.len()));
                 logits = gpu.forward_fused(&toks, &pos, &slots, &mut kv, Logits::Last)?;
                 let done = start.elapsed().as_secs_f64();
                 runs.push(done);
@@ -637,6 +730,51 @@ mod imp {
             runs.remove(0);
             load_ms.remove(0);
             compute_ms.remove(0);
+            // The same call with the chunks' KV copied layer by layer beside the recompute.
+            let mut overlapped = Vec::new();
+            let mut overlapped_logits = Vec::new();
+            for _ in 0..f.repetitions + 1 {
+                let mut kv = gpu.new_cache(total)?;
+                let start = Instant::now();
+                overlapped_logits = gpu
+                    .forward_fused_from_host(
+                        &chunks,
+                        &toks,
+                        &pos,
+                        &slots,
+                        &mut kv,
+                        Logits::Last,
+                        false,
+                    )?
+                    .0;
+                overlapped.push(start.elapsed().as_secs_f64());
+            }
+            overlapped.remove(0);
+            let overlapped_ttft = median(&mut overlapped);
+            if f.timeline && ri == 0 {
+                let mut kv = gpu.new_cache(total)?;
+                let (_, times) = gpu.forward_fused_from_host(
+                    &chunks,
+                    &toks,
+                    &pos,
+                    &slots,
+                    &mut kv,
+                    Logits::Last,
+                    true,
+                )?;
+                for (layer, t) in times.iter().enumerate() {
+                    let next = times.get(layer + 1).map(|n| n.wait_start_ms);
+                    println!(
+                        "{}",
+                        json!({"model": name, "policy": format!("boundary:{r}"), "layer": layer,
+                               "copy_start_ms": t.copy_start_ms, "copy_end_ms": t.copy_end_ms,
+                               "copy_ms": t.copy_end_ms - t.copy_start_ms,
+                               "compute_reached_ms": t.wait_start_ms,
+                               "compute_waited_ms": t.wait_end_ms - t.wait_start_ms,
+                               "compute_to_next_layer_ms": next.map(|n| n - t.wait_end_ms)})
+                    );
+                }
+            }
             let ttft = median(&mut runs);
             let (tf, tg) = (top(&full_logits, 5), top(&logits, 5));
             println!(
@@ -644,6 +782,10 @@ mod imp {
                 json!({"model": name, "prompt_tokens": total, "policy": format!("boundary:{r}"),
                        "recomputed_tokens": r * f.passages + prefix.len() + question.len(),
                        "ttft_ms": 1e3 * ttft, "speedup_vs_full": full_ttft / ttft,
+                       "overlapped_ttft_ms": 1e3 * overlapped_ttft,
+                       "overlapped_speedup_vs_full": full_ttft / overlapped_ttft,
+                       "overlapped_vs_serial_max_abs": logits.iter().zip(&overlapped_logits)
+                           .map(|(a, b)| (a - b).abs()).fold(0f32, f32::max),
                        "load_ms": median(&mut load_ms), "compute_ms": median(&mut compute_ms),
                        "load_gbs": kv_bytes as f64 / (median(&mut load_ms) / 1e3) / 1e9,
                        "first_token_equal": argmax(&full_logits) == argmax(&logits),
@@ -680,7 +822,8 @@ mod imp {
         let load = Instant::now();
         let model = Arc::new(Model::load(&b.model, cores(b.threads))?);
         let cfg = model.config().clone();
-        let dev = open(b.device)?;
+        let mut dev = open(b.device)?;
+        dev.set_gemv_launch(GemvLaunch::parse(&b.decode_path.gemv)?);
         let copy_gbs = dev.copy_bandwidth(1 << 30, 5)?;
         let context = b
             .prefill
@@ -693,6 +836,8 @@ mod imp {
         let n_gpu = layer_count(&b.layers, &model, &dev, context, sequences, b.ubatch)?;
         let upload = Instant::now();
         let mut gpu = GpuModel::new(model.clone(), dev, n_gpu)?;
+        gpu.set_fused(b.decode_path.fuse);
+        gpu.set_graphs(!b.decode_path.no_graphs);
         let upload_s = upload.elapsed().as_secs_f64();
         let name = b
             .model
@@ -708,6 +853,9 @@ mod imp {
                 "load_s": load.elapsed().as_secs_f64(),
                 "upload_s": upload_s,
                 "copy_gbs": copy_gbs,
+                "gemv": b.decode_path.gemv,
+                "fused": b.decode_path.fuse,
+                "graphs": !b.decode_path.no_graphs,
             })
         );
         for &len in &b.prefill {
@@ -805,7 +953,8 @@ mod imp {
                        "tokens_per_s": steps_per_s * batch as f64,
                        "step_ms": 1e3 / steps_per_s,
                        "bytes_per_step": bytes_per_step, "decode_gbs": gbs,
-                       "decode_fraction_of_copy": gbs / copy_gbs})
+                       "decode_fraction_of_copy": gbs / copy_gbs,
+                       "graph_error": gpu.graph_error()})
             );
         }
         Ok(())

@@ -13,7 +13,8 @@ use std::sync::Arc;
 
 use engram_kernels::GgmlType;
 use engram_kernels_cuda::{
-    AttentionArgs, Buffer, Device, MatmulScratch, Pinned, Weight, MAX_GEMV_BATCH,
+    AttentionArgs, Buffer, Device, Event, Graph, KvImport, Lane, ManyAttention, MatmulScratch,
+    Pinned, SeqCacheRef, Weight, MAX_GEMV_BATCH, SEQ_TABLE_ENTRY,
 };
 
 use crate::config::RopeStyle;
@@ -71,6 +72,29 @@ struct Scratch {
     /// Stored KV on its way into a cache ([`GpuModel::import_kv`]): keys, values, shift angles.
     stage: Option<(Buffer, Buffer)>,
     shift: Option<Buffer>,
+    /// Every chunk's shift angles of [`GpuModel::forward_fused_from_host`].
+    shifts: Option<Buffer>,
+    /// The caches of a batched decode step's sequences ([`Device::write_seq_table`]).
+    seq_table: Option<Buffer>,
+    /// Bumped whenever a buffer is (re)allocated: a captured graph holds the old addresses.
+    generation: u64,
+}
+
+/// What the forward pass calls before each layer's KV is written (`layer`, the first
+/// sequence's cache): fused prefill from host memory queues the stored KV of later layers on
+/// the copy lane and makes the compute lane wait for this layer's.
+type LayerHook<'h> = dyn FnMut(&Device, &Scratch, &GpuCache, usize) -> Result<()> + 'h;
+
+/// Device times of one layer of [`GpuModel::forward_fused_from_host`] (with `timeline`), in
+/// milliseconds from the call's start: when the layer's stored KV began and finished arriving
+/// on the copy lane, and when the compute lane reached the layer's attention and when it went
+/// on (the difference is the time it waited for that KV).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LayerTimes {
+    pub copy_start_ms: f32,
+    pub copy_end_ms: f32,
+    pub wait_start_ms: f32,
+    pub wait_end_ms: f32,
 }
 
 /// Keys (after RoPE at `positions`) and values of a run of slots of every layer, in page-locked
@@ -113,6 +137,8 @@ const ANGLES: usize = 9;
 const QPOS: usize = 10;
 const SLOTS: usize = 11;
 const X16: usize = 12;
+/// The sequence of each row of a batched decode step (i32).
+const SEQ: usize = 13;
 
 /// The KV cache of one sequence for a [`GpuModel`]: f16 keys (after RoPE) and values of the GPU
 /// layers in device memory (`[layer][kv_head][capacity][head_dim]`), the CPU layers' in a
@@ -157,6 +183,14 @@ pub struct GpuModel {
     output: Option<(Buffer, DeviceMatrix)>,
     scratch: Scratch,
     weight_bytes: u64,
+    /// Decode runs the fused element-wise kernels ([`GpuModel::set_fused`]).
+    fused: bool,
+    /// Decode steps replay a captured graph ([`GpuModel::set_graphs`]).
+    graphs: bool,
+    /// The last captured decode step and what it was captured for.
+    graph: std::cell::RefCell<Option<(Vec<u64>, Graph)>>,
+    /// Why capturing a decode step failed (graphs stay off from then on).
+    graph_error: std::cell::RefCell<Option<String>>,
     /// Seconds per kind of work, when profiling ([`GpuModel::set_profiling`]).
     profile: std::cell::RefCell<Option<Profile>>,
 }
@@ -219,6 +253,10 @@ impl GpuModel {
             output,
             scratch: Scratch::default(),
             weight_bytes,
+            fused: false,
+            graphs: true,
+            graph: std::cell::RefCell::new(None),
+            graph_error: std::cell::RefCell::new(None),
             profile: std::cell::RefCell::new(None),
         })
     }
@@ -247,6 +285,33 @@ impl GpuModel {
     /// The device.
     pub fn device(&self) -> &Device {
         &self.dev
+    }
+
+    /// Makes decode calls (up to [`MAX_GEMV_BATCH`] rows) run the fused element-wise kernels:
+    /// the residual add with the next norm, the norms and SwiGLU with the GEMVs' Q8_1
+    /// quantisation, both RoPEs in one launch (six launches fewer per layer, the same
+    /// arithmetic in the same order). Off by default: it saves launches, which graphs already
+    /// remove, and its one-block norm is slower than the norm and quantisation it replaces
+    /// (measured on an H200: 1.07x decode of a 1B without graphs, 0.96x of a 7B with them).
+    pub fn set_fused(&mut self, on: bool) {
+        self.fused = on;
+    }
+
+    /// Whether decode calls (up to [`MAX_GEMV_BATCH`] rows, every layer on the GPU) replay a
+    /// graph of the step's launches, captured once per batch shape and caches (and again each
+    /// time the attention's split count grows, every 64 slots): one launch instead of hundreds.
+    /// On by default (on an H200: 1.13x decode of a 7B, 1.24x of a 1B at batch 1,
+    /// docs/bench/2026-11-28-gpu.md).
+    pub fn set_graphs(&mut self, on: bool) {
+        self.graphs = on;
+        *self.graph.borrow_mut() = None;
+        *self.graph_error.borrow_mut() = None;
+    }
+
+    /// Why decode steps stopped replaying graphs, if capturing one failed (they then run
+    /// launch by launch, as without [`GpuModel::set_graphs`]).
+    pub fn graph_error(&self) -> Option<String> {
+        self.graph_error.borrow().clone()
     }
 
     /// Starts (or stops) timing each kind of work of the forward calls: matmuls, attention,
@@ -399,17 +464,7 @@ impl GpuModel {
             .ok_or(ModelError::BadPosition {
                 position: i64::from(shift),
             })?;
-        if self
-            .scratch
-            .stage
-            .as_ref()
-            .is_none_or(|(k, _)| k.bytes() < bytes)
-        {
-            self.scratch.stage = None;
-            let k = self.dev.alloc(bytes).map_err(gpu)?;
-            let v = self.dev.alloc(bytes).map_err(gpu)?;
-            self.scratch.stage = Some((k, v));
-        }
+        self.ensure_stage(bytes)?;
         if self.scratch.shift.is_none() {
             self.scratch.shift = Some(self.dev.alloc(cfg.head_dim * 8).map_err(gpu)?);
         }
@@ -429,21 +484,24 @@ impl GpuModel {
             .collect();
         dev.write(shift_buf, 0, &angles).map_err(gpu)?;
         let first = kv.len();
-        dev.kv_import(
+        dev.kv_import(&KvImport {
             stage_k,
             stage_v,
-            &kv.keys,
-            &kv.values,
-            first,
+            stage_offset: 0,
+            keys: &kv.keys,
+            values: &kv.values,
+            first_layer: 0,
+            layers: cfg.n_layer,
+            first_slot: first,
             len,
-            cfg.n_layer,
-            cfg.n_head_kv,
-            cfg.head_dim,
-            kv.capacity,
-            shift_buf,
-            self.model.rope.pairs(),
-            cfg.rope_style == RopeStyle::NeoX,
-        )
+            kv_heads: cfg.n_head_kv,
+            head_dim: cfg.head_dim,
+            capacity: kv.capacity,
+            shift: shift_buf,
+            shift_offset: 0,
+            pairs: self.model.rope.pairs(),
+            neox: cfg.rope_style == RopeStyle::NeoX,
+        })
         .map_err(gpu)?;
         dev.write(&kv.kv_pos, first * 4, &positions).map_err(gpu)?;
         kv.positions.extend_from_slice(&positions);
@@ -471,7 +529,7 @@ impl GpuModel {
         seqs: &mut [(&[u32], &[i32], &mut GpuCache)],
         logits: Logits,
     ) -> Result<Vec<f32>> {
-        self.forward_inner(seqs, &[], logits)
+        self.forward_inner(seqs, &[], logits, &mut |_, _, _, _| Ok(()))
     }
 
     /// Fused prefill's recompute: the first `overwrite.len()` tokens are already in `kv` (slot
@@ -486,22 +544,185 @@ impl GpuModel {
         kv: &mut GpuCache,
         logits: Logits,
     ) -> Result<Vec<f32>> {
-        if overwrite.len() > tokens.len() {
-            return Err(ModelError::OverwriteCount {
-                overwrite: overwrite.len(),
-                tokens: tokens.len(),
+        check_overwrite(kv, tokens, positions, overwrite)?;
+        self.forward_inner(
+            &mut [(tokens, positions, kv)],
+            overwrite,
+            logits,
+            &mut |_, _, _, _| Ok(()),
+        )
+    }
+
+    /// Fused prefill straight from host memory: appends the stored `chunks` to `kv` (each moved
+    /// by its shift, as [`GpuModel::import_kv`] does) and runs [`GpuModel::forward_fused`] in
+    /// one call, with the chunks' KV copied to the device layer by layer on the copy lane while
+    /// the compute lane works: layer `l`'s attention waits only for layer `l`'s stored KV, so
+    /// the PCIe copy of later layers overlaps the recompute of earlier ones. `overwrite` names
+    /// slots counted after the chunks are appended. With `timeline`, also returns each layer's
+    /// [`LayerTimes`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward_fused_from_host(
+        &mut self,
+        chunks: &[(&HostKv, i32)],
+        tokens: &[u32],
+        positions: &[i32],
+        overwrite: &[usize],
+        kv: &mut GpuCache,
+        logits: Logits,
+        timeline: bool,
+    ) -> Result<(Vec<f32>, Vec<LayerTimes>)> {
+        let cfg = self.model.config().clone();
+        if self.output.is_none() {
+            return Err(gpu_unsupported("importing KV with layers on the CPU"));
+        }
+        let (heads, hd, n_layer) = (cfg.n_head_kv, cfg.head_dim, cfg.n_layer);
+        let pairs = self.model.rope.pairs();
+        let first = kv.len();
+        let total: usize = chunks.iter().map(|(c, _)| c.len()).sum();
+        if first + total > kv.capacity {
+            return Err(ModelError::CacheFull {
+                used: first,
+                capacity: kv.capacity,
+                requested: total,
             });
         }
-        for (i, &slot) in overwrite.iter().enumerate() {
-            if kv.positions.get(slot) != positions.get(i) {
-                return Err(ModelError::OverwriteSlot {
-                    index: i,
-                    slot,
-                    position: positions.get(i).copied().unwrap_or(-1),
-                });
+        // Where each chunk goes: its first slot, its length, its bytes into a layer's stage.
+        let mut placed = Vec::with_capacity(chunks.len());
+        let mut shifted = Vec::with_capacity(total);
+        let mut angles: Vec<f32> = Vec::with_capacity(chunks.len() * pairs * 2);
+        let (mut slot, mut stage_bytes) = (first, 0usize);
+        for (ci, (c, shift)) in chunks.iter().enumerate() {
+            let len = c.len();
+            let bytes = n_layer * heads * len * hd * 2;
+            if c.keys.bytes().len() != bytes || c.values.bytes().len() != bytes {
+                return Err(ModelError::Gpu(format!(
+                    "stored KV of {} bytes for {len} slots does not fit this model",
+                    c.keys.bytes().len()
+                )));
             }
+            for &p in &c.positions {
+                let moved = p.checked_add(*shift).filter(|p| *p >= 0);
+                shifted.push(moved.ok_or(ModelError::BadPosition {
+                    position: i64::from(*shift),
+                })?);
+            }
+            let table = self.model.rope.shift_angles(*shift);
+            angles.extend(table.iter().take(pairs).flat_map(|&(c, s)| [c, s]));
+            angles.resize((ci + 1) * pairs * 2, 0.0);
+            placed.push((slot, len, stage_bytes));
+            slot += len;
+            stage_bytes += heads * len * hd * 2;
         }
-        self.forward_inner(&mut [(tokens, positions, kv)], overwrite, logits)
+        self.ensure_stage(stage_bytes)?;
+        let table_bytes = (angles.len() * 4).max(8);
+        if self
+            .scratch
+            .shifts
+            .as_ref()
+            .is_none_or(|b| b.bytes() < table_bytes)
+        {
+            self.scratch.shifts = None;
+            self.scratch.shifts = Some(self.dev.alloc(table_bytes).map_err(gpu)?);
+        }
+        let dev = &self.dev;
+        // The copy lane may reuse the stage only after the compute lane's earlier work.
+        let before = dev.record(Lane::Compute, false).map_err(gpu)?;
+        dev.wait_for(Lane::Copy, &before).map_err(gpu)?;
+        let table = self.scratch.shifts.as_ref().expect("allocated above");
+        dev.write_on(Lane::Copy, table, 0, &angles).map_err(gpu)?;
+        dev.write(&kv.kv_pos, first * 4, &shifted).map_err(gpu)?;
+        kv.positions.extend_from_slice(&shifted);
+        if let Err(e) = check_overwrite(kv, tokens, positions, overwrite) {
+            kv.truncate(first);
+            return Err(e);
+        }
+        let start = dev.record(Lane::Compute, timeline).map_err(gpu)?;
+
+        let neox = cfg.rope_style == RopeStyle::NeoX;
+        let mut copies: Vec<(Option<Event>, Event)> = Vec::with_capacity(n_layer);
+        let mut waits: Vec<(Event, Event)> = Vec::with_capacity(n_layer);
+        // Layers whose copies are queued ahead of the compute lane.
+        const AHEAD: usize = 2;
+        let mut hook = |dev: &Device, s: &Scratch, cache: &GpuCache, layer: usize| -> Result<()> {
+            let (stage_k, stage_v) = s.stage.as_ref().expect("allocated above");
+            let table = s.shifts.as_ref().expect("allocated above");
+            while copies.len() < n_layer && copies.len() <= layer + AHEAD {
+                let l = copies.len();
+                let begun = timeline
+                    .then(|| dev.record(Lane::Copy, true))
+                    .transpose()
+                    .map_err(gpu)?;
+                for ((c, _), &(_, len, offset)) in chunks.iter().zip(&placed) {
+                    let per_layer = heads * len * hd * 2;
+                    for (stage, host) in [(stage_k, &c.keys), (stage_v, &c.values)] {
+                        dev.write_pinned_on(
+                            Lane::Copy,
+                            stage,
+                            offset,
+                            host,
+                            l * per_layer,
+                            per_layer,
+                        )
+                        .map_err(gpu)?;
+                    }
+                }
+                for (ci, &(slot, len, offset)) in placed.iter().enumerate() {
+                    let args = KvImport {
+                        stage_k,
+                        stage_v,
+                        stage_offset: offset,
+                        keys: &cache.keys,
+                        values: &cache.values,
+                        first_layer: l,
+                        layers: 1,
+                        first_slot: slot,
+                        len,
+                        kv_heads: heads,
+                        head_dim: hd,
+                        capacity: cache.capacity,
+                        shift: table,
+                        shift_offset: ci * pairs * 8,
+                        pairs,
+                        neox,
+                    };
+                    dev.kv_import_on(Lane::Copy, &args).map_err(gpu)?;
+                }
+                copies.push((begun, dev.record(Lane::Copy, timeline).map_err(gpu)?));
+            }
+            let reached = dev.record(Lane::Compute, timeline).map_err(gpu)?;
+            dev.wait_for(Lane::Compute, &copies[layer].1).map_err(gpu)?;
+            waits.push((reached, dev.record(Lane::Compute, timeline).map_err(gpu)?));
+            Ok(())
+        };
+        let out = self.forward_inner(
+            &mut [(tokens, positions, &mut *kv)],
+            overwrite,
+            logits,
+            &mut hook,
+        );
+        let out = match out {
+            Ok(out) => out,
+            Err(e) => {
+                self.dev.synchronize().map_err(gpu)?;
+                kv.truncate(first);
+                return Err(e);
+            }
+        };
+        if !timeline {
+            return Ok((out, Vec::new()));
+        }
+        self.dev.synchronize().map_err(gpu)?;
+        let ms = |e: &Event| e.ms_since(&start).map_err(gpu);
+        let mut times = Vec::with_capacity(n_layer);
+        for ((begun, done), (reached, went)) in copies.iter().zip(&waits) {
+            times.push(LayerTimes {
+                copy_start_ms: begun.as_ref().map(ms).transpose()?.unwrap_or(0.0),
+                copy_end_ms: ms(done)?,
+                wait_start_ms: ms(reached)?,
+                wait_end_ms: ms(went)?,
+            });
+        }
+        Ok((out, times))
     }
 
     fn forward_inner(
@@ -509,6 +730,7 @@ impl GpuModel {
         seqs: &mut [(&[u32], &[i32], &mut GpuCache)],
         overwrite: &[usize],
         logits: Logits,
+        hook: &mut LayerHook<'_>,
     ) -> Result<Vec<f32>> {
         let mut bounds = vec![0usize];
         for (tokens, positions, kv) in seqs.iter() {
@@ -533,7 +755,7 @@ impl GpuModel {
             ));
         }
         let first_slots: Vec<usize> = seqs.iter().map(|s| s.2.len()).collect();
-        let result = self.run(seqs, &bounds, overwrite, logits);
+        let result = self.run(seqs, &bounds, overwrite, logits, hook);
         if result.is_err() {
             for (s, &first) in seqs.iter_mut().zip(&first_slots) {
                 s.2.truncate(first);
@@ -550,6 +772,7 @@ impl GpuModel {
         bounds: &[usize],
         overwrite: &[usize],
         logits: Logits,
+        hook: &mut LayerHook<'_>,
     ) -> Result<Vec<f32>> {
         let model = self.model.clone();
         let cfg = model.config();
@@ -561,14 +784,41 @@ impl GpuModel {
             cfg.n_ff,
             cfg.head_dim,
         );
-        let partial = seqs
-            .iter()
-            .map(|(t, _, kv)| {
-                Device::attention_scratch(t.len(), cfg.n_head, hd, kv.len() + t.len())
-            })
-            .max()
-            .unwrap_or(0);
+        // A decode step replayed from a graph: every launch argument must stay the same from
+        // step to step, so the attention reads the slots in use from the device (the batched
+        // kernels, also for one sequence).
+        let graphed = self.graphs
+            && self.graph_error.borrow().is_none()
+            && self.output.is_some()
+            && n <= MAX_GEMV_BATCH
+            && overwrite.is_empty()
+            && self.profile.borrow().is_none();
+        // A batched decode step stores and attends every sequence's rows in one launch each.
+        let many = (seqs.len() > 1 || graphed) && n <= MAX_GEMV_BATCH && overwrite.is_empty();
+        let partial = if many {
+            let longest = seqs.iter().map(|(t, _, kv)| kv.len() + t.len()).max();
+            Device::attention_many_scratch_for(n, cfg.n_head, hd, longest.unwrap_or(0))
+        } else {
+            seqs.iter()
+                .map(|(t, _, kv)| {
+                    Device::attention_scratch(t.len(), cfg.n_head, hd, kv.len() + t.len())
+                })
+                .max()
+                .unwrap_or(0)
+        };
         self.ensure_scratch(n, partial)?;
+        if many
+            && self
+                .scratch
+                .seq_table
+                .as_ref()
+                .is_none_or(|t| t.bytes() < seqs.len() * SEQ_TABLE_ENTRY)
+        {
+            self.scratch.seq_table = None;
+            let bytes = seqs.len().max(MAX_GEMV_BATCH) * SEQ_TABLE_ENTRY;
+            self.scratch.seq_table = Some(self.dev.alloc(bytes).map_err(gpu)?);
+            self.scratch.generation += 1;
+        }
         let dev = &self.dev;
         let s = &self.scratch;
         let b = |i: usize| &s.bufs[i];
@@ -601,111 +851,267 @@ impl GpuModel {
         dev.write(b(ANGLES), 0, &angles).map_err(gpu)?;
         dev.write(b(QPOS), 0, &positions).map_err(gpu)?;
         dev.write(b(SLOTS), 0, &slots).map_err(gpu)?;
-        self.mark("inputs")?;
-
-        let mscratch = MatmulScratch {
-            q8: s.q8.as_ref().expect("sized by ensure_scratch"),
-            x16: b(X16),
-            w16: s.w16.as_ref().unwrap_or(b(X16)),
-        };
-        // Matrices sharing one input (Q, K, V; gate, up) quantise or convert it once.
-        let mm = |ms: &[&DeviceMatrix], input: &Buffer, outs: &[&Buffer]| {
-            let ws: Vec<Weight<'_>> = ms.iter().map(|m| m.weight()).collect();
-            dev.matmul_many(&ws, ms[0].cols, input, n, outs, &mscratch)
-                .map_err(gpu)
-        };
-        let neox = cfg.rope_style == RopeStyle::NeoX;
-        let layer_bytes = cfg.n_head_kv * hd * 2;
-        for (li, layer) in self.layers.iter().enumerate() {
-            dev.rms_norm(b(X), &layer.attn_norm, b(H), n, d, cfg.rms_eps)
-                .map_err(gpu)?;
-            self.mark("elementwise")?;
-            mm(
-                &[&layer.wq, &layer.wk, &layer.wv],
-                b(H),
-                &[b(Q), b(K), b(V)],
-            )?;
-            self.mark("matmul")?;
-            for (buf, bias, width) in [(Q, &layer.bq, qw), (K, &layer.bk, kvw), (V, &layer.bv, kvw)]
-            {
-                if let Some(bias) = bias {
-                    dev.add_bias(b(buf), bias, width, n * width).map_err(gpu)?;
-                }
-            }
-            if let Some(w) = &layer.q_norm {
-                dev.rms_norm(b(Q), w, b(Q), n * cfg.n_head, hd, cfg.rms_eps)
-                    .map_err(gpu)?;
-            }
-            if let Some(w) = &layer.k_norm {
-                dev.rms_norm(b(K), w, b(K), n * cfg.n_head_kv, hd, cfg.rms_eps)
-                    .map_err(gpu)?;
-            }
-            dev.rope(b(Q), b(ANGLES), n, cfg.n_head, hd, pairs, neox)
-                .map_err(gpu)?;
-            dev.rope(b(K), b(ANGLES), n, cfg.n_head_kv, hd, pairs, neox)
-                .map_err(gpu)?;
-            self.mark("elementwise")?;
-            for (si, (_, _, kv)) in seqs.iter().enumerate() {
-                let rows = bounds[si]..bounds[si + 1];
-                let offset = li * layer_bytes * kv.capacity;
-                dev.kv_store(
-                    b(K),
-                    b(V),
-                    &kv.keys,
-                    &kv.values,
-                    offset,
-                    b(SLOTS),
-                    rows.start,
-                    rows.len(),
-                    cfg.n_head_kv,
-                    hd,
-                    kv.capacity,
-                )
-                .map_err(gpu)?;
-                dev.attention(&AttentionArgs {
-                    q: b(Q),
-                    q_pos: b(QPOS),
-                    first_row: rows.start,
+        let table = if many {
+            let seq_of_row: Vec<i32> = (0..seqs.len())
+                .flat_map(|si| std::iter::repeat_n(si as i32, bounds[si + 1] - bounds[si]))
+                .collect();
+            dev.write(b(SEQ), 0, &seq_of_row).map_err(gpu)?;
+            let refs: Vec<SeqCacheRef<'_>> = seqs
+                .iter()
+                .map(|(_, _, kv)| SeqCacheRef {
                     keys: &kv.keys,
                     values: &kv.values,
-                    cache_offset: offset,
                     kv_pos: &kv.kv_pos,
-                    n_q: rows.len(),
-                    n_head: cfg.n_head,
-                    kv_heads: cfg.n_head_kv,
-                    head_dim: hd,
                     capacity: kv.capacity,
                     kv_len: kv.len(),
-                    scale: 1.0 / (hd as f32).sqrt(),
-                    partial: s.partial.as_ref().expect("sized by ensure_scratch"),
-                    out: b(ATTN),
                 })
-                .map_err(gpu)?;
-            }
-            self.mark("attention")?;
-            mm(&[&layer.wo], b(ATTN), &[b(PROJ)])?;
-            self.mark("matmul")?;
-            dev.add(b(X), b(PROJ), n * d).map_err(gpu)?;
-            dev.rms_norm(b(X), &layer.ffn_norm, b(H), n, d, cfg.rms_eps)
-                .map_err(gpu)?;
-            self.mark("elementwise")?;
-            mm(&[&layer.w_gate, &layer.w_up], b(H), &[b(GATE), b(UP)])?;
-            self.mark("matmul")?;
-            dev.swiglu(b(GATE), b(UP), n * ff).map_err(gpu)?;
-            self.mark("elementwise")?;
-            mm(&[&layer.w_down], b(GATE), &[b(PROJ)])?;
-            self.mark("matmul")?;
-            dev.add(b(X), b(PROJ), n * d).map_err(gpu)?;
-            self.mark("elementwise")?;
-        }
+                .collect();
+            let buf = s.seq_table.as_ref().expect("allocated above");
+            let layers = self.layers.len();
+            Some(
+                dev.write_seq_table(buf, &refs, layers, cfg.n_head_kv, hd)
+                    .map_err(gpu)?,
+            )
+        } else {
+            None
+        };
+        self.mark("inputs")?;
 
+        let q8 = s.q8.as_ref().expect("sized by ensure_scratch");
+        let mscratch = |q8_ready: bool| MatmulScratch {
+            q8,
+            x16: b(X16),
+            w16: s.w16.as_ref().unwrap_or(b(X16)),
+            q8_ready,
+        };
+        // Matrices sharing one input (Q, K, V; gate, up) quantise or convert it once; with
+        // `ready`, a fused kernel has already written its Q8_1 copy.
+        let mm = |ms: &[&DeviceMatrix], input: &Buffer, outs: &[&Buffer], ready: bool| {
+            let ws: Vec<Weight<'_>> = ms.iter().map(|m| m.weight()).collect();
+            dev.matmul_many(&ws, ms[0].cols, input, n, outs, &mscratch(ready))
+                .map_err(gpu)
+        };
+        // Decode fuses the residual adds, norms, SwiGLU and the GEMVs' activation quantisation
+        // (and both RoPEs) into fewer launches: the same arithmetic, in the same order.
+        let fuse = self.fused && n <= MAX_GEMV_BATCH && d % 32 == 0 && ff % 32 == 0;
+        let neox = cfg.rope_style == RopeStyle::NeoX;
+        let layer_bytes = cfg.n_head_kv * hd * 2;
         // Rows whose logits are wanted (indices into the call's rows).
         let wanted: Vec<usize> = match logits {
             Logits::None => Vec::new(),
             Logits::Last => bounds[1..].iter().map(|&end| end - 1).collect(),
             Logits::All => (0..n).collect(),
         };
-        let Some((norm, head)) = &self.output else {
+        let logits_buf = s.logits.as_ref().expect("sized by ensure_scratch");
+        {
+            // Everything queued from here to the logits: the layers, then (every layer on the
+            // GPU) the wanted rows gathered into H, normalised and multiplied by the head.
+            let mut work = || -> Result<()> {
+                for (li, layer) in self.layers.iter().enumerate() {
+                    if fuse {
+                        // The previous layer's FFN output is added here, before the norm.
+                        let residual = (li > 0).then(|| b(PROJ));
+                        dev.rms_norm_q8(
+                            b(X),
+                            residual,
+                            &layer.attn_norm,
+                            b(H),
+                            n,
+                            d,
+                            cfg.rms_eps,
+                            q8,
+                        )
+                        .map_err(gpu)?;
+                    } else {
+                        dev.rms_norm(b(X), &layer.attn_norm, b(H), n, d, cfg.rms_eps)
+                            .map_err(gpu)?;
+                    }
+                    self.mark("elementwise")?;
+                    mm(
+                        &[&layer.wq, &layer.wk, &layer.wv],
+                        b(H),
+                        &[b(Q), b(K), b(V)],
+                        fuse,
+                    )?;
+                    self.mark("matmul")?;
+                    for (buf, bias, width) in
+                        [(Q, &layer.bq, qw), (K, &layer.bk, kvw), (V, &layer.bv, kvw)]
+                    {
+                        if let Some(bias) = bias {
+                            dev.add_bias(b(buf), bias, width, n * width).map_err(gpu)?;
+                        }
+                    }
+                    if let Some(w) = &layer.q_norm {
+                        dev.rms_norm(b(Q), w, b(Q), n * cfg.n_head, hd, cfg.rms_eps)
+                            .map_err(gpu)?;
+                    }
+                    if let Some(w) = &layer.k_norm {
+                        dev.rms_norm(b(K), w, b(K), n * cfg.n_head_kv, hd, cfg.rms_eps)
+                            .map_err(gpu)?;
+                    }
+                    if fuse {
+                        let (nh, nkv) = (cfg.n_head, cfg.n_head_kv);
+                        dev.rope_qk(b(Q), b(K), b(ANGLES), n, nh, nkv, hd, pairs, neox)
+                            .map_err(gpu)?;
+                    } else {
+                        dev.rope(b(Q), b(ANGLES), n, cfg.n_head, hd, pairs, neox)
+                            .map_err(gpu)?;
+                        dev.rope(b(K), b(ANGLES), n, cfg.n_head_kv, hd, pairs, neox)
+                            .map_err(gpu)?;
+                    }
+                    self.mark("elementwise")?;
+                    hook(dev, s, &*seqs[0].2, li)?;
+                    if let Some(table) = &table {
+                        let kvh = cfg.n_head_kv;
+                        dev.kv_store_many(b(K), b(V), table, b(SEQ), b(SLOTS), n, li, kvh, hd)
+                            .map_err(gpu)?;
+                        dev.attention_many(&ManyAttention {
+                            q: b(Q),
+                            q_pos: b(QPOS),
+                            seq_of_row: b(SEQ),
+                            rows: n,
+                            table,
+                            layer: li,
+                            n_head: cfg.n_head,
+                            kv_heads: kvh,
+                            head_dim: hd,
+                            scale: 1.0 / (hd as f32).sqrt(),
+                            partial: s.partial.as_ref().expect("sized by ensure_scratch"),
+                            out: b(ATTN),
+                        })
+                        .map_err(gpu)?;
+                    }
+                    for (si, (_, _, kv)) in seqs.iter().enumerate().filter(|_| table.is_none()) {
+                        let rows = bounds[si]..bounds[si + 1];
+                        let offset = li * layer_bytes * kv.capacity;
+                        dev.kv_store(
+                            b(K),
+                            b(V),
+                            &kv.keys,
+                            &kv.values,
+                            offset,
+                            b(SLOTS),
+                            rows.start,
+                            rows.len(),
+                            cfg.n_head_kv,
+                            hd,
+                            kv.capacity,
+                        )
+                        .map_err(gpu)?;
+                        dev.attention(&AttentionArgs {
+                            q: b(Q),
+                            q_pos: b(QPOS),
+                            first_row: rows.start,
+                            keys: &kv.keys,
+                            values: &kv.values,
+                            cache_offset: offset,
+                            kv_pos: &kv.kv_pos,
+                            n_q: rows.len(),
+                            n_head: cfg.n_head,
+                            kv_heads: cfg.n_head_kv,
+                            head_dim: hd,
+                            capacity: kv.capacity,
+                            kv_len: kv.len(),
+                            scale: 1.0 / (hd as f32).sqrt(),
+                            partial: s.partial.as_ref().expect("sized by ensure_scratch"),
+                            out: b(ATTN),
+                        })
+                        .map_err(gpu)?;
+                    }
+                    self.mark("attention")?;
+                    mm(&[&layer.wo], b(ATTN), &[b(PROJ)], false)?;
+                    self.mark("matmul")?;
+                    if fuse {
+                        let proj = Some(b(PROJ));
+                        dev.rms_norm_q8(b(X), proj, &layer.ffn_norm, b(H), n, d, cfg.rms_eps, q8)
+                            .map_err(gpu)?;
+                    } else {
+                        dev.add(b(X), b(PROJ), n * d).map_err(gpu)?;
+                        dev.rms_norm(b(X), &layer.ffn_norm, b(H), n, d, cfg.rms_eps)
+                            .map_err(gpu)?;
+                    }
+                    self.mark("elementwise")?;
+                    mm(&[&layer.w_gate, &layer.w_up], b(H), &[b(GATE), b(UP)], fuse)?;
+                    self.mark("matmul")?;
+                    if fuse {
+                        dev.swiglu_q8(b(GATE), b(UP), n, ff, q8).map_err(gpu)?;
+                    } else {
+                        dev.swiglu(b(GATE), b(UP), n * ff).map_err(gpu)?;
+                    }
+                    self.mark("elementwise")?;
+                    mm(&[&layer.w_down], b(GATE), &[b(PROJ)], fuse)?;
+                    self.mark("matmul")?;
+                    if !fuse {
+                        dev.add(b(X), b(PROJ), n * d).map_err(gpu)?;
+                    }
+                    self.mark("elementwise")?;
+                }
+                if fuse && !self.layers.is_empty() {
+                    // The last layer's FFN output, which no next layer's norm added.
+                    dev.add(b(X), b(PROJ), n * d).map_err(gpu)?;
+                }
+                if let Some((norm, head)) = &self.output {
+                    if !wanted.is_empty() {
+                        for (i, &r) in wanted.iter().enumerate() {
+                            dev.copy(b(X), r * d * 4, b(H), i * d * 4, d * 4)
+                                .map_err(gpu)?;
+                        }
+                        let m = wanted.len();
+                        dev.rms_norm(b(H), norm, b(H), m, d, cfg.rms_eps)
+                            .map_err(gpu)?;
+                        let (w, cols) = (head.weight(), head.cols);
+                        dev.matmul(&w, cols, b(H), m, logits_buf, &mscratch(false))
+                            .map_err(gpu)?;
+                    }
+                }
+                Ok(())
+            };
+            match &table {
+                Some(table) if graphed => {
+                    // What the graph's launches hold on to: the batch's shape and rows, the
+                    // caches, the attention's splits, the buffers and how the kernels run.
+                    let mut key = vec![
+                        n as u64,
+                        u64::from(fuse),
+                        table.splits() as u64,
+                        s.generation,
+                        wanted.len() as u64,
+                    ];
+                    key.extend(wanted.iter().map(|&r| r as u64));
+                    for (_, _, kv) in seqs.iter() {
+                        key.extend([
+                            kv.keys.address(),
+                            kv.values.address(),
+                            kv.kv_pos.address(),
+                            kv.capacity as u64,
+                        ]);
+                    }
+                    let mut cached = self.graph.borrow_mut();
+                    if cached.as_ref().is_none_or(|(k, _)| *k != key) {
+                        *cached = None;
+                        dev.begin_capture().map_err(gpu)?;
+                        let queued = work();
+                        let graph = dev.end_capture();
+                        queued?;
+                        match graph {
+                            Ok(graph) => *cached = Some((key, graph)),
+                            // Nothing ran while capturing: queue the same work plainly, and
+                            // stop capturing (the reason stays in `graph_error`).
+                            Err(e) => {
+                                *self.graph_error.borrow_mut() = Some(e.to_string());
+                                work()?;
+                            }
+                        }
+                    }
+                    if let Some((_, graph)) = cached.as_ref() {
+                        dev.launch_graph(graph).map_err(gpu)?;
+                    }
+                }
+                _ => work()?,
+            }
+        }
+
+        let Some(_) = &self.output else {
             // Split placement: the activations cross to the CPU for the remaining layers.
             dev.read(b(X), 0, &mut x).map_err(gpu)?;
             let first_layer = self.layers.len();
@@ -728,21 +1134,26 @@ impl GpuModel {
             dev.synchronize().map_err(gpu)?;
             return Ok(Vec::new());
         }
-        // Gather the wanted rows into H, normalise them, multiply by the head.
-        for (i, &r) in wanted.iter().enumerate() {
-            dev.copy(b(X), r * d * 4, b(H), i * d * 4, d * 4)
-                .map_err(gpu)?;
-        }
-        let m = wanted.len();
-        let logits_buf = s.logits.as_ref().expect("sized by ensure_scratch");
-        dev.rms_norm(b(H), norm, b(H), m, d, cfg.rms_eps)
-            .map_err(gpu)?;
-        dev.matmul(&head.weight(), head.cols, b(H), m, logits_buf, &mscratch)
-            .map_err(gpu)?;
-        let mut out = vec![0.0f32; m * cfg.vocab_size];
+        let mut out = vec![0.0f32; wanted.len() * cfg.vocab_size];
         dev.read(logits_buf, 0, &mut out).map_err(gpu)?;
         self.mark("head")?;
         Ok(out)
+    }
+
+    /// Makes the staging buffers of stored keys and values hold `bytes` each (they only grow).
+    fn ensure_stage(&mut self, bytes: usize) -> Result<()> {
+        if self
+            .scratch
+            .stage
+            .as_ref()
+            .is_none_or(|(k, _)| k.bytes() < bytes)
+        {
+            self.scratch.stage = None;
+            let k = self.dev.alloc(bytes.max(2)).map_err(gpu)?;
+            let v = self.dev.alloc(bytes.max(2)).map_err(gpu)?;
+            self.scratch.stage = Some((k, v));
+        }
+        Ok(())
     }
 
     /// Makes the activation buffers hold `n` rows and the attention partials `partial` bytes
@@ -756,6 +1167,7 @@ impl GpuModel {
         {
             self.scratch.partial = None;
             self.scratch.partial = Some(self.dev.alloc(partial.max(4)).map_err(gpu)?);
+            self.scratch.generation += 1;
         }
         if n <= self.scratch.rows {
             return Ok(());
@@ -778,8 +1190,10 @@ impl GpuModel {
             rows,
             rows,
             rows * widest / 2,
+            rows,
         ];
         // Free the old buffers before allocating the larger ones.
+        self.scratch.generation += 1;
         self.scratch.bufs.clear();
         self.scratch.w16 = None;
         self.scratch.logits = None;
@@ -830,6 +1244,32 @@ fn upload_matrix(dev: &Device, model: &Model, w: &Matrix) -> Result<DeviceMatrix
         rows: w.rows,
         cols: w.cols,
     })
+}
+
+/// An error unless the first `overwrite.len()` tokens name slots of `kv` holding their
+/// positions (fused prefill's recompute).
+fn check_overwrite(
+    kv: &GpuCache,
+    tokens: &[u32],
+    positions: &[i32],
+    overwrite: &[usize],
+) -> Result<()> {
+    if overwrite.len() > tokens.len() {
+        return Err(ModelError::OverwriteCount {
+            overwrite: overwrite.len(),
+            tokens: tokens.len(),
+        });
+    }
+    for (i, &slot) in overwrite.iter().enumerate() {
+        if kv.positions.get(slot) != positions.get(i) {
+            return Err(ModelError::OverwriteSlot {
+                index: i,
+                slot,
+                position: positions.get(i).copied().unwrap_or(-1),
+            });
+        }
+    }
+    Ok(())
 }
 
 fn upload_opt(dev: &Device, v: &Option<Vec<f32>>) -> Result<Option<Buffer>> {

@@ -5,8 +5,9 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use cudarc::cublas::CudaBlas;
-use cudarc::driver::{sys, CudaContext, CudaFunction, CudaStream};
+use cudarc::driver::{sys, CudaContext, CudaEvent, CudaFunction, CudaGraph, CudaStream};
 
+use crate::ops::{GemvLaunch, GEMV_SHAPES, GEMV_SHAPE_ROWS, GEMV_SHAPE_TYPES};
 use crate::{CudaError, Result};
 
 /// The kernels' source, compiled by NVRTC at [`Device::open`].
@@ -42,10 +43,16 @@ const KERNELS: &[&str] = &[
     "add",
     "swiglu",
     "rope",
+    "rope_qk",
+    "rms_norm_q8",
+    "add_rms_norm_q8",
+    "swiglu_q8",
     "kv_store",
     "kv_import",
     "attention",
     "attention_decode",
+    "attention_decode_many",
+    "kv_store_many",
     "attention_combine",
     "heads_to_f16",
     "heads_from",
@@ -125,15 +132,46 @@ pub fn probe() -> Result<Vec<DeviceInfo>> {
         .collect()
 }
 
-/// An open GPU: its context, one stream every operation is queued on (so they run in order),
-/// the compiled kernels and a cuBLAS handle on that stream.
+/// The two queues of a [`Device`]. Work on one lane runs in order; the lanes run side by side
+/// and meet only at [`Event`]s ([`Device::wait_for`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Lane {
+    /// The forward pass: every kernel and copy unless a call names the other lane.
+    Compute,
+    /// Host-to-device copies of stored KV (and the kernels placing it), so that they overlap
+    /// the compute lane's work.
+    Copy,
+}
+
+/// A point in one lane's work ([`Device::record`]): another lane can wait for it, and two
+/// timed events give the device time between them.
+pub struct Event(CudaEvent);
+
+impl Event {
+    /// Milliseconds of device time from `earlier` to this event, once both have happened
+    /// (waits for them). Both must have been recorded with timing.
+    pub fn ms_since(&self, earlier: &Event) -> Result<f32> {
+        Ok(earlier.0.elapsed_ms(&self.0)?)
+    }
+}
+
+/// Work captured from the compute lane ([`Device::begin_capture`], [`Device::end_capture`]):
+/// replayed by [`Device::launch_graph`] as one launch, with the same kernels and arguments.
+pub struct Graph(CudaGraph);
+
+/// An open GPU: its context, the compute lane's stream every operation is queued on (so they
+/// run in order), a second stream for copies that overlap it ([`Lane::Copy`]), the compiled
+/// kernels and a cuBLAS handle on the compute stream.
 pub struct Device {
     pub(crate) ctx: Arc<CudaContext>,
     pub(crate) stream: Arc<CudaStream>,
+    pub(crate) copy: Arc<CudaStream>,
     pub(crate) blas: CudaBlas,
     funcs: HashMap<String, CudaFunction>,
     info: DeviceInfo,
     compile_seconds: f64,
+    multiprocessors: usize,
+    pub(crate) gemv_launch: GemvLaunch,
 }
 
 impl Device {
@@ -148,6 +186,7 @@ impl Device {
             .ok_or_else(|| CudaError::Unavailable(format!("no CUDA device {ordinal}")))?;
         let ctx = CudaContext::new(ordinal)?;
         let stream = ctx.new_stream()?;
+        let copy = ctx.new_stream()?;
         let blas = CudaBlas::new(stream.clone())?;
         let (major, minor) = info.compute_capability;
         let arch = format!("compute_{major}{minor}");
@@ -164,19 +203,35 @@ impl Device {
             let f = module.load_function(&name)?;
             funcs.insert(name, f);
         }
+        let multiprocessors = ctx
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?
+            .max(1) as usize;
         Ok(Device {
             ctx,
             stream,
+            copy,
             blas,
             funcs,
             info,
             compile_seconds,
+            multiprocessors,
+            gemv_launch: GemvLaunch::default(),
         })
     }
 
     /// What the device reported when it was opened.
     pub fn info(&self) -> &DeviceInfo {
         &self.info
+    }
+
+    /// Streaming multiprocessors.
+    pub fn multiprocessors(&self) -> usize {
+        self.multiprocessors
+    }
+
+    /// Launches the decode GEMVs this way from now on (benchmarks compare block shapes).
+    pub fn set_gemv_launch(&mut self, launch: GemvLaunch) {
+        self.gemv_launch = launch;
     }
 
     /// Seconds spent loading (or compiling) the kernels at open.
@@ -188,6 +243,57 @@ impl Device {
     pub fn memory(&self) -> Result<(u64, u64)> {
         let (free, total) = self.ctx.mem_get_info()?;
         Ok((free as u64, total as u64))
+    }
+
+    /// The stream of `lane`.
+    pub(crate) fn lane(&self, lane: Lane) -> &Arc<CudaStream> {
+        match lane {
+            Lane::Compute => &self.stream,
+            Lane::Copy => &self.copy,
+        }
+    }
+
+    /// Records the work queued on `lane` so far: an [`Event`] other lanes can wait for, and,
+    /// with `timed`, one whose time [`Event::ms_since`] can read.
+    pub fn record(&self, lane: Lane, timed: bool) -> Result<Event> {
+        let flags = if timed {
+            sys::CUevent_flags::CU_EVENT_DEFAULT
+        } else {
+            sys::CUevent_flags::CU_EVENT_DISABLE_TIMING
+        };
+        Ok(Event(self.lane(lane).record_event(Some(flags))?))
+    }
+
+    /// Makes the work queued on `lane` from now on wait until `event` has happened; returns at
+    /// once.
+    pub fn wait_for(&self, lane: Lane, event: &Event) -> Result<()> {
+        self.lane(lane).wait(&event.0)?;
+        Ok(())
+    }
+
+    /// Starts recording the compute lane's work into a graph instead of running it: until
+    /// [`Device::end_capture`], launches and device copies are recorded, and nothing may wait
+    /// for the device or copy from host memory on that lane.
+    pub fn begin_capture(&self) -> Result<()> {
+        self.stream
+            .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)?;
+        Ok(())
+    }
+
+    /// Ends the recording [`Device::begin_capture`] started (always call it once begun, also
+    /// when queuing the work failed) and instantiates the graph.
+    pub fn end_capture(&self) -> Result<Graph> {
+        let graph = self
+            .stream
+            .end_capture(sys::CUgraphInstantiate_flags(0))?
+            .ok_or_else(|| CudaError::Driver("an empty graph was captured".into()))?;
+        Ok(Graph(graph))
+    }
+
+    /// Queues a captured graph on the compute lane.
+    pub fn launch_graph(&self, graph: &Graph) -> Result<()> {
+        graph.0.launch()?;
+        Ok(())
     }
 
     pub(crate) fn func(&self, name: &str) -> Result<&CudaFunction> {
@@ -215,9 +321,20 @@ impl Device {
         Ok(buf)
     }
 
-    /// Copies `data` into `buf` at byte `offset`, queued on the device's stream. The host memory
+    /// Copies `data` into `buf` at byte `offset`, queued on the compute lane. The host memory
     /// is pageable, so the call returns once the driver has staged it: `data` may be dropped.
     pub fn write<T: Copy>(&self, buf: &Buffer, offset: usize, data: &[T]) -> Result<()> {
+        self.write_on(Lane::Compute, buf, offset, data)
+    }
+
+    /// [`Device::write`] queued on `lane`.
+    pub fn write_on<T: Copy>(
+        &self,
+        lane: Lane,
+        buf: &Buffer,
+        offset: usize,
+        data: &[T],
+    ) -> Result<()> {
         let bytes = std::mem::size_of_val(data);
         buf.check(offset, bytes, "write")?;
         if bytes == 0 {
@@ -230,7 +347,7 @@ impl Device {
             cudarc::driver::result::memcpy_htod_async(
                 buf.ptr + offset as u64,
                 data,
-                self.stream.cu_stream(),
+                self.lane(lane).cu_stream(),
             )
         }?;
         Ok(())
@@ -280,8 +397,9 @@ impl Device {
         Ok(())
     }
 
-    /// Waits until everything queued on the device's stream has run.
+    /// Waits until everything queued on both lanes has run.
     pub fn synchronize(&self) -> Result<()> {
+        self.copy.synchronize()?;
         self.stream.synchronize()?;
         Ok(())
     }
@@ -338,10 +456,23 @@ impl Device {
         })
     }
 
-    /// Queues a copy of `bytes` from `src` at `src_offset` to `dst` at `dst_offset`; returns at
-    /// once (the DMA runs while the device computes).
+    /// Queues a copy of `bytes` from `src` at `src_offset` to `dst` at `dst_offset` on the
+    /// compute lane; returns at once (the DMA runs while the device computes).
     pub fn write_pinned(
         &self,
+        dst: &Buffer,
+        dst_offset: usize,
+        src: &Pinned,
+        src_offset: usize,
+        bytes: usize,
+    ) -> Result<()> {
+        self.write_pinned_on(Lane::Compute, dst, dst_offset, src, src_offset, bytes)
+    }
+
+    /// [`Device::write_pinned`] queued on `lane`.
+    pub fn write_pinned_on(
+        &self,
+        lane: Lane,
         dst: &Buffer,
         dst_offset: usize,
         src: &Pinned,
@@ -360,7 +491,7 @@ impl Device {
             cudarc::driver::result::memcpy_htod_async(
                 dst.ptr + dst_offset as u64,
                 &src.bytes()[src_offset..src_offset + bytes],
-                self.stream.cu_stream(),
+                self.lane(lane).cu_stream(),
             )
         }?;
         Ok(())
@@ -391,6 +522,11 @@ impl Buffer {
         Ok(())
     }
 
+    /// The buffer's device address: what a captured graph's launches hold on to.
+    pub fn address(&self) -> u64 {
+        self.ptr
+    }
+
     /// The device address `offset` bytes in (for kernel arguments).
     pub(crate) fn at(&self, offset: usize) -> sys::CUdeviceptr {
         debug_assert!(offset <= self.bytes);
@@ -408,13 +544,22 @@ impl Drop for Buffer {
     }
 }
 
-/// The Q8_1 GEMV kernels: `gemv_q8_{type}_{rows}` for every quantised type and 1..=8 rows.
+/// The Q8_1 GEMV kernels: `gemv_q8_{type}_{rows}` for every quantised type and 1..=8 rows,
+/// and `gemv_q8_{type}_{rows}_{shape}` for the other block shapes.
 fn q8_gemv_kernels() -> impl Iterator<Item = String> {
-    [
+    let default = [
         "q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k",
     ]
     .into_iter()
-    .flat_map(|t| (1..=crate::MAX_GEMV_BATCH).map(move |n| format!("gemv_q8_{t}_{n}")))
+    .flat_map(|t| (1..=crate::MAX_GEMV_BATCH).map(move |n| format!("gemv_q8_{t}_{n}")));
+    let shaped = GEMV_SHAPE_TYPES.iter().flat_map(|t| {
+        GEMV_SHAPE_ROWS.iter().flat_map(move |n| {
+            GEMV_SHAPES
+                .iter()
+                .map(move |(shape, _, _)| format!("gemv_q8_{t}_{n}_{shape}"))
+        })
+    });
+    default.chain(shaped)
 }
 
 fn cache_path(dir: &Path, arch: &str) -> PathBuf {
@@ -514,7 +659,8 @@ mod tests {
         for line in SOURCE.lines().map(str::trim_start) {
             if let Some(rest) = line.strip_prefix("extern \"C\" __global__ void ") {
                 let name = rest.split('(').next().unwrap_or("").trim();
-                if !name.contains("##") {
+                // Macro bodies (`gemv_q8_##name`) define their kernels through the calls below.
+                if !rest.contains("##") {
                     defined.insert(name.to_string());
                 }
             }
@@ -531,6 +677,13 @@ mod tests {
             if let Some(name) = arg("GEMV_Q8_ALL(") {
                 for n in 1..=crate::MAX_GEMV_BATCH {
                     defined.insert(format!("gemv_q8_{name}_{n}"));
+                }
+            }
+            if let Some(name) = arg("GEMV_Q8_SHAPES(") {
+                for n in GEMV_SHAPE_ROWS {
+                    for (shape, _, _) in GEMV_SHAPES {
+                        defined.insert(format!("gemv_q8_{name}_{n}_{shape}"));
+                    }
                 }
             }
         }

@@ -385,12 +385,11 @@ template <> __device__ __forceinline__ void unpack32<T_Q6_K>(const u8* row, int 
     w.a = d * (float)sc[0]; w.a2 = d * (float)sc[1]; w.b = 0.0f;
 }
 
-// Activations to Q8_1 groups of 32 (ggml's quantize_row_q8_1: d = amax / 127, q = round(x / d),
-// and d * sum(q)): one warp per group; xq [rows][cols] int8, xds [rows][cols / 32] (d, d * sum).
-extern "C" __global__ void quantize_q8_1(const float* __restrict__ x, signed char* __restrict__ xq,
-                                         float2* __restrict__ xds, size_t n) {
-    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-    float v = i < n ? x[i] : 0.0f;
+// Quantises the 32-value group the calling warp holds, one value per lane, to Q8_1 (the rule
+// below): element i of the activation rows (a multiple of 32 at lane 0) goes to xq[i] and its
+// group's (d, d * sum) to xds[i / 32] where `write`. Every lane of the warp must call it.
+__device__ __forceinline__ void q8_group(float v, size_t i, bool write, signed char* xq,
+                                         float2* xds) {
     float amax = fabsf(v);
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffff, amax, o));
@@ -399,36 +398,45 @@ extern "C" __global__ void quantize_q8_1(const float* __restrict__ x, signed cha
     int sum = q;
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffff, sum, o);
-    if (i < n) {
+    if (write) {
         xq[i] = (signed char)q;
         if ((threadIdx.x & 31) == 0) xds[i / 32] = make_float2(d, d * (float)sum);
     }
 }
 
-// Rows per block of the Q8_1 GEMVs, and the warps splitting each row's groups.
+// Activations to Q8_1 groups of 32 (ggml's quantize_row_q8_1: d = amax / 127, q = round(x / d),
+// and d * sum(q)): one warp per group; xq [rows][cols] int8, xds [rows][cols / 32] (d, d * sum).
+extern "C" __global__ void quantize_q8_1(const float* __restrict__ x, signed char* __restrict__ xq,
+                                         float2* __restrict__ xds, size_t n) {
+    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    q8_group(i < n ? x[i] : 0.0f, i, i < n, xq, xds);
+}
+
+// Rows per block of the Q8_1 GEMVs, and the warps splitting each row's groups (the default
+// shape; GEMV_Q8_SHAPE below instantiates others for benchmarks).
 #define ROWS_PER_WARP 2
 #define GEMV_WARPS 4
 
-// y[j][r] = W[r] . x[j] for the N activation rows: each warp takes ROWS_PER_WARP rows, each lane
-// whole 32-value groups, so every weight group is unpacked once for the N rows and every
-// activation group loaded once for the warp's rows.
-template <int T, int N>
+// y[j][r] = W[r] . x[j] for the N activation rows: each block takes R rows, its W warps split
+// their groups, and each lane takes whole 32-value groups, so every weight group is unpacked
+// once for the N activation rows and every activation group loaded once for the block's rows.
+template <int T, int N, int R, int W>
 __device__ void gemv_q8(int block, const u8* __restrict__ w, float* __restrict__ y, int rows,
                         const signed char* __restrict__ xq, const float2* __restrict__ xds,
                         int cols) {
-    __shared__ float partial[GEMV_WARPS][ROWS_PER_WARP][N];
+    __shared__ float partial[W][R][N];
     const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
-    const int row0 = block * ROWS_PER_WARP;
+    const int row0 = block * R;
     if (row0 >= rows) return;  // uniform across the block
     const int groups = cols / 32;
     const size_t row_bytes = (size_t)(cols / Traits<T>::qk) * Traits<T>::bytes;
-    float acc[ROWS_PER_WARP][N];
+    float acc[R][N];
 #pragma unroll
-    for (int r = 0; r < ROWS_PER_WARP; r++)
+    for (int r = 0; r < R; r++)
 #pragma unroll
         for (int j = 0; j < N; j++) acc[r][j] = 0.0f;
     // The block's warps split the row's groups: every lane's loads are in flight at once.
-    for (int g = warp * 32 + lane; g < groups; g += 32 * GEMV_WARPS) {
+    for (int g = warp * 32 + lane; g < groups; g += 32 * W) {
         int xv[N][8];
         float2 ds[N];
 #pragma unroll
@@ -440,7 +448,7 @@ __device__ void gemv_q8(int block, const u8* __restrict__ w, float* __restrict__
             ds[j] = __ldg(xds + (size_t)j * groups + g);
         }
 #pragma unroll
-        for (int r = 0; r < ROWS_PER_WARP; r++) {
+        for (int r = 0; r < R; r++) {
             if (row0 + r < rows) {
                 W32 wq;
                 unpack32<T>(w + (size_t)(row0 + r) * row_bytes, g, wq);
@@ -458,7 +466,7 @@ __device__ void gemv_q8(int block, const u8* __restrict__ w, float* __restrict__
         }
     }
 #pragma unroll
-    for (int r = 0; r < ROWS_PER_WARP; r++) {
+    for (int r = 0; r < R; r++) {
 #pragma unroll
         for (int j = 0; j < N; j++) {
             float s = acc[r][j];
@@ -468,42 +476,52 @@ __device__ void gemv_q8(int block, const u8* __restrict__ w, float* __restrict__
         }
     }
     __syncthreads();
-    if (threadIdx.x < ROWS_PER_WARP * N) {
-        int r = threadIdx.x / N, j = threadIdx.x % N;
+    for (int k = threadIdx.x; k < R * N; k += 32 * W) {
+        int r = k / N, j = k % N;
         float s = 0.0f;
 #pragma unroll
-        for (int k = 0; k < GEMV_WARPS; k++) s += partial[k][r][j];
+        for (int q = 0; q < W; q++) s += partial[q][r][j];
         if (row0 + r < rows) y[(size_t)j * rows + row0 + r] = s;
     }
 }
 
 // Up to three matrices of one type sharing the input (Q, K and V; gate and up) in one launch:
-// the first blocks take matrix 0, the next matrix 1, the rest matrix 2 (rows 0 when absent).
-template <int T, int N>
+// the first row blocks are matrix 0's, the next matrix 1's, the rest matrix 2's (rows 0 when
+// absent). A grid smaller than the row blocks walks them in strides (a persistent grid).
+template <int T, int N, int R, int W>
 __device__ void gemv_q8_multi(const u8* w0, float* y0, int rows0, const u8* w1, float* y1,
                               int rows1, const u8* w2, float* y2, int rows2,
                               const signed char* xq, const float2* xds, int cols) {
-    const int per_block = ROWS_PER_WARP;
-    const int b0 = (rows0 + per_block - 1) / per_block, b1 = (rows1 + per_block - 1) / per_block;
-    int block = blockIdx.x;
-    if (block < b0) {
-        gemv_q8<T, N>(block, w0, y0, rows0, xq, xds, cols);
-    } else if (block < b0 + b1) {
-        gemv_q8<T, N>(block - b0, w1, y1, rows1, xq, xds, cols);
-    } else {
-        gemv_q8<T, N>(block - b0 - b1, w2, y2, rows2, xq, xds, cols);
+    const int b0 = (rows0 + R - 1) / R, b1 = (rows1 + R - 1) / R, b2 = (rows2 + R - 1) / R;
+    for (int block = blockIdx.x; block < b0 + b1 + b2; block += gridDim.x) {
+        if (block < b0) {
+            gemv_q8<T, N, R, W>(block, w0, y0, rows0, xq, xds, cols);
+        } else if (block < b0 + b1) {
+            gemv_q8<T, N, R, W>(block - b0, w1, y1, rows1, xq, xds, cols);
+        } else {
+            gemv_q8<T, N, R, W>(block - b0 - b1, w2, y2, rows2, xq, xds, cols);
+        }
+        __syncthreads();  // the partials are reused by the next row block
     }
 }
 
-#define GEMV_Q8(name, T, N)                                                                        \
-    extern "C" __global__ void gemv_q8_##name##_##N(                                              \
+#define GEMV_Q8_SHAPE(name, T, N, R, W, tag)                                                      \
+    extern "C" __global__ void __launch_bounds__(32 * W) gemv_q8_##name##_##N##tag(               \
         const u8* w0, float* y0, int rows0, const u8* w1, float* y1, int rows1, const u8* w2,     \
         float* y2, int rows2, const signed char* xq, const float2* xds, int cols) {               \
-        gemv_q8_multi<T, N>(w0, y0, rows0, w1, y1, rows1, w2, y2, rows2, xq, xds, cols);          \
+        gemv_q8_multi<T, N, R, W>(w0, y0, rows0, w1, y1, rows1, w2, y2, rows2, xq, xds, cols);    \
     }
+#define GEMV_Q8(name, T, N) GEMV_Q8_SHAPE(name, T, N, ROWS_PER_WARP, GEMV_WARPS, )
 #define GEMV_Q8_ALL(name, T)                                                                       \
     GEMV_Q8(name, T, 1) GEMV_Q8(name, T, 2) GEMV_Q8(name, T, 3) GEMV_Q8(name, T, 4)               \
     GEMV_Q8(name, T, 5) GEMV_Q8(name, T, 6) GEMV_Q8(name, T, 7) GEMV_Q8(name, T, 8)
+// Other block shapes (R rows, W warps) of the most common types at one and eight activation
+// rows, named gemv_q8_{type}_{n}_r{R}w{W}: `engram gpu bench --gemv` measures them.
+#define GEMV_Q8_SHAPES(name, T)                                                                    \
+    GEMV_Q8_SHAPE(name, T, 1, 1, 4, _r1w4) GEMV_Q8_SHAPE(name, T, 8, 1, 4, _r1w4)                \
+    GEMV_Q8_SHAPE(name, T, 1, 4, 4, _r4w4) GEMV_Q8_SHAPE(name, T, 8, 4, 4, _r4w4)                \
+    GEMV_Q8_SHAPE(name, T, 1, 2, 8, _r2w8) GEMV_Q8_SHAPE(name, T, 8, 2, 8, _r2w8)                \
+    GEMV_Q8_SHAPE(name, T, 1, 8, 2, _r8w2) GEMV_Q8_SHAPE(name, T, 8, 8, 2, _r8w2)
 
 GEMV_Q8_ALL(q4_0, T_Q4_0)
 GEMV_Q8_ALL(q4_1, T_Q4_1)
@@ -513,6 +531,8 @@ GEMV_Q8_ALL(q8_0, T_Q8_0)
 GEMV_Q8_ALL(q4_k, T_Q4_K)
 GEMV_Q8_ALL(q5_k, T_Q5_K)
 GEMV_Q8_ALL(q6_k, T_Q6_K)
+GEMV_Q8_SHAPES(q4_0, T_Q4_0)
+GEMV_Q8_SHAPES(q4_k, T_Q4_K)
 
 // out[r][c] = W[r][c] as f16 (cuBLAS prefill); one thread per 32-value group.
 template <int T>
@@ -579,6 +599,60 @@ extern "C" __global__ void rms_norm(const float* x, const float* w, float* out, 
     for (int i = threadIdx.x; i < width; i += blockDim.x) o[i] = xr[i] * scale * w[i];
 }
 
+
+// rms_norm, also writing the normalised rows as Q8_1 for the decode GEMVs that follow (width a
+// multiple of 32 and of nothing else: a warp's lanes always hold one whole group). With y, first
+// x += y (the residual add before the norm), written back to x.
+__device__ __forceinline__ void norm_q8_row(float* x, const float* y, const float* w, float* out,
+                                            int width, float eps, signed char* xq, float2* xds) {
+    __shared__ float shared[32];
+    float* xr = x + (size_t)blockIdx.x * width;
+    float* o = out + (size_t)blockIdx.x * width;
+    float s = 0.0f;
+    for (int i = threadIdx.x; i < width; i += blockDim.x) {
+        float v = xr[i];
+        if (y != 0) {
+            v += y[(size_t)blockIdx.x * width + i];
+            xr[i] = v;
+        }
+        s += v * v;
+    }
+    s = block_sum(s, shared);
+    float scale = rsqrtf(s / (float)width + eps);
+    const int rounds = (width + blockDim.x - 1) / blockDim.x;
+    for (int k = 0; k < rounds; k++) {
+        int i = k * blockDim.x + threadIdx.x;
+        bool in = i < width;
+        float v = in ? xr[i] * scale * w[i] : 0.0f;
+        if (in) o[i] = v;
+        q8_group(v, (size_t)blockIdx.x * width + i, in, xq, xds);
+    }
+}
+
+extern "C" __global__ void rms_norm_q8(float* x, const float* w, float* out, int width, float eps,
+                                       signed char* xq, float2* xds) {
+    norm_q8_row(x, 0, w, out, width, eps, xq, xds);
+}
+
+extern "C" __global__ void add_rms_norm_q8(float* x, const float* y, const float* w, float* out,
+                                           int width, float eps, signed char* xq, float2* xds) {
+    norm_q8_row(x, y, w, out, width, eps, xq, xds);
+}
+
+// gate = silu(gate) * up, also written as Q8_1 (n a multiple of 32).
+extern "C" __global__ void swiglu_q8(float* gate, const float* up, size_t n, signed char* xq,
+                                     float2* xds) {
+    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    bool in = i < n;
+    float v = 0.0f;
+    if (in) {
+        float g = gate[i];
+        v = g / (1.0f + expf(-g)) * up[i];
+        gate[i] = v;
+    }
+    q8_group(v, i, in, xq, xds);
+}
+
 // x[r][c] += b[c] for rows of `width`.
 extern "C" __global__ void add_bias(float* x, const float* b, int width, size_t n) {
     size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
@@ -603,9 +677,8 @@ extern "C" __global__ void swiglu(float* gate, const float* up, size_t n) {
 // Rotates every head of row t of x ([rows][heads * head_dim]) by the row's (cos, sin) pairs
 // (angles: [rows][pairs], computed on the host exactly as the CPU path computes them, so every
 // scaling variant is the CPU's own). neox: pairs (i, i + pairs), else (2i, 2i + 1).
-extern "C" __global__ void rope(float* x, const float2* angles, int heads, int head_dim, int pairs,
-                                int neox) {
-    int t = blockIdx.x;
+__device__ __forceinline__ void rope_row(float* x, const float2* angles, int t, int heads,
+                                         int head_dim, int pairs, int neox) {
     for (int k = threadIdx.x; k < heads * pairs; k += blockDim.x) {
         int h = k / pairs, i = k % pairs;
         float2 cs = angles[(size_t)t * pairs + i];
@@ -614,6 +687,22 @@ extern "C" __global__ void rope(float* x, const float2* angles, int heads, int h
         float x0 = hp[a], x1 = hp[b];
         hp[a] = x0 * cs.x - x1 * cs.y;
         hp[b] = x0 * cs.y + x1 * cs.x;
+    }
+}
+
+extern "C" __global__ void rope(float* x, const float2* angles, int heads, int head_dim, int pairs,
+                                int neox) {
+    rope_row(x, angles, blockIdx.x, heads, head_dim, pairs, neox);
+}
+
+// rope of the queries (q: [rows][n_head * head_dim]) and keys (k: [rows][n_kv * head_dim]) in
+// one launch: blockIdx.y 0 rotates q, 1 rotates k.
+extern "C" __global__ void rope_qk(float* q, float* k, const float2* angles, int n_head, int n_kv,
+                                   int head_dim, int pairs, int neox) {
+    if (blockIdx.y == 0) {
+        rope_row(q, angles, blockIdx.x, n_head, head_dim, pairs, neox);
+    } else {
+        rope_row(k, angles, blockIdx.x, n_kv, head_dim, pairs, neox);
     }
 }
 
@@ -782,19 +871,22 @@ extern "C" __global__ void attention(const float* __restrict__ q, const u16* __r
 // spread over the lanes (coalesced 8-byte reads of f16 keys and values), an online softmax per
 // warp, then the block's warps merged into one partial result for attention_combine.
 #define DECODE_WARPS 4
-extern "C" __global__ void attention_decode(const float* __restrict__ q, const u16* __restrict__ kc,
-                                            const u16* __restrict__ vc, const int* __restrict__ kv_pos,
-                                            const int* __restrict__ q_pos, float* __restrict__ part_o,
-                                            float* __restrict__ part_ml, int n_head, int kv_heads,
-                                            int head_dim, int capacity, int kv_len, float scale,
-                                            int slots_per_split) {
+// One block's work of attention_decode: query head `h` of query row `qi` (queries at `q`, its
+// position `my_pos`) over slots [split * slots_per_split, ...) of the first kv_len of one
+// layer's caches (kc, vc at the layer), partial result `pi`.
+__device__ __forceinline__ void decode_split(const float* __restrict__ q, const u16* __restrict__ kc,
+                                             const u16* __restrict__ vc,
+                                             const int* __restrict__ kv_pos, int my_pos,
+                                             float* __restrict__ part_o,
+                                             float* __restrict__ part_ml, int qi, int h, int split,
+                                             size_t pi, int n_head, int kv_heads, int head_dim,
+                                             int capacity, int kv_len, float scale,
+                                             int slots_per_split) {
     __shared__ float sm_o[DECODE_WARPS][256];
     __shared__ float sm_ml[DECODE_WARPS][2];
     const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
-    const int h = blockIdx.x, split = blockIdx.y, qi = blockIdx.z, splits = gridDim.y;
     const int kvh = h / (n_head / kv_heads);
     const int per_lane = head_dim / 32;  // 1..8 consecutive dimensions per lane
-    const int my_pos = q_pos[qi];
     float qv[8], acc[8];
     const float* qr = q + ((size_t)qi * n_head + h) * head_dim + lane * per_lane;
 #pragma unroll
@@ -851,13 +943,86 @@ extern "C" __global__ void attention_decode(const float* __restrict__ q, const u
                 if (i < per_lane) o[i] += f * sm_o[w][lane * per_lane + i];
         }
     }
-    size_t pi = ((size_t)qi * n_head + h) * splits + split;
 #pragma unroll
     for (int i = 0; i < 8; i++)
         if (i < per_lane) part_o[pi * head_dim + lane * per_lane + i] = o[i];
     if (lane == 0) {
         part_ml[2 * pi] = bm;
         part_ml[2 * pi + 1] = bl;
+    }
+}
+
+extern "C" __global__ void attention_decode(const float* __restrict__ q, const u16* __restrict__ kc,
+                                            const u16* __restrict__ vc, const int* __restrict__ kv_pos,
+                                            const int* __restrict__ q_pos, float* __restrict__ part_o,
+                                            float* __restrict__ part_ml, int n_head, int kv_heads,
+                                            int head_dim, int capacity, int kv_len, float scale,
+                                            int slots_per_split) {
+    const int h = blockIdx.x, split = blockIdx.y, qi = blockIdx.z, splits = gridDim.y;
+    size_t pi = ((size_t)qi * n_head + h) * splits + split;
+    decode_split(q, kc, vc, kv_pos, q_pos[qi], part_o, part_ml, qi, h, split, pi, n_head,
+                 kv_heads, head_dim, capacity, kv_len, scale, slots_per_split);
+}
+
+// The caches of one sequence of a batched decode step (Device::write_seq_table): every layer's
+// keys and values ([layer][kv_head][capacity][head_dim] f16), the slots' positions, the capacity
+// and the slots in use after this step's rows.
+struct SeqCache {
+    const u16* keys;
+    const u16* values;
+    const int* kv_pos;
+    int capacity;
+    int kv_len;
+    int splits;  // this sequence's slot ranges: as attention_decode would split them alone
+    int pad;
+};
+
+// attention_decode for rows of several sequences in one launch: row qi belongs to sequence
+// seq_of_row[qi], whose caches (at layer `layer`) and slots it attends over, split in that
+// sequence's own number of ranges (so each row's result is exactly what attention_decode gives
+// it alone); the blocks past them write empty partials, which attention_combine skips.
+extern "C" __global__ void attention_decode_many(const float* __restrict__ q,
+                                                 const SeqCache* __restrict__ seqs,
+                                                 const int* __restrict__ seq_of_row,
+                                                 const int* __restrict__ q_pos,
+                                                 float* __restrict__ part_o,
+                                                 float* __restrict__ part_ml, int n_head,
+                                                 int kv_heads, int head_dim, int layer,
+                                                 float scale) {
+    const int h = blockIdx.x, split = blockIdx.y, qi = blockIdx.z, splits = gridDim.y;
+    const SeqCache c = seqs[seq_of_row[qi]];
+    size_t pi = ((size_t)qi * n_head + h) * splits + split;
+    if (split >= c.splits) {  // uniform across the block
+        for (int d = threadIdx.x; d < head_dim; d += blockDim.x) part_o[pi * head_dim + d] = 0.0f;
+        if (threadIdx.x == 0) {
+            part_ml[2 * pi] = NEG_INF;
+            part_ml[2 * pi + 1] = 0.0f;
+        }
+        return;
+    }
+    const size_t layer_off = (size_t)layer * kv_heads * c.capacity * head_dim;
+    const int per_split = (c.kv_len + c.splits - 1) / c.splits;
+    decode_split(q, c.keys + layer_off, c.values + layer_off, c.kv_pos, q_pos[qi], part_o,
+                 part_ml, qi, h, split, pi, n_head, kv_heads, head_dim, c.capacity, c.kv_len,
+                 scale, per_split);
+}
+
+// kv_store for rows of several sequences: row t's keys and values go to slot slots[t] of layer
+// `layer` of sequence seq_of_row[t]'s caches.
+extern "C" __global__ void kv_store_many(const float* k, const float* v, const SeqCache* seqs,
+                                         const int* seq_of_row, const int* slots, int layer,
+                                         int kv_heads, int head_dim) {
+    int t = blockIdx.x;
+    const SeqCache c = seqs[seq_of_row[t]];
+    int width = kv_heads * head_dim;
+    size_t slot = (size_t)slots[t];
+    u16* kc = (u16*)c.keys + (size_t)layer * width * c.capacity;
+    u16* vc = (u16*)c.values + (size_t)layer * width * c.capacity;
+    for (int i = threadIdx.x; i < width; i += blockDim.x) {
+        int h = i / head_dim, d = i % head_dim;
+        size_t dst = ((size_t)h * c.capacity + slot) * head_dim + d;
+        kc[dst] = f2h(k[(size_t)t * width + i]);
+        vc[dst] = f2h(v[(size_t)t * width + i]);
     }
 }
 

@@ -14,8 +14,11 @@
 mod device;
 mod ops;
 
-pub use device::{compile_ptx, probe, Buffer, Device, DeviceInfo, Pinned};
-pub use ops::{supports, AttentionArgs, MatmulScratch, Weight, MAX_GEMV_BATCH};
+pub use device::{compile_ptx, probe, Buffer, Device, DeviceInfo, Event, Graph, Lane, Pinned};
+pub use ops::{
+    supports, AttentionArgs, GemvLaunch, KvImport, ManyAttention, MatmulScratch, SeqCacheRef,
+    SeqTable, Weight, MAX_GEMV_BATCH, SEQ_TABLE_ENTRY,
+};
 
 /// Errors of the GPU path.
 #[derive(Debug, thiserror::Error)]
