@@ -22,18 +22,10 @@ apt_install() {
         || die "could not install $pkg"
 }
 
-build_llamacpp() {
-    local missing=() t
-    for t in "$@"; do
-        [[ -x "$llamacpp_bin/$t" ]] || missing+=("$t")
-    done
-    if [[ ${#missing[@]} -eq 0 ]]; then
-        log "reusing llama.cpp's $* in $llamacpp_bin"
-        return 0
-    fi
-    command -v cmake >/dev/null || apt_install cmake cmake
+# Downloads and checks the llama-cpp-python sdist once and unpacks it; sets llamacpp_src (its
+# vendor/llama.cpp holds llama.cpp's source).
+fetch_llamacpp_source() {
     command -v python3 >/dev/null || die "python3 with pip is needed to download llama-cpp-python"
-
     local sdist_dir="$llamacpp_root/sdist" src="$llamacpp_root/src"
     local sdist="$sdist_dir/llama_cpp_python-$LLAMACPP_PY_VERSION.tar.gz"
     mkdir -p "$sdist_dir"
@@ -53,6 +45,21 @@ build_llamacpp() {
         tar -xzf "$sdist" -C "$src" --strip-components=1
     fi
     [[ -f "$src/vendor/llama.cpp/CMakeLists.txt" ]] || die "no vendor/llama.cpp in the sdist"
+    llamacpp_src="$src"
+}
+
+build_llamacpp() {
+    local missing=() t
+    for t in "$@"; do
+        [[ -x "$llamacpp_bin/$t" ]] || missing+=("$t")
+    done
+    if [[ ${#missing[@]} -eq 0 ]]; then
+        log "reusing llama.cpp's $* in $llamacpp_bin"
+        return 0
+    fi
+    command -v cmake >/dev/null || apt_install cmake cmake
+    fetch_llamacpp_source
+    local src="$llamacpp_src"
 
     # CPU only, static (so the binaries do not depend on the build tree's .so files), tuned for
     # this machine like Engram's release build. This llama.cpp has no LLAMA_CURL any more (it is
