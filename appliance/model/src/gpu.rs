@@ -82,7 +82,8 @@ struct Scratch {
 
 /// What the forward pass calls before each layer's KV is written (`layer`, the first
 /// sequence's cache): fused prefill from host memory queues the stored KV of later layers on
-/// the copy lane and makes the compute lane wait for this layer's.
+/// the copy lane and makes the compute lane wait for this layer's. A call with a hook is never
+/// captured into a graph (its copies and waits change from call to call).
 type LayerHook<'h> = dyn FnMut(&Device, &Scratch, &GpuCache, usize) -> Result<()> + 'h;
 
 /// Device times of one layer of [`GpuModel::forward_fused_from_host`] (with `timeline`), in
@@ -529,7 +530,7 @@ impl GpuModel {
         seqs: &mut [(&[u32], &[i32], &mut GpuCache)],
         logits: Logits,
     ) -> Result<Vec<f32>> {
-        self.forward_inner(seqs, &[], logits, &mut |_, _, _, _| Ok(()))
+        self.forward_inner(seqs, &[], logits, None)
     }
 
     /// Fused prefill's recompute: the first `overwrite.len()` tokens are already in `kv` (slot
@@ -545,12 +546,7 @@ impl GpuModel {
         logits: Logits,
     ) -> Result<Vec<f32>> {
         check_overwrite(kv, tokens, positions, overwrite)?;
-        self.forward_inner(
-            &mut [(tokens, positions, kv)],
-            overwrite,
-            logits,
-            &mut |_, _, _, _| Ok(()),
-        )
+        self.forward_inner(&mut [(tokens, positions, kv)], overwrite, logits, None)
     }
 
     /// Fused prefill straight from host memory: appends the stored `chunks` to `kv` (each moved
@@ -698,7 +694,7 @@ impl GpuModel {
             &mut [(tokens, positions, &mut *kv)],
             overwrite,
             logits,
-            &mut hook,
+            Some(&mut hook),
         );
         let out = match out {
             Ok(out) => out,
@@ -730,7 +726,7 @@ impl GpuModel {
         seqs: &mut [(&[u32], &[i32], &mut GpuCache)],
         overwrite: &[usize],
         logits: Logits,
-        hook: &mut LayerHook<'_>,
+        hook: Option<&mut LayerHook<'_>>,
     ) -> Result<Vec<f32>> {
         let mut bounds = vec![0usize];
         for (tokens, positions, kv) in seqs.iter() {
@@ -772,7 +768,7 @@ impl GpuModel {
         bounds: &[usize],
         overwrite: &[usize],
         logits: Logits,
-        hook: &mut LayerHook<'_>,
+        mut hook: Option<&mut LayerHook<'_>>,
     ) -> Result<Vec<f32>> {
         let model = self.model.clone();
         let cfg = model.config();
@@ -788,6 +784,7 @@ impl GpuModel {
         // step to step, so the attention reads the slots in use from the device (the batched
         // kernels, also for one sequence).
         let graphed = self.graphs
+            && hook.is_none()
             && self.graph_error.borrow().is_none()
             && self.output.is_some()
             && n <= MAX_GEMV_BATCH
@@ -960,7 +957,9 @@ impl GpuModel {
                             .map_err(gpu)?;
                     }
                     self.mark("elementwise")?;
-                    hook(dev, s, &*seqs[0].2, li)?;
+                    if let Some(hook) = hook.as_deref_mut() {
+                        hook(dev, s, &*seqs[0].2, li)?;
+                    }
                     if let Some(table) = &table {
                         let kvh = cfg.n_head_kv;
                         dev.kv_store_many(b(K), b(V), table, b(SEQ), b(SLOTS), n, li, kvh, hd)
