@@ -695,6 +695,31 @@ mod tests {
         assert_eq!(defined, loaded);
     }
 
+    /// `Device::write_seq_table` writes what the kernels' `SeqCache` holds: three device
+    /// pointers, then four 32-bit ints, SEQ_TABLE_ENTRY bytes in all.
+    #[test]
+    fn the_sequence_table_matches_the_kernels_struct() {
+        let start = SOURCE
+            .find("struct SeqCache {")
+            .expect("SeqCache in the source");
+        let body = &SOURCE[start..start + SOURCE[start..].find("};").expect("its end")];
+        let fields: Vec<&str> = body
+            .lines()
+            .skip(1)
+            .map(str::trim)
+            .filter(|l| !l.is_empty())
+            .map(|l| l.split(';').next().unwrap_or(""))
+            .collect();
+        let pointers = fields.iter().filter(|f| f.contains('*')).count();
+        let ints = fields.iter().filter(|f| f.starts_with("int ")).count();
+        assert_eq!((pointers, ints, fields.len()), (3, 4, 7), "{fields:?}");
+        assert_eq!(pointers * 8 + ints * 4, crate::SEQ_TABLE_ENTRY);
+        assert!(
+            fields[..3].iter().all(|f| f.contains('*')),
+            "pointers first: {fields:?}"
+        );
+    }
+
     #[test]
     fn describe_names_the_device_and_its_memory() {
         let d = DeviceInfo {
