@@ -1111,23 +1111,19 @@ impl GpuModel {
         }
 
         let Some(_) = &self.output else {
-            // Split placement: the activations cross to the CPU for the remaining layers.
+            // Split placement: the activations cross to the CPU for the remaining layers, all
+            // sequences in one batched call.
             dev.read(b(X), 0, &mut x).map_err(gpu)?;
             let first_layer = self.layers.len();
-            let mut out = Vec::new();
-            for (si, (tokens, pos, kv)) in seqs.iter_mut().enumerate() {
-                let rows = bounds[si]..bounds[si + 1];
-                let cpu = kv.cpu.as_mut().expect("split caches have a CPU part");
-                out.extend(model.forward_from_layer(
-                    &x[rows.start * d..rows.end * d],
-                    first_layer,
+            let mut cpu_seqs: Vec<crate::model::Sequence<'_>> = seqs
+                .iter_mut()
+                .map(|(tokens, pos, kv)| crate::model::Sequence {
                     tokens,
-                    pos,
-                    cpu,
-                    logits,
-                )?);
-            }
-            return Ok(out);
+                    positions: pos,
+                    kv: kv.cpu.as_mut().expect("split caches have a CPU part"),
+                })
+                .collect();
+            return model.forward_batch_from_layer(&x, first_layer, &mut cpu_seqs, logits);
         };
         if wanted.is_empty() {
             dev.synchronize().map_err(gpu)?;

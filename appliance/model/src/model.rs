@@ -356,35 +356,54 @@ impl Model {
     }
 
     /// Runs layers `first_layer..` and the output head on `input`, the residual stream the
-    /// earlier layers produced elsewhere (`[tokens][n_embd]`; the GPU half of a split
-    /// placement), appending the tokens' slots to `kv` (whose layers below `first_layer` are
-    /// left unwritten).
+    /// earlier layers produced elsewhere (`[tokens][n_embd]`, every sequence's rows one after
+    /// the other; the GPU half of a split placement), appending each sequence's slots to its
+    /// cache (whose layers below `first_layer` are left unwritten). As [`Model::forward_batch`],
+    /// each weight matrix is read once for all the sequences, and each sequence's logits equal
+    /// what the same call on it alone returns.
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-    pub(crate) fn forward_from_layer(
+    pub(crate) fn forward_batch_from_layer(
         &self,
         input: &[f32],
         first_layer: usize,
-        tokens: &[u32],
-        positions: &[i32],
-        kv: &mut KvCache,
+        seqs: &mut [Sequence<'_>],
         logits: Logits,
     ) -> Result<Vec<f32>> {
-        if input.len() != tokens.len() * self.cfg.n_embd {
+        let mut bounds = Vec::with_capacity(seqs.len() + 1);
+        bounds.push(0);
+        for (index, s) in seqs.iter().enumerate() {
+            self.check_call(s.tokens, s.positions, s.kv)?;
+            if s.tokens.is_empty() {
+                return Err(ModelError::EmptySequence { index });
+            }
+            bounds.push(bounds[index] + s.tokens.len());
+        }
+        let n = bounds[seqs.len()];
+        if input.len() != n * self.cfg.n_embd {
             return Err(ModelError::PositionCount {
                 tokens: input.len() / self.cfg.n_embd.max(1),
-                positions: tokens.len(),
+                positions: n,
             });
         }
-        self.forward_with(
-            tokens,
-            positions,
-            kv,
+        if seqs.is_empty() {
+            return Ok(Vec::new());
+        }
+        let tokens: Vec<u32> = seqs.iter().flat_map(|s| s.tokens).copied().collect();
+        let positions: Vec<i32> = seqs.iter().flat_map(|s| s.positions).copied().collect();
+        let mut kvs: Vec<&mut KvCache> = seqs.iter_mut().map(|s| &mut *s.kv).collect();
+        let call = Call {
+            tokens: &tokens,
+            positions: &positions,
+            bounds: &bounds,
+            overwrite: &[],
             logits,
-            None,
-            None,
+            observer: None,
+            queries: None,
+            blend: None,
             first_layer,
-            Some(input),
-        )
+            input: Some(input),
+        };
+        self.run(call, &mut kvs).map(|(logits, _)| logits)
     }
 
     /// One sequence's forward call from layer `first_layer` (0: from the embeddings of

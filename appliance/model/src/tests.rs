@@ -1849,9 +1849,10 @@ fn forward_from_layer_zero_on_embeddings_is_the_forward_pass() {
         let d = model.config().n_embd;
         let seq = tokens(spec.seed + 40, SEQ_LEN, spec.vocab);
         let n = SEQ_LEN - 1;
+        let pos = positions(0..n as i32);
         let mut plain = model.new_cache(SEQ_LEN);
         let want = model
-            .forward(&seq[..n], &positions(0..n as i32), &mut plain, Logits::All)
+            .forward(&seq[..n], &pos, &mut plain, Logits::All)
             .expect("forward");
         let mut x = vec![0.0; n * d];
         for (t, &tok) in seq[..n].iter().enumerate() {
@@ -1861,16 +1862,15 @@ fn forward_from_layer_zero_on_embeddings_is_the_forward_pass() {
                 .expect("embed");
         }
         let mut split = model.new_cache(SEQ_LEN);
-        let got = model
-            .forward_from_layer(
-                &x,
-                0,
-                &seq[..n],
-                &positions(0..n as i32),
-                &mut split,
-                Logits::All,
-            )
-            .expect("forward_from_layer");
+        let one = |kv: &mut KvCache, x: &[f32]| {
+            let mut seqs = [Sequence {
+                tokens: &seq[..n],
+                positions: &pos,
+                kv,
+            }];
+            model.forward_batch_from_layer(x, 0, &mut seqs, Logits::All)
+        };
+        let got = one(&mut split, &x).expect("forward_batch_from_layer");
         assert_eq!(got, want, "{}", spec.label());
         let step = |kv: &mut KvCache| {
             model
@@ -1879,15 +1879,88 @@ fn forward_from_layer_zero_on_embeddings_is_the_forward_pass() {
         };
         assert_eq!(step(&mut split), step(&mut plain), "{}", spec.label());
         // A residual stream of the wrong size is an error, not a panic.
-        assert!(model
-            .forward_from_layer(
-                &x[..d],
-                0,
-                &seq[..n],
-                &positions(0..n as i32),
-                &mut split,
-                Logits::All
-            )
-            .is_err());
+        assert!(one(&mut split, &x[..d]).is_err());
+    }
+}
+
+/// The CPU half of a split placement's batched decode step: sequences of different lengths run
+/// from a middle layer together give each one the logits, and leave it the cache, that it gets
+/// run alone.
+#[test]
+fn forward_batch_from_layer_equals_each_sequence_alone() {
+    for spec in all_specs() {
+        let model = Tiny::build(&spec).model();
+        let (d, layers) = (model.config().n_embd, model.config().n_layer);
+        let first = layers / 2;
+        let lens = [5usize, 1, 9];
+        let seqs_tokens: Vec<Vec<u32>> = lens
+            .iter()
+            .enumerate()
+            .map(|(i, &len)| tokens(spec.seed + 50 + i as u64, len, spec.vocab))
+            .collect();
+        let seqs_pos: Vec<Vec<i32>> = lens.iter().map(|&len| positions(0..len as i32)).collect();
+        // Any residual stream is a valid input: small pseudo-random values.
+        let total: usize = lens.iter().sum();
+        let x: Vec<f32> = (0..total * d)
+            .map(|i| ((i * 7919 % 1000) as f32 / 1000.0 - 0.5) * 0.2)
+            .collect();
+        let mut alone_caches: Vec<KvCache> = lens.iter().map(|_| model.new_cache(16)).collect();
+        let mut want = Vec::new();
+        let mut row = 0;
+        for (i, kv) in alone_caches.iter_mut().enumerate() {
+            let rows = &x[row * d..(row + lens[i]) * d];
+            row += lens[i];
+            let mut one = [Sequence {
+                tokens: &seqs_tokens[i],
+                positions: &seqs_pos[i],
+                kv,
+            }];
+            want.extend(
+                model
+                    .forward_batch_from_layer(rows, first, &mut one, Logits::Last)
+                    .expect("alone"),
+            );
+        }
+        let mut caches: Vec<KvCache> = lens.iter().map(|_| model.new_cache(16)).collect();
+        let mut seqs: Vec<Sequence<'_>> = caches
+            .iter_mut()
+            .enumerate()
+            .map(|(i, kv)| Sequence {
+                tokens: &seqs_tokens[i],
+                positions: &seqs_pos[i],
+                kv,
+            })
+            .collect();
+        let got = model
+            .forward_batch_from_layer(&x, first, &mut seqs, Logits::Last)
+            .expect("together");
+        assert_eq!(got, want, "{}", spec.label());
+        // The caches hold the same slots: the next step matches too.
+        for (i, (a, b)) in caches.iter_mut().zip(&mut alone_caches).enumerate() {
+            assert_eq!(a.len(), lens[i]);
+            let next = [(seqs_tokens[i][0] + 1) % spec.vocab as u32];
+            let p = [lens[i] as i32];
+            let mut sa = [Sequence {
+                tokens: &next,
+                positions: &p,
+                kv: a,
+            }];
+            let mut sb = [Sequence {
+                tokens: &next,
+                positions: &p,
+                kv: b,
+            }];
+            let xa = vec![0.01f32; d];
+            assert_eq!(
+                model
+                    .forward_batch_from_layer(&xa, first, &mut sa, Logits::Last)
+                    .unwrap(),
+                model
+                    .forward_batch_from_layer(&xa, first, &mut sb, Logits::Last)
+                    .unwrap(),
+                "{}",
+                spec.label()
+            );
+        }
     }
 }
