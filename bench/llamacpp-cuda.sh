@@ -11,7 +11,7 @@
 # The bundle unpacks to engram and llama/ (the tools, their libraries, CPU variants for x86-64,
 # AVX2, AVX-512 Zen 4 and Sapphire Rapids, and libgomp). To fit 2 cores and no libcuda stub:
 # flash attention compiled out (-DGGML_CUDA_FA=OFF; run llama-bench with -fa 0) and the CUDA
-# virtual-memory pool off (-DGGML_CUDA_NO_VMM=ON); CUDA graphs stay on. About 20 minutes on the
+# virtual-memory pool off (-DGGML_CUDA_NO_VMM=ON); CUDA graphs stay on. About 16 minutes on the
 # 2-core development machine; the engram binary comes from
 # `cargo build --release --features cuda -p engram-cli` (built if missing).
 set -euo pipefail
