@@ -231,7 +231,7 @@ impl Model {
         kv: &mut KvCache,
         logits: Logits,
     ) -> Result<Vec<f32>> {
-        self.forward_with(tokens, positions, kv, logits, None, None, 0, None)
+        self.forward_with(tokens, positions, kv, logits, None, None)
     }
 
     /// Runs `tokens` at `positions` in calls of at most [`PREFILL_CHUNK`] tokens (bounding the
@@ -295,34 +295,7 @@ impl Model {
     /// Returns the logits asked for, sequence after sequence ([`Logits::Last`]: the last token
     /// of each sequence). On error no cache keeps a slot of this call.
     pub fn forward_batch(&self, seqs: &mut [Sequence<'_>], logits: Logits) -> Result<Vec<f32>> {
-        let mut bounds = Vec::with_capacity(seqs.len() + 1);
-        bounds.push(0);
-        for (index, s) in seqs.iter().enumerate() {
-            self.check_call(s.tokens, s.positions, s.kv)?;
-            if s.tokens.is_empty() {
-                return Err(ModelError::EmptySequence { index });
-            }
-            bounds.push(bounds[index] + s.tokens.len());
-        }
-        if seqs.is_empty() {
-            return Ok(Vec::new());
-        }
-        let tokens: Vec<u32> = seqs.iter().flat_map(|s| s.tokens).copied().collect();
-        let positions: Vec<i32> = seqs.iter().flat_map(|s| s.positions).copied().collect();
-        let mut kvs: Vec<&mut KvCache> = seqs.iter_mut().map(|s| &mut *s.kv).collect();
-        let call = Call {
-            tokens: &tokens,
-            positions: &positions,
-            bounds: &bounds,
-            overwrite: &[],
-            logits,
-            observer: None,
-            queries: None,
-            blend: None,
-            first_layer: 0,
-            input: None,
-        };
-        self.run(call, &mut kvs).map(|(logits, _)| logits)
+        self.forward_batch_at(seqs, logits, 0, None)
     }
 
     /// [`Model::forward`] that also hands `observer` every layer's fresh keys before RoPE and
@@ -337,7 +310,7 @@ impl Model {
     ) -> Result<Vec<f32>> {
         // Shorten the observer's own lifetime to the borrow's (`Call` holds one lifetime).
         let observer: &mut LayerObserver<'_> = observer;
-        self.forward_with(tokens, positions, kv, logits, Some(observer), None, 0, None)
+        self.forward_with(tokens, positions, kv, logits, Some(observer), None)
     }
 
     /// [`Model::forward`] that also hands `queries` every layer's queries after RoPE, before
@@ -352,7 +325,7 @@ impl Model {
     ) -> Result<Vec<f32>> {
         // As in `forward_observed`.
         let queries: &mut QueryObserver<'_> = queries;
-        self.forward_with(tokens, positions, kv, logits, None, Some(queries), 0, None)
+        self.forward_with(tokens, positions, kv, logits, None, Some(queries))
     }
 
     /// Runs layers `first_layer..` and the output head on `input`, the residual stream the
@@ -369,6 +342,18 @@ impl Model {
         seqs: &mut [Sequence<'_>],
         logits: Logits,
     ) -> Result<Vec<f32>> {
+        self.forward_batch_at(seqs, logits, first_layer, Some(input))
+    }
+
+    /// The batched forward call from layer `first_layer`: from the sequences' embeddings, or
+    /// from `input`, the residual stream entering that layer (every sequence's rows).
+    fn forward_batch_at(
+        &self,
+        seqs: &mut [Sequence<'_>],
+        logits: Logits,
+        first_layer: usize,
+        input: Option<&[f32]>,
+    ) -> Result<Vec<f32>> {
         let mut bounds = Vec::with_capacity(seqs.len() + 1);
         bounds.push(0);
         for (index, s) in seqs.iter().enumerate() {
@@ -379,7 +364,7 @@ impl Model {
             bounds.push(bounds[index] + s.tokens.len());
         }
         let n = bounds[seqs.len()];
-        if input.len() != n * self.cfg.n_embd {
+        if let Some(input) = input.filter(|x| x.len() != n * self.cfg.n_embd) {
             return Err(ModelError::PositionCount {
                 tokens: input.len() / self.cfg.n_embd.max(1),
                 positions: n,
@@ -401,14 +386,12 @@ impl Model {
             queries: None,
             blend: None,
             first_layer,
-            input: Some(input),
+            input,
         };
         self.run(call, &mut kvs).map(|(logits, _)| logits)
     }
 
-    /// One sequence's forward call from layer `first_layer` (0: from the embeddings of
-    /// `tokens`, else from `input`, the residual stream entering that layer).
-    #[allow(clippy::too_many_arguments)]
+    /// One sequence's forward call, with the observers asked for.
     fn forward_with<'f>(
         &self,
         tokens: &[u32],
@@ -417,8 +400,6 @@ impl Model {
         logits: Logits,
         observer: Option<&'f mut LayerObserver<'f>>,
         queries: Option<&'f mut QueryObserver<'f>>,
-        first_layer: usize,
-        input: Option<&'f [f32]>,
     ) -> Result<Vec<f32>> {
         self.check_call(tokens, positions, kv)?;
         if tokens.is_empty() {
@@ -433,8 +414,8 @@ impl Model {
             observer,
             queries,
             blend: None,
-            first_layer,
-            input,
+            first_layer: 0,
+            input: None,
         };
         self.run(call, &mut [kv]).map(|(logits, _)| logits)
     }
