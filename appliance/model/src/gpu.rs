@@ -69,10 +69,9 @@ struct Scratch {
     logits: Option<Buffer>,
     /// Q8_1 activations of decode's GEMV.
     q8: Option<Buffer>,
-    /// Stored KV on its way into a cache ([`GpuModel::import_kv`]): keys, values, shift angles.
+    /// Stored KV on its way into a cache ([`GpuModel::import_kv`],
+    /// [`GpuModel::forward_fused_from_host`]): keys and values, and each chunk's shift angles.
     stage: Option<(Buffer, Buffer)>,
-    shift: Option<Buffer>,
-    /// Every chunk's shift angles of [`GpuModel::forward_fused_from_host`].
     shifts: Option<Buffer>,
     /// The caches of a batched decode step's sequences ([`Device::write_seq_table`]).
     seq_table: Option<Buffer>,
@@ -452,30 +451,7 @@ impl GpuModel {
             });
         }
         let bytes = stored.keys.bytes().len();
-        if bytes != cfg.n_layer * cfg.n_head_kv * len * cfg.head_dim * 2 {
-            return Err(ModelError::Gpu(format!(
-                "stored KV of {bytes} bytes for {len} slots does not fit this model"
-            )));
-        }
-        let positions: Vec<i32> = stored
-            .positions
-            .iter()
-            .map(|&p| p.checked_add(shift).filter(|p| *p >= 0))
-            .collect::<Option<_>>()
-            .ok_or(ModelError::BadPosition {
-                position: i64::from(shift),
-            })?;
-        self.ensure_stage(bytes)?;
-        if self.scratch.shift.is_none() {
-            self.scratch.shift = Some(self.dev.alloc(cfg.head_dim * 8).map_err(gpu)?);
-        }
-        let (stage_k, stage_v) = self.scratch.stage.as_ref().expect("allocated above");
-        let shift_buf = self.scratch.shift.as_ref().expect("allocated above");
-        let dev = &self.dev;
-        dev.write_pinned(stage_k, 0, &stored.keys, 0, bytes)
-            .map_err(gpu)?;
-        dev.write_pinned(stage_v, 0, &stored.values, 0, bytes)
-            .map_err(gpu)?;
+        let positions = self.moved_positions(stored, shift)?;
         let angles: Vec<f32> = self
             .model
             .rope
@@ -483,6 +459,15 @@ impl GpuModel {
             .iter()
             .flat_map(|&(c, s)| [c, s])
             .collect();
+        self.ensure_stage(bytes)?;
+        self.ensure_shifts(angles.len() * 4)?;
+        let (stage_k, stage_v) = self.scratch.stage.as_ref().expect("allocated above");
+        let shift_buf = self.scratch.shifts.as_ref().expect("allocated above");
+        let dev = &self.dev;
+        dev.write_pinned(stage_k, 0, &stored.keys, 0, bytes)
+            .map_err(gpu)?;
+        dev.write_pinned(stage_v, 0, &stored.values, 0, bytes)
+            .map_err(gpu)?;
         dev.write(shift_buf, 0, &angles).map_err(gpu)?;
         let first = kv.len();
         dev.kv_import(&KvImport {
@@ -589,19 +574,7 @@ impl GpuModel {
         let (mut slot, mut stage_bytes) = (first, 0usize);
         for (ci, (c, shift)) in chunks.iter().enumerate() {
             let len = c.len();
-            let bytes = n_layer * heads * len * hd * 2;
-            if c.keys.bytes().len() != bytes || c.values.bytes().len() != bytes {
-                return Err(ModelError::Gpu(format!(
-                    "stored KV of {} bytes for {len} slots does not fit this model",
-                    c.keys.bytes().len()
-                )));
-            }
-            for &p in &c.positions {
-                let moved = p.checked_add(*shift).filter(|p| *p >= 0);
-                shifted.push(moved.ok_or(ModelError::BadPosition {
-                    position: i64::from(*shift),
-                })?);
-            }
+            shifted.extend(self.moved_positions(c, *shift)?);
             let table = self.model.rope.shift_angles(*shift);
             angles.extend(table.iter().take(pairs).flat_map(|&(c, s)| [c, s]));
             angles.resize((ci + 1) * pairs * 2, 0.0);
@@ -610,16 +583,7 @@ impl GpuModel {
             stage_bytes += heads * len * hd * 2;
         }
         self.ensure_stage(stage_bytes)?;
-        let table_bytes = (angles.len() * 4).max(8);
-        if self
-            .scratch
-            .shifts
-            .as_ref()
-            .is_none_or(|b| b.bytes() < table_bytes)
-        {
-            self.scratch.shifts = None;
-            self.scratch.shifts = Some(self.dev.alloc(table_bytes).map_err(gpu)?);
-        }
+        self.ensure_shifts(angles.len() * 4)?;
         let dev = &self.dev;
         // The copy lane may reuse the stage only after the compute lane's earlier work.
         let before = dev.record(Lane::Compute, false).map_err(gpu)?;
@@ -1133,6 +1097,42 @@ impl GpuModel {
         dev.read(logits_buf, 0, &mut out).map_err(gpu)?;
         self.mark("head")?;
         Ok(out)
+    }
+
+    /// The positions `stored`'s slots take moved by `shift`, once its size is checked against
+    /// this model (both [`GpuModel::import_kv`] and [`GpuModel::forward_fused_from_host`]).
+    fn moved_positions(&self, stored: &HostKv, shift: i32) -> Result<Vec<i32>> {
+        let cfg = self.model.config();
+        let (len, bytes) = (stored.len(), stored.keys.bytes().len());
+        if bytes != cfg.n_layer * cfg.n_head_kv * len * cfg.head_dim * 2
+            || stored.values.bytes().len() != bytes
+        {
+            return Err(ModelError::Gpu(format!(
+                "stored KV of {bytes} bytes for {len} slots does not fit this model"
+            )));
+        }
+        stored
+            .positions
+            .iter()
+            .map(|&p| p.checked_add(shift).filter(|p| *p >= 0))
+            .collect::<Option<_>>()
+            .ok_or(ModelError::BadPosition {
+                position: i64::from(shift),
+            })
+    }
+
+    /// Makes the buffer of shift angles hold `bytes` (it only grows).
+    fn ensure_shifts(&mut self, bytes: usize) -> Result<()> {
+        if self
+            .scratch
+            .shifts
+            .as_ref()
+            .is_none_or(|b| b.bytes() < bytes)
+        {
+            self.scratch.shifts = None;
+            self.scratch.shifts = Some(self.dev.alloc(bytes.max(8)).map_err(gpu)?);
+        }
+        Ok(())
     }
 
     /// Makes the staging buffers of stored keys and values hold `bytes` each (they only grow).
