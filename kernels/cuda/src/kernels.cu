@@ -708,17 +708,22 @@ extern "C" __global__ void rope_qk(float* q, float* k, const float2* angles, int
 
 // Writes row t's keys and values ([rows][kv_heads * head_dim], f32) into cache slot slots[t]
 // of one layer's caches ([kv_heads][capacity][head_dim], f16).
-extern "C" __global__ void kv_store(const float* k, const float* v, u16* kc, u16* vc,
-                                    const int* slots, int kv_heads, int head_dim, int capacity) {
-    int t = blockIdx.x;
+__device__ __forceinline__ void kv_store_row(const float* k, const float* v, u16* kc, u16* vc,
+                                             int t, size_t slot, int kv_heads, int head_dim,
+                                             int capacity) {
     int width = kv_heads * head_dim;
-    size_t slot = (size_t)slots[t];
     for (int i = threadIdx.x; i < width; i += blockDim.x) {
         int h = i / head_dim, d = i % head_dim;
         size_t dst = ((size_t)h * capacity + slot) * head_dim + d;
         kc[dst] = f2h(k[(size_t)t * width + i]);
         vc[dst] = f2h(v[(size_t)t * width + i]);
     }
+}
+
+extern "C" __global__ void kv_store(const float* k, const float* v, u16* kc, u16* vc,
+                                    const int* slots, int kv_heads, int head_dim, int capacity) {
+    int t = blockIdx.x;
+    kv_store_row(k, v, kc, vc, t, (size_t)slots[t], kv_heads, head_dim, capacity);
 }
 
 // Stored chunk KV into the cache: stage_k/stage_v hold `len` slots of every layer and KV head
@@ -1014,16 +1019,9 @@ extern "C" __global__ void kv_store_many(const float* k, const float* v, const S
                                          int kv_heads, int head_dim) {
     int t = blockIdx.x;
     const SeqCache c = seqs[seq_of_row[t]];
-    int width = kv_heads * head_dim;
-    size_t slot = (size_t)slots[t];
-    u16* kc = (u16*)c.keys + (size_t)layer * width * c.capacity;
-    u16* vc = (u16*)c.values + (size_t)layer * width * c.capacity;
-    for (int i = threadIdx.x; i < width; i += blockDim.x) {
-        int h = i / head_dim, d = i % head_dim;
-        size_t dst = ((size_t)h * c.capacity + slot) * head_dim + d;
-        kc[dst] = f2h(k[(size_t)t * width + i]);
-        vc[dst] = f2h(v[(size_t)t * width + i]);
-    }
+    size_t layer_off = (size_t)layer * kv_heads * head_dim * c.capacity;
+    kv_store_row(k, v, (u16*)c.keys + layer_off, (u16*)c.values + layer_off, t,
+                 (size_t)slots[t], kv_heads, head_dim, c.capacity);
 }
 
 // ---- Prefill attention on cuBLAS: S = Q K^T and O = P V as batched GEMMs over the KV heads
