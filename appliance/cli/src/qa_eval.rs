@@ -339,6 +339,7 @@ pub fn run(a: QaArgs) -> Result<()> {
     let mut peer = Tally::default();
     let (mut recalled, mut skipped, mut refused) = (0usize, 0usize, 0usize);
     let mut best_dense = Vec::new();
+    let mut best_coverage = Vec::new();
     let started = Instant::now();
     for (qi, item) in items.iter().enumerate() {
         let t = Instant::now();
@@ -352,7 +353,9 @@ pub fn run(a: QaArgs) -> Result<()> {
         recalled += usize::from(hit_gold);
         let best = hits.iter().filter_map(|h| h.dense).reduce(f32::max);
         best_dense.push(best.unwrap_or(0.0) as f64);
-        let grounded = relevant(&item.question, best);
+        let texts = || hits.iter().map(|h| h.text.as_str());
+        best_coverage.push(engram_fusion::best_coverage(&item.question, texts()));
+        let grounded = relevant(&item.question, best, texts());
         refused += usize::from(!grounded);
         // As engramd: a passage that mostly repeats a better-ranked one is left out (the peer
         // gets the same passages).
@@ -469,10 +472,12 @@ pub fn run(a: QaArgs) -> Result<()> {
         "systems": systems,
         "refused_as_irrelevant": refused,
         "best_dense": percentiles(&best_dense),
-        "off_topic": off_topic.as_ref().map(|(refused, n, dense)| serde_json::json!({
-            "questions": n,
-            "refused": refused,
-            "best_dense": percentiles(dense),
+        "best_coverage": percentiles(&best_coverage),
+        "off_topic": off_topic.as_ref().map(|o| serde_json::json!({
+            "questions": o.asked,
+            "refused": o.refused,
+            "best_dense": percentiles(&o.dense),
+            "best_coverage": percentiles(&o.coverage),
         })),
         "elapsed_s": started.elapsed().as_secs_f64(),
     });
@@ -489,22 +494,31 @@ pub fn run(a: QaArgs) -> Result<()> {
     println!("retrieval recall@{}: {recall:.3}", a.k);
     println!(
         "answered \"I don't know\" (best chunk below the relevance floor): {refused}; best \
-         chunk's cosine {}",
-        percentiles(&best_dense)
+         chunk's cosine {}, question coverage {}",
+        percentiles(&best_dense),
+        percentiles(&best_coverage)
     );
-    if let Some((refused, n, dense)) = &off_topic {
+    if let Some(o) = &off_topic {
         println!(
-            "off-topic questions answered \"I don't know\": {refused}/{n}; best chunk's cosine {}",
-            percentiles(dense)
+            "off-topic questions answered \"I don't know\": {}/{}; best chunk's cosine {}, \
+             question coverage {}",
+            o.refused,
+            o.asked,
+            percentiles(&o.dense),
+            percentiles(&o.coverage)
         );
-        // What other floors would refuse, for the floor's calibration.
+        // What other floors would refuse, for the floors' calibration: the cosine judges
+        // English questions, the coverage Chinese ones.
         let below =
             |v: &[f64], f: f64| v.iter().filter(|&&d| d < f).count() as f64 / v.len() as f64;
-        for floor in [0.15, 0.2, 0.25, 0.3, 0.35, 0.4] {
+        for floor in [0.1, 0.15, 0.2, 0.25, 0.3, 0.35, 0.4] {
             println!(
-                "floor {floor:.2}: refuses {:.3} of the set's questions, {:.3} of the off-topic ones",
+                "floor {floor:.2}: cosine refuses {:.3} of the set's questions, {:.3} of the \
+                 off-topic ones; coverage {:.3} and {:.3}",
                 below(&best_dense, floor),
-                below(dense, floor)
+                below(&o.dense, floor),
+                below(&best_coverage, floor),
+                below(&o.coverage, floor)
             );
         }
     }
@@ -546,27 +560,43 @@ fn f1_vs_first(t: &Tally, first: &Tally) -> Option<(f64, [f64; 2])> {
     Some((mean(&d), crate::fusion_eval::bootstrap_ci95(&d)))
 }
 
-/// Asks `limit` queries of a BEIR queries.jsonl: (refused by the relevance floor, asked, best
-/// chunk's cosine of each).
+/// What the relevance floors did to questions nothing in the collection answers.
+struct OffTopic {
+    /// Refused by the floor ([`relevant`]).
+    refused: usize,
+    asked: usize,
+    /// Each question's best chunk's cosine similarity, and best [`engram_fusion::best_coverage`].
+    dense: Vec<f64>,
+    coverage: Vec<f64>,
+}
+
+/// Asks `limit` queries of a BEIR queries.jsonl (`{"text": ...}` per line).
 fn off_topic(
     kb: &engram_kb::KnowledgeBase,
     collection: &str,
     path: &Path,
     limit: usize,
-) -> Result<(usize, usize, Vec<f64>)> {
+) -> Result<OffTopic> {
     #[derive(Deserialize)]
     struct Query {
         text: String,
     }
     let queries: Vec<Query> = crate::eval::read_jsonl(path)?;
-    let (mut refused, mut dense) = (0, Vec::new());
+    let (mut refused, mut dense, mut coverage) = (0, Vec::new(), Vec::new());
     for q in queries.iter().take(limit) {
         let hits = kb.search(&SearchRequest::new(collection, &q.text))?.hits;
         let best = hits.iter().filter_map(|h| h.dense).reduce(f32::max);
         dense.push(best.unwrap_or(0.0) as f64);
-        refused += usize::from(!relevant(&q.text, best));
+        let texts = || hits.iter().map(|h| h.text.as_str());
+        coverage.push(engram_fusion::best_coverage(&q.text, texts()));
+        refused += usize::from(!relevant(&q.text, best, texts()));
     }
-    Ok((refused, queries.len().min(limit), dense))
+    Ok(OffTopic {
+        refused,
+        asked: queries.len().min(limit),
+        dense,
+        coverage,
+    })
 }
 
 /// p10, median and p90 of `v`, as JSON.

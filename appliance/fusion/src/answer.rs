@@ -18,18 +18,91 @@ pub const ANSWER_STOPS: [&str; 4] = ["\n\n", "\nQuestion:", "\nPassages:", "\n�
 /// 88 %).
 pub const DENSE_FLOOR: f32 = 0.3;
 
-/// Whether chunks whose best cosine similarity to the question is `best_dense` are worth
-/// answering from. Only a question written mostly in ASCII letters is judged by the score
-/// (the English embedder cannot read Chinese, say), and only when the question was embedded.
-pub fn relevant(question: &str, best_dense: Option<f32>) -> bool {
+/// Share of a Chinese question's character pairs the best retrieved chunk must contain for the
+/// question to be answered from the chunks (see [`question_coverage`]); the English embedder
+/// cannot judge Chinese, so this lexical floor stands in for [`DENSE_FLOOR`]. Calibrated with
+/// `engram eval qa --off-topic` on XQuAD-zh and CMRC2018, each set's questions against its own
+/// collection and the other set's as off-topic questions (docs/bench/2026-11-29-zh-floor.md).
+pub const COVERAGE_FLOOR: f64 = 0.2;
+
+/// Han characters that say what kind of question it is or join its words ("什么", "多少",
+/// "的"): a pair of two of them says nothing about the topic and is not counted.
+const FUNCTION_CHARS: &str = "的了是在有和与及或也都就而之其这那个些什么哪谁几多少吗呢吧怎样如何为被把对从于由中上下到将以会可能要所年月日";
+
+/// Whether chunks are worth answering from, judged by the best chunk's cosine similarity to
+/// the question (`best_dense`) for a question written mostly in ASCII letters, and by the
+/// largest share of the question's character pairs found in one of `passages` for a Chinese
+/// one. Any other question, and an English one that was not embedded, is answered.
+pub fn relevant<'a>(
+    question: &str,
+    best_dense: Option<f32>,
+    passages: impl IntoIterator<Item = &'a str>,
+) -> bool {
     let (ascii, letters) = question
         .chars()
         .filter(|c| c.is_alphabetic())
         .fold((0usize, 0usize), |(a, l), c| {
             (a + usize::from(c.is_ascii()), l + 1)
         });
-    let judged = letters > 0 && ascii * 4 >= letters * 3;
-    !judged || best_dense.is_none_or(|d| d >= DENSE_FLOOR)
+    if letters > 0 && ascii * 4 >= letters * 3 {
+        best_dense.is_none_or(|d| d >= DENSE_FLOOR)
+    } else if is_chinese(question) {
+        best_coverage(question, passages) >= COVERAGE_FLOOR
+    } else {
+        true
+    }
+}
+
+/// The largest [`question_coverage`] of `question` over `passages` (0 when there are none).
+pub fn best_coverage<'a>(question: &str, passages: impl IntoIterator<Item = &'a str>) -> f64 {
+    let asked = units(question);
+    // A question of one unit is looked for as that unit.
+    let single = asked.len() == 1;
+    let wanted = match asked.as_slice() {
+        [only] => [(only.clone(), String::new())].into(),
+        _ => pairs(&asked),
+    };
+    if wanted.is_empty() {
+        return 0.0;
+    }
+    passages
+        .into_iter()
+        .map(|p| {
+            let found = units(p);
+            let have = if single {
+                found.into_iter().map(|u| (u, String::new())).collect()
+            } else {
+                pairs(&found)
+            };
+            wanted.iter().filter(|w| have.contains(*w)).count() as f64 / wanted.len() as f64
+        })
+        .fold(0.0, f64::max)
+}
+
+/// The share of `question`'s pairs of neighbouring units (Han characters or words, see
+/// `dedup`'s units) that `passage` also has, pairs of two [`FUNCTION_CHARS`] left out: how
+/// much of the question's wording a passage about it repeats. A question written from a
+/// passage shares about half of its pairs with it; one about something else, a tenth to a
+/// fifth with the closest passage of a collection.
+pub fn question_coverage(question: &str, passage: &str) -> f64 {
+    best_coverage(question, [passage])
+}
+
+/// The units of `text` (see `dedup`'s `for_each_unit`).
+fn units(text: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    crate::dedup::for_each_unit(text, |u| out.push(u.to_owned()));
+    out
+}
+
+/// The distinct pairs of neighbouring `units`, without pairs of two [`FUNCTION_CHARS`].
+fn pairs(units: &[String]) -> std::collections::HashSet<(String, String)> {
+    let function = |u: &str| u.chars().count() == 1 && FUNCTION_CHARS.contains(u);
+    units
+        .windows(2)
+        .filter(|w| !(function(&w[0]) && function(&w[1])))
+        .map(|w| (w[0].clone(), w[1].clone()))
+        .collect()
 }
 
 /// The answer given when no retrieved passage is relevant enough to answer from.
@@ -381,11 +454,44 @@ mod tests {
     }
 
     #[test]
-    fn only_english_questions_are_judged_by_the_score() {
-        assert!(relevant("How long is the password?", Some(0.5)));
-        assert!(!relevant("How long is the password?", Some(0.05)));
-        assert!(relevant("How long is the password?", None));
-        assert!(relevant("新密码至少需要几个字符？", Some(0.05)));
+    fn english_questions_are_judged_by_the_score_chinese_ones_by_their_words() {
+        let none: [&str; 0] = [];
+        assert!(relevant("How long is the password?", Some(0.5), none));
+        assert!(!relevant("How long is the password?", Some(0.05), none));
+        assert!(relevant("How long is the password?", None, none));
+        // A Chinese question is judged by the passages, whatever the English embedder said.
+        let q = "新密码至少需要几个字符？";
+        let about = "新密码至少需要 12 个字符，并且不能与最近五次使用过的密码相同。";
+        let other = "费用报销须在购买后 30 天内提交，每一项超过 25 欧元的费用都需要附上收据。";
+        assert!(relevant(q, Some(0.05), [other, about]));
+        assert!(!relevant(q, Some(0.9), [other]));
+        assert!(!relevant(q, None, none));
+        // Neither English nor Chinese: answered.
+        assert!(relevant(
+            "Wie lang muss ein neues Passwort sein?",
+            None,
+            none
+        ));
+    }
+
+    #[test]
+    fn coverage_counts_the_question_wording_a_passage_repeats() {
+        let q = "新密码至少需要几个字符？";
+        let about = "新密码至少需要 12 个字符，并且不能与最近五次使用过的密码相同。";
+        // 新密 密码 码至 至少 少需 需要 个字 字符 are all in it (要几 and 几个, pairs of two
+        // function characters, are not counted); the other passage has none of them.
+        assert_eq!(question_coverage(q, about), 1.0);
+        let other = "费用报销须在购买后 30 天内提交，每一项超过 25 欧元的费用都需要附上收据。";
+        assert_eq!(question_coverage(q, other), 1.0 / 8.0);
+        // Pairs of two function characters say nothing about the topic.
+        assert_eq!(question_coverage("是什么？", "这是什么"), 0.0);
+        assert_eq!(best_coverage(q, []), 0.0);
+        assert_eq!(question_coverage("？", about), 0.0);
+        // Words count as units, case aside.
+        assert_eq!(
+            question_coverage("NFL", "黑豹队领先国家橄榄球联盟 (nfl)"),
+            1.0
+        );
     }
 
     #[test]

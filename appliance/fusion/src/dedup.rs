@@ -35,29 +35,12 @@ pub fn retain_distinct<T>(items: &mut Vec<T>, text: impl Fn(&T) -> &str) {
     });
 }
 
-/// The distinct hashes of a text's shingles: runs of [`SHINGLE`] units, where a unit is a
-/// lower-cased run of letters and digits or a single Han character (Chinese has no spaces).
+/// The distinct hashes of a text's shingles: runs of [`SHINGLE`] units (see [`for_each_unit`]).
 fn shingles(text: &str) -> HashSet<u64> {
     let mut units: Vec<u64> = Vec::new();
-    let mut word = String::new();
-    let flush = |word: &mut String, units: &mut Vec<u64>| {
-        if !word.is_empty() {
-            units.push(xxhash_rust::xxh3::xxh3_64(word.as_bytes()));
-            word.clear();
-        }
-    };
-    for c in text.chars() {
-        if is_han(c) {
-            flush(&mut word, &mut units);
-            let mut b = [0u8; 4];
-            units.push(xxhash_rust::xxh3::xxh3_64(c.encode_utf8(&mut b).as_bytes()));
-        } else if c.is_alphanumeric() {
-            word.extend(c.to_lowercase());
-        } else {
-            flush(&mut word, &mut units);
-        }
-    }
-    flush(&mut word, &mut units);
+    for_each_unit(text, |u| {
+        units.push(xxhash_rust::xxh3::xxh3_64(u.as_bytes()))
+    });
     units
         .windows(SHINGLE)
         .map(|w| {
@@ -65,6 +48,30 @@ fn shingles(text: &str) -> HashSet<u64> {
             xxhash_rust::xxh3::xxh3_64(&bytes)
         })
         .collect()
+}
+
+/// Calls `f` with each unit of `text` in order: a lower-cased run of letters and digits, or a
+/// single Han character (Chinese has no spaces).
+pub(crate) fn for_each_unit(text: &str, mut f: impl FnMut(&str)) {
+    let mut word = String::new();
+    for c in text.chars() {
+        if is_han(c) {
+            if !word.is_empty() {
+                f(&word);
+                word.clear();
+            }
+            let mut b = [0u8; 4];
+            f(c.encode_utf8(&mut b));
+        } else if c.is_alphanumeric() {
+            word.extend(c.to_lowercase());
+        } else if !word.is_empty() {
+            f(&word);
+            word.clear();
+        }
+    }
+    if !word.is_empty() {
+        f(&word);
+    }
 }
 
 /// Whether `c` is a Han character (CJK unified ideographs, their extensions and compatibility

@@ -21,7 +21,10 @@ mod policy;
 mod prefix;
 mod prompt;
 
-pub use answer::{no_answer, not_answered, relevant, OutputText, ANSWER_STOPS, DENSE_FLOOR};
+pub use answer::{
+    best_coverage, no_answer, not_answered, question_coverage, relevant, OutputText, ANSWER_STOPS,
+    COVERAGE_FLOOR, DENSE_FLOOR,
+};
 pub use chunks::{
     bos_frame, precompute, ChunkCounters, ChunkCounts, ChunkStore, FetchTimes, Fetched, Reject,
     Source, FINGERPRINT_RECORD,

@@ -1,6 +1,7 @@
 //! Grounded answers on the default model, greedy: a real `engramd` with the sample corpus
 //! `scripts/run.sh` indexes (`docs/samples/handbook`), asked questions whose answers are in it,
-//! a question nothing in it answers, and the same question streamed and not.
+//! questions nothing in it answers (in English and in Chinese), and the same question streamed
+//! and not.
 
 mod common;
 
@@ -136,6 +137,11 @@ fn the_sample_corpus_is_answered_from_its_passages() {
         r["answer"].as_str().unwrap().starts_with("I don't know"),
         "{r}"
     );
+    assert_eq!(r["citations"], json!([]), "{r}");
+    // The same in Chinese, which the English embedder cannot judge: too little of the
+    // question's wording is in any retrieved passage (`engram_fusion::COVERAGE_FLOOR`).
+    let r = ask(addr, &key, "2018年世界杯足球赛的冠军是哪个国家？");
+    assert!(r["answer"].as_str().unwrap().starts_with("我不知道"), "{r}");
     assert_eq!(r["citations"], json!([]), "{r}");
 
     // Streamed, the answer is the same text (the start held back while it could still be the

@@ -83,7 +83,7 @@ pub struct QaResponse {
 /// The citations are the hits kept.
 pub fn grounded(question: &str, mut hits: Vec<Hit>) -> Vec<Hit> {
     let best = hits.iter().filter_map(|h| h.dense).reduce(f32::max);
-    if !engram_fusion::relevant(question, best) {
+    if !engram_fusion::relevant(question, best, hits.iter().map(|h| h.text.as_str())) {
         return Vec::new();
     }
     engram_fusion::retain_distinct(&mut hits, |h| &h.text);
