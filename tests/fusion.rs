@@ -645,6 +645,22 @@ fn cli_ingest_kv_then_ask_loads_stored_chunks() {
         "{v}"
     );
     assert_eq!(v["timings"]["kv_chunks"]["nvme"], 0, "{v}");
+
+    // A question none of the passages is about is not answered from them (as engramd).
+    let (ok, out, err) = engram(
+        &data,
+        &[
+            "ask",
+            "How do I reset my password for the payroll portal?",
+            "--collection",
+            "facts",
+            "--json",
+        ],
+    );
+    assert!(ok, "ask failed: {err}");
+    let v: serde_json::Value = serde_json::from_str(&out).expect("JSON answer");
+    assert_eq!(v["answer"], engram_fusion::no_answer("password"), "{v}");
+    assert_eq!(v["citations"], serde_json::json!([]), "{v}");
 }
 
 #[test]

@@ -10,8 +10,9 @@ use std::time::Instant;
 use anyhow::{Context, Result};
 use clap::Args;
 use engram_fusion::{
-    chunk_tokens, fused_prefill, rag_frame, rag_prompt, retain_distinct, ChunkStore, CopyBias,
-    GateLimits, OutputText, Policy, DEFAULT_COPY_BIAS, DEFAULT_POLICY, DEFAULT_SYSTEM,
+    chunk_tokens, fused_prefill, no_answer, rag_frame, rag_prompt, relevant, retain_distinct,
+    ChunkStore, CopyBias, GateLimits, OutputText, Policy, DEFAULT_COPY_BIAS, DEFAULT_POLICY,
+    DEFAULT_SYSTEM,
 };
 use engram_kb::{KnowledgeBase, SearchRequest};
 use engram_kvstore::{DramTier, IoMode, KvDtype, KvStore, NvmeOptions, NvmeTier};
@@ -173,7 +174,28 @@ pub fn ask(a: AskArgs) -> Result<()> {
     let mut req = SearchRequest::new(&a.collection, &a.question);
     req.k = a.k;
     let mut hits = kb.search(&req)?.hits;
-    // As engramd: a passage that mostly repeats a better-ranked one is left out.
+    // As engramd (`grounded`): nothing relevant retrieved answers "I don't know" without
+    // running the model, and a passage that mostly repeats a better-ranked one is left out.
+    let best = hits.iter().filter_map(|h| h.dense).reduce(f32::max);
+    if !relevant(&a.question, best, hits.iter().map(|h| h.text.as_str())) {
+        let answer = no_answer(&a.question);
+        if a.json {
+            println!(
+                "{}",
+                serde_json::to_string_pretty(&serde_json::json!({
+                    "answer": answer,
+                    "policy": serde_json::Value::Null,
+                    "fusion_disabled": serde_json::Value::Null,
+                    "prompt_tokens": 0,
+                    "citations": [],
+                    "timings": { "retrieve_ms": t.elapsed().as_secs_f64() * 1e3 },
+                }))?
+            );
+        } else {
+            println!("{answer}");
+        }
+        return Ok(());
+    }
     retain_distinct(&mut hits, |h| &h.text);
     let retrieve = t.elapsed();
 
