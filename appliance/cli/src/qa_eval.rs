@@ -340,6 +340,7 @@ pub fn run(a: QaArgs) -> Result<()> {
     let (mut recalled, mut skipped, mut refused) = (0usize, 0usize, 0usize);
     let mut best_dense = Vec::new();
     let mut best_coverage = Vec::new();
+    let mut best_terms = Vec::new();
     let started = Instant::now();
     for (qi, item) in items.iter().enumerate() {
         let t = Instant::now();
@@ -355,6 +356,7 @@ pub fn run(a: QaArgs) -> Result<()> {
         best_dense.push(best.unwrap_or(0.0) as f64);
         let texts = || hits.iter().map(|h| h.text.as_str());
         best_coverage.push(engram_fusion::best_coverage(&item.question, texts()));
+        best_terms.push(engram_fusion::best_term_coverage(&item.question, texts()));
         let grounded = relevant(&item.question, best, texts());
         refused += usize::from(!grounded);
         // As engramd: a passage that mostly repeats a better-ranked one is left out (the peer
@@ -473,11 +475,13 @@ pub fn run(a: QaArgs) -> Result<()> {
         "refused_as_irrelevant": refused,
         "best_dense": percentiles(&best_dense),
         "best_coverage": percentiles(&best_coverage),
+        "best_term_coverage": percentiles(&best_terms),
         "off_topic": off_topic.as_ref().map(|o| serde_json::json!({
             "questions": o.asked,
             "refused": o.refused,
             "best_dense": percentiles(&o.dense),
             "best_coverage": percentiles(&o.coverage),
+            "best_term_coverage": percentiles(&o.terms),
         })),
         "elapsed_s": started.elapsed().as_secs_f64(),
     });
@@ -519,6 +523,25 @@ pub fn run(a: QaArgs) -> Result<()> {
                 below(&o.dense, floor),
                 below(&best_coverage, floor),
                 below(&o.coverage, floor)
+            );
+        }
+        // English: the cosine floor, and the content-word pairs one chunk repeats as a second
+        // way in.
+        let refused = |dense: &[f64], terms: &[f64], floor: f64| {
+            let n = dense
+                .iter()
+                .zip(terms)
+                .filter(|(&d, &t)| d < f64::from(engram_fusion::DENSE_FLOOR) && t < floor)
+                .count();
+            n as f64 / dense.len().max(1) as f64
+        };
+        for floor in [0.25, 0.3, 0.34, 0.5, 0.67, 1.0, f64::INFINITY] {
+            println!(
+                "cosine under {} and term coverage under {floor:.2}: refuses {:.3} of the set's \
+                 questions, {:.3} of the off-topic ones",
+                engram_fusion::DENSE_FLOOR,
+                refused(&best_dense, &best_terms, floor),
+                refused(&o.dense, &o.terms, floor)
             );
         }
     }
@@ -568,6 +591,8 @@ struct OffTopic {
     /// Each question's best chunk's cosine similarity, and best [`engram_fusion::best_coverage`].
     dense: Vec<f64>,
     coverage: Vec<f64>,
+    /// Each question's [`engram_fusion::best_term_coverage`].
+    terms: Vec<f64>,
 }
 
 /// Asks `limit` queries of a BEIR queries.jsonl (`{"text": ...}` per line).
@@ -582,13 +607,14 @@ fn off_topic(
         text: String,
     }
     let queries: Vec<Query> = crate::eval::read_jsonl(path)?;
-    let (mut refused, mut dense, mut coverage) = (0, Vec::new(), Vec::new());
+    let (mut refused, mut dense, mut coverage, mut terms) = (0, Vec::new(), Vec::new(), Vec::new());
     for q in queries.iter().take(limit) {
         let hits = kb.search(&SearchRequest::new(collection, &q.text))?.hits;
         let best = hits.iter().filter_map(|h| h.dense).reduce(f32::max);
         dense.push(best.unwrap_or(0.0) as f64);
         let texts = || hits.iter().map(|h| h.text.as_str());
         coverage.push(engram_fusion::best_coverage(&q.text, texts()));
+        terms.push(engram_fusion::best_term_coverage(&q.text, texts()));
         refused += usize::from(!relevant(&q.text, best, texts()));
     }
     Ok(OffTopic {
@@ -596,6 +622,7 @@ fn off_topic(
         asked: queries.len().min(limit),
         dense,
         coverage,
+        terms,
     })
 }
 

@@ -30,7 +30,8 @@ pub const COVERAGE_FLOOR: f64 = 0.2;
 const FUNCTION_CHARS: &str = "的了是在有和与及或也都就而之其这那个些什么哪谁几多少吗呢吧怎样如何为被把对从于由中上下到将以会可能要所年月日";
 
 /// Whether chunks are worth answering from, judged by the best chunk's cosine similarity to
-/// the question (`best_dense`) for a question written mostly in ASCII letters, and by the
+/// the question (`best_dense`) or, below [`DENSE_FLOOR`], the question's content words one
+/// chunk repeats ([`TERM_COVERAGE_FLOOR`]) for a question written mostly in ASCII letters, and by the
 /// largest share of the question's character pairs found in one of `passages` for a Chinese
 /// one. Any other question, and an English one that was not embedded, is answered.
 pub fn relevant<'a>(
@@ -46,11 +47,67 @@ pub fn relevant<'a>(
         });
     if letters > 0 && ascii * 4 >= letters * 3 {
         best_dense.is_none_or(|d| d >= DENSE_FLOOR)
+            || best_term_coverage(question, passages) >= TERM_COVERAGE_FLOOR
     } else if is_chinese(question) {
         best_coverage(question, passages) >= COVERAGE_FLOOR
     } else {
         true
     }
+}
+
+/// Share of an English question's pairs of neighbouring content words (see
+/// [`best_term_coverage`]) one retrieved chunk must repeat for the question to be answered even
+/// though no chunk's cosine similarity reaches [`DENSE_FLOOR`]. A chunk that covers several
+/// topics (a handbook's section on expenses and travel, 200 tokens) embeds far from a question
+/// about one sentence of it ("Which class is train travel booked in?": cosine 0.16) while it
+/// repeats the question's terms word for word. Calibrated with `engram eval qa --off-topic`
+/// (docs/bench/2026-11-29-term-floor.md): no SciFact claim (400) and no MuSiQue question (150)
+/// reaches 0.25 against the XQuAD-en paragraphs, so the off-topic questions refused stay at 69
+/// % and 46 %; on 22 questions about the sample handbook the questions refused fall from 5 to 0.
+pub const TERM_COVERAGE_FLOOR: f64 = 0.3;
+
+/// English words that carry no topic: a question's content words are the others.
+const STOP_WORDS: [&str; 96] = [
+    "a", "about", "after", "all", "also", "an", "and", "any", "are", "as", "at", "be", "been",
+    "before", "being", "but", "by", "can", "could", "did", "do", "does", "done", "during", "each",
+    "for", "from", "get", "gets", "got", "had", "has", "have", "he", "her", "his", "how", "i",
+    "if", "in", "into", "is", "it", "its", "many", "may", "me", "might", "more", "most", "much",
+    "must", "my", "no", "not", "of", "on", "one", "or", "other", "our", "she", "should", "so",
+    "some", "than", "that", "the", "their", "them", "then", "there", "these", "they", "this",
+    "those", "to", "up", "was", "we", "were", "what", "when", "where", "which", "who", "whom",
+    "whose", "why", "will", "with", "would", "you", "your", "s", "t",
+];
+
+/// The largest share, over `passages`, of `question`'s pairs of neighbouring content words
+/// (lower-cased words, [`STOP_WORDS`] skipped, so "train travel booked" gives "train travel"
+/// and "travel booked") that a passage also has as neighbouring content words; 0 when the
+/// question has fewer than two content words (one word alone says too little about a topic).
+pub fn best_term_coverage<'a>(question: &str, passages: impl IntoIterator<Item = &'a str>) -> f64 {
+    let wanted = content_pairs(question);
+    if wanted.is_empty() {
+        return 0.0;
+    }
+    passages
+        .into_iter()
+        .map(|p| {
+            let have = content_pairs(p);
+            wanted.iter().filter(|w| have.contains(*w)).count() as f64 / wanted.len() as f64
+        })
+        .fold(0.0, f64::max)
+}
+
+/// The distinct pairs of neighbouring content words of `text`.
+fn content_pairs(text: &str) -> std::collections::HashSet<(String, String)> {
+    let mut words = Vec::new();
+    crate::dedup::for_each_unit(text, |u| {
+        if !STOP_WORDS.contains(&u) {
+            words.push(u.to_owned());
+        }
+    });
+    words
+        .windows(2)
+        .map(|w| (w[0].clone(), w[1].clone()))
+        .collect()
 }
 
 /// The largest [`question_coverage`] of `question` over `passages` (0 when there are none).
@@ -472,6 +529,29 @@ mod tests {
             None,
             none
         ));
+    }
+
+    #[test]
+    fn an_english_question_whose_terms_a_chunk_repeats_is_answered_below_the_cosine_floor() {
+        let travel = "Expense claims are submitted within 30 days of the purchase, with a receipt \
+                      for every item above 25 euros. Train travel is booked in second class; \
+                      flights are allowed for trips of more than 600 kilometres.";
+        let leave = "Every employee gets 25 days of paid leave per year.";
+        let q = "Which class is train travel booked in?";
+        // class, train, travel, booked: "train travel" and "travel booked" of three pairs.
+        assert_eq!(best_term_coverage(q, [leave, travel]), 2.0 / 3.0);
+        assert!(relevant(q, Some(0.16), [leave, travel]));
+        assert!(!relevant(q, Some(0.16), [leave]));
+        // trips distance, distance flights, flights allowed: one of three.
+        let q = "For trips of what distance are flights allowed?";
+        assert_eq!(best_term_coverage(q, [travel]), 1.0 / 3.0);
+        assert!(relevant(q, Some(0.25), [travel]));
+        // Shared stop words and one shared term are not a topic.
+        let off = "What is the capital of Australia?";
+        assert_eq!(best_term_coverage(off, [leave, travel]), 0.0);
+        assert!(!relevant(off, Some(0.1), [leave, travel]));
+        assert_eq!(best_term_coverage("What is travel?", [travel]), 0.0);
+        assert_eq!(best_term_coverage("Who is he?", [travel]), 0.0);
     }
 
     #[test]

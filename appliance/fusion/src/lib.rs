@@ -22,8 +22,8 @@ mod prefix;
 mod prompt;
 
 pub use answer::{
-    best_coverage, no_answer, not_answered, question_coverage, relevant, OutputText, ANSWER_STOPS,
-    COVERAGE_FLOOR, DENSE_FLOOR,
+    best_coverage, best_term_coverage, no_answer, not_answered, question_coverage, relevant,
+    OutputText, ANSWER_STOPS, COVERAGE_FLOOR, DENSE_FLOOR, TERM_COVERAGE_FLOOR,
 };
 pub use chunks::{
     bos_frame, precompute, ChunkCounters, ChunkCounts, ChunkStore, FetchTimes, Fetched, Reject,
