@@ -83,14 +83,23 @@ const STOP_WORDS: [&str; 96] = [
 /// and "travel booked") that a passage also has as neighbouring content words; 0 when the
 /// question has fewer than two content words (one word alone says too little about a topic).
 pub fn best_term_coverage<'a>(question: &str, passages: impl IntoIterator<Item = &'a str>) -> f64 {
-    let wanted = content_pairs(question);
+    best_share(&content_pairs(question), passages, content_pairs)
+}
+
+/// The largest share of `wanted` found in one of `passages`, each made into pairs by `have`
+/// (0 when `wanted` or `passages` is empty).
+fn best_share<'a>(
+    wanted: &std::collections::HashSet<(String, String)>,
+    passages: impl IntoIterator<Item = &'a str>,
+    have: impl Fn(&str) -> std::collections::HashSet<(String, String)>,
+) -> f64 {
     if wanted.is_empty() {
         return 0.0;
     }
     passages
         .into_iter()
         .map(|p| {
-            let have = content_pairs(p);
+            let have = have(p);
             wanted.iter().filter(|w| have.contains(*w)).count() as f64 / wanted.len() as f64
         })
         .fold(0.0, f64::max)
@@ -119,21 +128,14 @@ pub fn best_coverage<'a>(question: &str, passages: impl IntoIterator<Item = &'a 
         [only] => [(only.clone(), String::new())].into(),
         _ => pairs(&asked),
     };
-    if wanted.is_empty() {
-        return 0.0;
-    }
-    passages
-        .into_iter()
-        .map(|p| {
-            let found = units(p);
-            let have = if single {
-                found.into_iter().map(|u| (u, String::new())).collect()
-            } else {
-                pairs(&found)
-            };
-            wanted.iter().filter(|w| have.contains(*w)).count() as f64 / wanted.len() as f64
-        })
-        .fold(0.0, f64::max)
+    best_share(&wanted, passages, |p| {
+        let found = units(p);
+        if single {
+            found.into_iter().map(|u| (u, String::new())).collect()
+        } else {
+            pairs(&found)
+        }
+    })
 }
 
 /// The share of `question`'s pairs of neighbouring units (Han characters or words, see
