@@ -180,17 +180,12 @@ pub fn ask(a: AskArgs) -> Result<()> {
     if !relevant(&a.question, best, hits.iter().map(|h| h.text.as_str())) {
         let answer = no_answer(&a.question);
         if a.json {
-            println!(
-                "{}",
-                serde_json::to_string_pretty(&serde_json::json!({
-                    "answer": answer,
-                    "policy": serde_json::Value::Null,
-                    "fusion_disabled": serde_json::Value::Null,
-                    "prompt_tokens": 0,
-                    "citations": [],
-                    "timings": { "retrieve_ms": t.elapsed().as_secs_f64() * 1e3 },
-                }))?
+            let mut timings = serde_json::Map::new();
+            timings.insert(
+                "retrieve_ms".into(),
+                (t.elapsed().as_secs_f64() * 1e3).into(),
             );
+            print_json(answer, None, None, 0, Vec::new(), timings)?;
         } else {
             println!("{answer}");
         }
@@ -283,18 +278,14 @@ pub fn ask(a: AskArgs) -> Result<()> {
     timings.insert("decode_ms".into(), ms(decode).into());
     timings.insert("generated_tokens".into(), generated.into());
     if a.json {
-        println!(
-            "{}",
-            serde_json::to_string_pretty(&serde_json::json!({
-                "answer": answer.trim(),
-                "policy": policy.name(),
-                "fusion_disabled": fusion_disabled,
-                "prompt_tokens": prompt.len(),
-                "citations": citations,
-                "timings": timings,
-            }))?
+        return print_json(
+            answer.trim(),
+            Some(&policy.name()),
+            fusion_disabled.as_deref(),
+            prompt.len(),
+            citations,
+            timings,
         );
-        return Ok(());
     }
     println!();
     println!();
@@ -324,6 +315,31 @@ pub fn ask(a: AskArgs) -> Result<()> {
         first_token.map_or(0.0, ms),
         ms(decode),
         generated,
+    );
+    Ok(())
+}
+
+/// `engram ask --json`'s one object: the answer, the policy it was prefilled under (none when
+/// it was not generated), why fusion was disabled, the prompt's length, the citations and the
+/// stage timings.
+fn print_json(
+    answer: &str,
+    policy: Option<&str>,
+    fusion_disabled: Option<&str>,
+    prompt_tokens: usize,
+    citations: Vec<serde_json::Value>,
+    timings: serde_json::Map<String, serde_json::Value>,
+) -> Result<()> {
+    println!(
+        "{}",
+        serde_json::to_string_pretty(&serde_json::json!({
+            "answer": answer,
+            "policy": policy,
+            "fusion_disabled": fusion_disabled,
+            "prompt_tokens": prompt_tokens,
+            "citations": citations,
+            "timings": timings,
+        }))?
     );
     Ok(())
 }

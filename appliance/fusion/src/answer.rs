@@ -29,11 +29,12 @@ pub const COVERAGE_FLOOR: f64 = 0.2;
 /// "的"): a pair of two of them says nothing about the topic and is not counted.
 const FUNCTION_CHARS: &str = "的了是在有和与及或也都就而之其这那个些什么哪谁几多少吗呢吧怎样如何为被把对从于由中上下到将以会可能要所年月日";
 
-/// Whether chunks are worth answering from, judged by the best chunk's cosine similarity to
-/// the question (`best_dense`) or, below [`DENSE_FLOOR`], the question's content words one
-/// chunk repeats ([`TERM_COVERAGE_FLOOR`]) for a question written mostly in ASCII letters, and by the
-/// largest share of the question's character pairs found in one of `passages` for a Chinese
-/// one. Any other question, and an English one that was not embedded, is answered.
+/// Whether chunks are worth answering from. A question written mostly in ASCII letters is
+/// judged by the best chunk's cosine similarity to it (`best_dense`) or, below
+/// [`DENSE_FLOOR`], by the share of its content words one of `passages` repeats
+/// ([`TERM_COVERAGE_FLOOR`]); a Chinese one by the largest share of its character pairs found
+/// in one of `passages` ([`COVERAGE_FLOOR`]). Any other question, and an English one that was
+/// not embedded, is answered.
 pub fn relevant<'a>(
     question: &str,
     best_dense: Option<f32>,
@@ -61,9 +62,10 @@ pub fn relevant<'a>(
 /// topics (a handbook's section on expenses and travel, 200 tokens) embeds far from a question
 /// about one sentence of it ("Which class is train travel booked in?": cosine 0.16) while it
 /// repeats the question's terms word for word. Calibrated with `engram eval qa --off-topic`
-/// (docs/bench/2026-11-29-term-floor.md): no SciFact claim (400) and no MuSiQue question (150)
-/// reaches 0.25 against the XQuAD-en paragraphs, so the off-topic questions refused stay at 69
-/// % and 46 %; on 22 questions about the sample handbook the questions refused fall from 5 to 0.
+/// (docs/bench/2026-11-29-term-floor.md): no SciFact claim (400) or MuSiQue question (150) the
+/// cosine refuses reaches 0.25 against the XQuAD-en paragraphs, so the off-topic questions
+/// refused stay at 68.5 % and 46 %; of 22 questions about the sample handbook, 0 are refused
+/// instead of 5.
 pub const TERM_COVERAGE_FLOOR: f64 = 0.3;
 
 /// English words that carry no topic: a question's content words are the others.
@@ -107,12 +109,8 @@ fn best_share<'a>(
 
 /// The distinct pairs of neighbouring content words of `text`.
 fn content_pairs(text: &str) -> std::collections::HashSet<(String, String)> {
-    let mut words = Vec::new();
-    crate::dedup::for_each_unit(text, |u| {
-        if !STOP_WORDS.contains(&u) {
-            words.push(u.to_owned());
-        }
-    });
+    let mut words = units(text);
+    words.retain(|u| !STOP_WORDS.contains(&u.as_str()));
     words
         .windows(2)
         .map(|w| (w[0].clone(), w[1].clone()))
