@@ -202,10 +202,14 @@ def test_parameters(model):
     # stream_options.include_usage: a last chunk with the usage and no choices.
     chunks = list(client.chat.completions.create(**ask, stream=True, stream_options={"include_usage": True}))
     assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens > 0, chunks[-1]
+    # frequency_penalty: a list repeats its punctuation, which the penalty makes costly.
+    varied = client.chat.completions.create(**ask, frequency_penalty=2.0, presence_penalty=0.5, logit_bias={})
+    assert varied.choices[0].message.content != text, (text, varied)
     refused = {
         "n": {"n": 2},
         "logprobs": {"logprobs": True},
-        "presence_penalty": {"presence_penalty": 0.5},
+        "presence_penalty": {"presence_penalty": 2.5},
+        "logit_bias": {"logit_bias": {"not-an-id": 1}},
         "response_format": {"response_format": {"type": "xml"}},
         "tools": {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string", "format": "date"}}}]},
         "foo": {"extra_body": {"foo": 1}},

@@ -145,6 +145,14 @@ struct SamplingArgs {
     /// Tokens the repetition penalty looks back over.
     #[arg(long, default_value_t = 64)]
     repeat_last_n: usize,
+    /// OpenAI's presence penalty, in [-2, 2]: subtracted from the logit of every token already
+    /// generated (0: off).
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
+    presence_penalty: f32,
+    /// OpenAI's frequency penalty, in [-2, 2]: subtracted once per time a token was generated
+    /// (0: off).
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
+    frequency_penalty: f32,
     /// Random seed for sampling.
     #[arg(long, default_value_t = 0)]
     seed: u64,
@@ -175,6 +183,9 @@ impl SamplingArgs {
             repetition_penalty: self.repeat_penalty,
             repeat_last_n: self.repeat_last_n,
             seed: self.seed,
+            presence_penalty: self.presence_penalty,
+            frequency_penalty: self.frequency_penalty,
+            logit_bias: Vec::new(),
         }
     }
 }

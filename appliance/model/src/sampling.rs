@@ -1,4 +1,7 @@
-//! Choosing the next token from logits: greedy, temperature, top-k, top-p, repetition penalty.
+//! Choosing the next token from logits: greedy, temperature, top-k, top-p, repetition penalty,
+//! and OpenAI's presence and frequency penalties and logit bias.
+
+use std::collections::HashMap;
 
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -22,6 +25,15 @@ pub struct SamplingParams {
     pub repeat_last_n: usize,
     /// Seed of the random generator, so sampled runs are reproducible.
     pub seed: u64,
+    /// OpenAI's `presence_penalty`, in [-2, 2]: subtracted once from the logit of every token
+    /// this sampler has already produced; 0 disables.
+    pub presence_penalty: f32,
+    /// OpenAI's `frequency_penalty`, in [-2, 2]: subtracted from a token's logit once per time
+    /// this sampler has produced it; 0 disables.
+    pub frequency_penalty: f32,
+    /// OpenAI's `logit_bias`: `(token id, bias in [-100, 100])` added to those logits before
+    /// anything else (-100 bans a token, 100 all but forces it).
+    pub logit_bias: Vec<(u32, f32)>,
 }
 
 impl Default for SamplingParams {
@@ -33,6 +45,9 @@ impl Default for SamplingParams {
             repetition_penalty: 1.0,
             repeat_last_n: 64,
             seed: 0,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            logit_bias: Vec::new(),
         }
     }
 }
@@ -60,6 +75,21 @@ impl SamplingParams {
                 "must be finite and > 0",
             );
         }
+        for (name, value) in [
+            ("presence_penalty", self.presence_penalty),
+            ("frequency_penalty", self.frequency_penalty),
+        ] {
+            if !(-MAX_PENALTY..=MAX_PENALTY).contains(&value) {
+                return bad(name, value, "must be in [-2, 2]");
+            }
+        }
+        if let Some(&(_, b)) = self
+            .logit_bias
+            .iter()
+            .find(|(_, b)| !(-MAX_LOGIT_BIAS..=MAX_LOGIT_BIAS).contains(b))
+        {
+            return bad("logit_bias", b, "each bias must be in [-100, 100]");
+        }
         Ok(())
     }
 
@@ -69,11 +99,21 @@ impl SamplingParams {
     }
 }
 
+/// The largest presence or frequency penalty either way (OpenAI's range).
+pub const MAX_PENALTY: f32 = 2.0;
+/// The largest logit bias either way (OpenAI's range).
+pub const MAX_LOGIT_BIAS: f32 = 100.0;
+
 /// Picks tokens according to [`SamplingParams`], with its own seeded random generator.
 pub struct Sampler {
     params: SamplingParams,
     rng: StdRng,
     candidates: Vec<(u32, f32)>,
+    /// How often each token has been picked, for the presence and frequency penalties (kept
+    /// only when one of them is set).
+    picked: HashMap<u32, u32>,
+    /// The logits with the bias and penalties added (reused between calls).
+    adjusted: Vec<f32>,
 }
 
 impl Sampler {
@@ -84,13 +124,43 @@ impl Sampler {
             rng: StdRng::seed_from_u64(params.seed),
             params,
             candidates: Vec::new(),
+            picked: HashMap::new(),
+            adjusted: Vec::new(),
         })
     }
 
     /// Picks the next token from `logits`, given the tokens produced so far (`history`, for the
-    /// repetition penalty).
+    /// repetition penalty; the presence and frequency penalties count the tokens this sampler
+    /// picked, so a prompt's tokens are not penalised, as at OpenAI).
     pub fn sample(&mut self, logits: &[f32], history: &[u32]) -> u32 {
+        let id = self.pick(logits, history);
         let p = &self.params;
+        if p.presence_penalty != 0.0 || p.frequency_penalty != 0.0 {
+            *self.picked.entry(id).or_insert(0) += 1;
+        }
+        id
+    }
+
+    fn pick(&mut self, logits: &[f32], history: &[u32]) -> u32 {
+        let p = &self.params;
+        let logits = if p.logit_bias.is_empty() && self.picked.is_empty() {
+            logits
+        } else {
+            let a = &mut self.adjusted;
+            a.clear();
+            a.extend_from_slice(logits);
+            for &(id, b) in &p.logit_bias {
+                if let Some(v) = a.get_mut(id as usize) {
+                    *v += b;
+                }
+            }
+            for (&id, &n) in &self.picked {
+                if let Some(v) = a.get_mut(id as usize) {
+                    *v -= p.presence_penalty + n as f32 * p.frequency_penalty;
+                }
+            }
+            &self.adjusted[..]
+        };
         let penalised;
         let logits = if p.repetition_penalty != 1.0 && !history.is_empty() {
             let mut l = logits.to_vec();
@@ -260,6 +330,62 @@ mod tests {
         }
     }
 
+    /// OpenAI's rule: the logit of a token picked `n` times loses `presence + n * frequency`;
+    /// tokens of the history this sampler did not pick (the prompt) are not penalised.
+    #[test]
+    fn presence_and_frequency_penalties_count_the_picked_tokens() {
+        let logits = [3.0, 2.5, 1.0];
+        let mut s = sampler(SamplingParams {
+            presence_penalty: 0.4,
+            ..Default::default()
+        });
+        // The prompt holds token 0: no penalty yet.
+        assert_eq!(s.sample(&logits, &[0, 0, 0]), 0);
+        // Picked once: 3.0 - 0.4 = 2.6 still beats 2.5, and stays so (presence counts once).
+        assert_eq!(s.sample(&logits, &[0]), 0);
+        assert_eq!(s.sample(&logits, &[0, 0]), 0);
+
+        let mut s = sampler(SamplingParams {
+            frequency_penalty: 0.2,
+            ..Default::default()
+        });
+        // 3.0, then 2.8, 2.6 (ties go to the lower id, 2.5 loses) and 2.4 < 2.5.
+        let picked: Vec<u32> = (0..5).map(|_| s.sample(&logits, &[])).collect();
+        assert_eq!(picked, [0, 0, 0, 1, 0]);
+
+        // A negative penalty encourages repeats.
+        let mut s = sampler(SamplingParams {
+            frequency_penalty: -1.0,
+            ..Default::default()
+        });
+        assert_eq!(s.sample(&[2.0, 2.5], &[]), 1);
+        assert_eq!(s.sample(&[3.0, 2.5], &[]), 1);
+    }
+
+    #[test]
+    fn logit_bias_bans_and_forces_tokens() {
+        let logits = [5.0, 1.0, -2.0];
+        let mut ban = sampler(SamplingParams {
+            logit_bias: vec![(0, -100.0)],
+            ..Default::default()
+        });
+        assert_eq!(ban.sample(&logits, &[]), 1);
+        let mut force = sampler(SamplingParams {
+            temperature: 1.0,
+            logit_bias: vec![(2, 100.0)],
+            ..Default::default()
+        });
+        for _ in 0..50 {
+            assert_eq!(force.sample(&logits, &[]), 2);
+        }
+        // An id beyond the logits changes nothing.
+        let mut out = sampler(SamplingParams {
+            logit_bias: vec![(7, 100.0)],
+            ..Default::default()
+        });
+        assert_eq!(out.sample(&logits, &[]), 0);
+    }
+
     #[test]
     fn bad_parameters_are_refused() {
         for p in [
@@ -273,6 +399,18 @@ mod tests {
             },
             SamplingParams {
                 repetition_penalty: 0.0,
+                ..Default::default()
+            },
+            SamplingParams {
+                presence_penalty: 2.5,
+                ..Default::default()
+            },
+            SamplingParams {
+                frequency_penalty: f32::NAN,
+                ..Default::default()
+            },
+            SamplingParams {
+                logit_bias: vec![(3, -101.0)],
                 ..Default::default()
             },
         ] {

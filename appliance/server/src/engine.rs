@@ -104,8 +104,9 @@ pub enum Event {
 }
 
 /// How a job picks its tokens and when it ends early: greedy at temperature 0, else sampled
-/// (nucleus `top_p`, 1 disables) from a generator seeded with `seed`; the answer ends before
-/// the first of `stops` that appears in its text. With a `grammar`, only tokens that keep the
+/// (nucleus `top_p`, 1 disables) from a generator seeded with `seed`, after OpenAI's
+/// `logit_bias` and presence and frequency penalties (see [`SamplingParams`]); the answer ends
+/// before the first of `stops` that appears in its text. With a `grammar`, only tokens that keep the
 /// output inside it are sampled, and the answer ends when the grammar is complete. In a RAG
 /// answer without a grammar, a number or a character goes on as the passages write it
 /// (`copy_bias`, `None`: the configured one; see `engram_fusion::CopyBias`).
@@ -117,6 +118,9 @@ pub struct Sampling {
     pub stops: Vec<String>,
     pub grammar: Option<Arc<Grammar>>,
     pub copy_bias: Option<f32>,
+    pub presence_penalty: f32,
+    pub frequency_penalty: f32,
+    pub logit_bias: Vec<(u32, f32)>,
 }
 
 impl Sampling {
@@ -128,6 +132,9 @@ impl Sampling {
             stops: Vec::new(),
             grammar: None,
             copy_bias: None,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            logit_bias: Vec::new(),
         }
     }
 }
@@ -151,6 +158,8 @@ pub struct Summary {
 pub struct EngineInfo {
     pub model_id: String,
     pub context_length: usize,
+    /// Token ids the model has (what `logit_bias` may name).
+    pub vocab_size: usize,
     pub kv_tiers: Vec<&'static str>,
     /// The stored chunk KV was computed for another model or frame (or there is no record of
     /// which): every chunk's KV should be computed again in the background.
@@ -412,6 +421,7 @@ impl Engine {
                 .file_stem()
                 .map_or_else(|| "engram".into(), |s| s.to_string_lossy().into_owned()),
             context_length: self.model.config().context_length,
+            vocab_size: self.model.config().vocab_size,
             kv_tiers,
             kv_model_changed: false,
         }
@@ -881,9 +891,18 @@ impl Engine {
             temperature: job.sampling.temperature,
             top_p: job.sampling.top_p,
             seed: job.sampling.seed,
+            presence_penalty: job.sampling.presence_penalty,
+            frequency_penalty: job.sampling.frequency_penalty,
+            logit_bias: job.sampling.logit_bias.clone(),
             ..SamplingParams::default()
         })
-        .map_err(|e| ApiError::invalid("temperature", e.to_string()))?;
+        .map_err(|e| {
+            let param = match &e {
+                engram_model::ModelError::Sampling { name, .. } => *name,
+                _ => "sampling",
+            };
+            ApiError::invalid(param, e.to_string())
+        })?;
         Ok(Active {
             kv,
             sampler,

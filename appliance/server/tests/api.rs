@@ -1295,8 +1295,12 @@ fn openai_chat_parameters_are_honoured_or_refused_by_name() {
         ("n", json!(2)),
         ("logprobs", json!(true)),
         ("top_logprobs", json!(3)),
-        ("presence_penalty", json!(0.5)),
-        ("frequency_penalty", json!(-1)),
+        ("presence_penalty", json!(2.5)),
+        ("frequency_penalty", json!(-3)),
+        ("logit_bias", json!({"50256": -100, "word": 1})),
+        ("logit_bias", json!({"1000000": 5})),
+        ("logit_bias", json!({"12": 101})),
+        ("logit_bias", json!([12])),
         ("response_format", json!({"type": "xml"})),
         ("tools", json!({"type": "function"})),
         ("tool_choice", json!("required")),
@@ -1318,7 +1322,8 @@ fn openai_chat_parameters_are_honoured_or_refused_by_name() {
     // Accepted with their no-op values; `engram` names the served model.
     let plain = chat(
         json!({"model": "engram", "n": 1, "logprobs": false, "presence_penalty": 0,
-        "response_format": {"type": "text"}, "tools": [], "user": "u-1", "top_p": 1}),
+        "frequency_penalty": 0, "logit_bias": {}, "response_format": {"type": "text"},
+        "tools": [], "user": "u-1", "top_p": 1}),
     );
     assert_eq!(plain.status, 200, "{}", plain.text());
     let answer = plain.json()["choices"][0]["message"]["content"]
@@ -1676,7 +1681,8 @@ fn openai_text_completions() {
         ("logprobs", json!(2)),
         ("best_of", json!(3)),
         ("suffix", json!("end")),
-        ("logit_bias", json!({"50256": -100})),
+        ("logit_bias", json!({"-1": -100})),
+        ("frequency_penalty", json!(2.01)),
         ("prompt", json!([1, 2, 3])),
         ("functions", json!([])),
     ] {
@@ -1689,4 +1695,62 @@ fn openai_text_completions() {
         );
     }
     assert_eq!(complete(json!({"model": "davinci-002"})).status, 404);
+}
+
+/// OpenAI's `logit_bias`, `presence_penalty` and `frequency_penalty` change what is generated
+/// as OpenAI defines them, with the served model's token ids.
+#[test]
+fn openai_logit_bias_and_penalties_shape_the_text() {
+    let s = server();
+    let file =
+        engram_gguf::GgufFile::open(common::models_dir().join("SmolLM2-135M-Instruct.Q4_1.gguf"))
+            .expect("the default model opens");
+    let tok = engram_tokenizer::Tokenizer::from_gguf(file.metadata()).expect("its tokenizer");
+    let complete = |prompt: &str, extra: Value| {
+        let mut body = json!({"prompt": prompt, "max_tokens": 8, "temperature": 0});
+        for (k, v) in extra.as_object().unwrap() {
+            body[k] = v.clone();
+        }
+        let r = s.call("POST", "/v1/completions", Some(&s.only_a), Some(body));
+        assert_eq!(r.status, 200, "{}", r.text());
+        r.json()["choices"][0]["text"].as_str().unwrap().to_owned()
+    };
+    let prompt = "The capital of France is";
+    let text = complete(prompt, json!({}));
+    // Every token of the greedy text banned: another text.
+    let banned: serde_json::Map<String, Value> = tok
+        .encode(&text, false)
+        .unwrap()
+        .into_iter()
+        .map(|id| (id.to_string(), json!(-100)))
+        .collect();
+    assert!(!banned.is_empty());
+    let other = complete(prompt, json!({ "logit_bias": banned }));
+    assert_ne!(other, text);
+    // One token forced: every step takes it.
+    let the = tok.encode(" the", false).unwrap();
+    assert_eq!(the.len(), 1, "{the:?}");
+    let forced = complete(prompt, json!({ "logit_bias": { the[0].to_string(): 100 } }));
+    assert_eq!(forced, " the".repeat(8));
+    // A repetitive prompt: greedy repeats; the frequency penalty (each repeat costs more) breaks
+    // the run, a negative one keeps it.
+    let counting = "1 1 1 1 1 1 1 1 1 1 1 1";
+    let ones = |t: &str| t.matches('1').count();
+    let plain = complete(counting, json!({}));
+    assert!(
+        ones(&plain) >= 4 && plain.split_whitespace().all(|w| w == "1"),
+        "{plain:?}"
+    );
+    let frequency = complete(counting, json!({"frequency_penalty": 2}));
+    assert!(ones(&frequency) < ones(&plain), "{frequency:?}");
+    // The presence penalty costs any repeat the same 2: a comma repeats less.
+    let alternating = "a, b, a, b, a, b, a, b,";
+    let commas = |t: &str| t.matches(',').count();
+    let plain_ab = complete(alternating, json!({}));
+    let presence = complete(alternating, json!({"presence_penalty": 2}));
+    assert!(
+        commas(&presence) < commas(&plain_ab),
+        "{plain_ab:?} then {presence:?}"
+    );
+    assert_eq!(complete(counting, json!({"frequency_penalty": -2})), plain);
 }

@@ -9,6 +9,7 @@ use std::time::{Instant, SystemTime};
 use axum::extract::State;
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
+use engram_model::{MAX_LOGIT_BIAS, MAX_PENALTY};
 use futures_util::stream::{self, Stream};
 use futures_util::StreamExt;
 use serde::Deserialize;
@@ -86,10 +87,14 @@ pub struct ChatRequest {
     pub logprobs: Option<bool>,
     /// Only 0.
     pub top_logprobs: Option<u32>,
-    /// Only 0.
+    /// In [-2, 2]: subtracted from the logit of every token the answer already holds.
     pub presence_penalty: Option<f32>,
-    /// Only 0.
+    /// In [-2, 2]: subtracted from a token's logit once per time the answer holds it.
     pub frequency_penalty: Option<f32>,
+    /// `{"token id": bias}`, biases in [-100, 100] added to those logits; the ids are the
+    /// served model's (as llama.cpp's and vLLM's servers read them), not OpenAI's.
+    #[schema(value_type = Object)]
+    pub logit_bias: Option<serde_json::Value>,
     /// `{"type": "text"}` (the default), `{"type": "json_object"}` or `{"type": "json_schema",
     /// "json_schema": {"name": ..., "schema": {...}}}`: the answer is held to the JSON (by
     /// constrained decoding), so it always parses and validates. A schema keyword that cannot
@@ -163,16 +168,21 @@ fn stop_strings(stop: Option<&serde_json::Value>) -> Result<Vec<String>, ApiErro
     Ok(list)
 }
 
-/// Refuses the parameters whose values Engram does not implement, naming each.
-fn refuse_unsupported(b: &ChatRequest) -> Result<(), ApiError> {
+/// Refuses the parameters whose values Engram does not implement, naming each; returns the
+/// penalties and biases asked for.
+fn check_chat(b: &ChatRequest, vocab: usize) -> Result<Shaping, ApiError> {
     let no = |param: &str, why: &str| Err(ApiError::invalid(param, why.to_owned()));
-    refuse_common(&Common {
-        unknown: &b.unknown,
-        n: b.n,
-        presence_penalty: b.presence_penalty,
-        frequency_penalty: b.frequency_penalty,
-        top_p: b.top_p,
-    })?;
+    let shaping = check_common(
+        &Common {
+            unknown: &b.unknown,
+            n: b.n,
+            presence_penalty: b.presence_penalty,
+            frequency_penalty: b.frequency_penalty,
+            logit_bias: b.logit_bias.as_ref(),
+            top_p: b.top_p,
+        },
+        vocab,
+    )?;
     if b.logprobs == Some(true) || b.top_logprobs.is_some_and(|n| n > 0) {
         let p = if b.logprobs == Some(true) {
             "logprobs"
@@ -181,7 +191,7 @@ fn refuse_unsupported(b: &ChatRequest) -> Result<(), ApiError> {
         };
         return no(p, "log probabilities are not returned");
     }
-    Ok(())
+    Ok(shaping)
 }
 
 /// The grammar and the instruction for the model that `response_format` asks for; `None` for
@@ -388,33 +398,82 @@ struct Common<'a> {
     n: Option<u32>,
     presence_penalty: Option<f32>,
     frequency_penalty: Option<f32>,
+    logit_bias: Option<&'a serde_json::Value>,
     top_p: Option<f32>,
 }
 
-/// Refuses, naming it, an unknown argument, more than one choice, a penalty, or a `top_p`
-/// outside (0, 1].
-fn refuse_common(c: &Common<'_>) -> Result<(), ApiError> {
-    let no = |param: &str, why: &str| Err(ApiError::invalid(param, why.to_owned()));
+/// What the shared parameters ask of the sampler.
+struct Shaping {
+    presence_penalty: f32,
+    frequency_penalty: f32,
+    logit_bias: Vec<(u32, f32)>,
+}
+
+/// Refuses, naming it, an unknown argument, more than one choice, a penalty outside [-2, 2], a
+/// `logit_bias` that is not ids of the model (`vocab` of them) mapped to [-100, 100], or a
+/// `top_p` outside (0, 1]; returns the penalties and biases.
+fn check_common(c: &Common<'_>, vocab: usize) -> Result<Shaping, ApiError> {
+    let no = |param: &str, why: String| Err(ApiError::invalid(param, why));
     if let Some(name) = c.unknown.keys().next() {
-        return no(name, "unrecognized request argument");
+        return no(name, "unrecognized request argument".into());
     }
     if c.n.is_some_and(|n| n != 1) {
-        return no("n", "only one choice (n = 1) is generated");
+        return no("n", "only one choice (n = 1) is generated".into());
     }
     for (p, v) in [
         ("presence_penalty", c.presence_penalty),
         ("frequency_penalty", c.frequency_penalty),
     ] {
-        if v.is_some_and(|v| v != 0.0) {
-            return no(p, "penalties are not implemented (only 0)");
+        if v.is_some_and(|v| !(-MAX_PENALTY..=MAX_PENALTY).contains(&v)) {
+            return no(p, "must be in [-2, 2]".into());
         }
     }
     if let Some(p) = c.top_p {
         if !(p > 0.0 && p <= 1.0) {
-            return no("top_p", "must be in (0, 1]");
+            return no("top_p", "must be in (0, 1]".into());
         }
     }
-    Ok(())
+    Ok(Shaping {
+        presence_penalty: c.presence_penalty.unwrap_or(0.0),
+        frequency_penalty: c.frequency_penalty.unwrap_or(0.0),
+        logit_bias: logit_bias(c.logit_bias, vocab)?,
+    })
+}
+
+/// Most entries a `logit_bias` may have (OpenAI's limit).
+const MAX_LOGIT_BIASES: usize = 300;
+
+/// `logit_bias` as `(id, bias)`: an object of token ids (decimal strings below `vocab`) to
+/// numbers in [-100, 100]; absent or null is none.
+fn logit_bias(v: Option<&serde_json::Value>, vocab: usize) -> Result<Vec<(u32, f32)>, ApiError> {
+    let bad = |why: String| ApiError::invalid("logit_bias", why);
+    let map = match v {
+        None | Some(serde_json::Value::Null) => return Ok(Vec::new()),
+        Some(serde_json::Value::Object(m)) => m,
+        Some(_) => return Err(bad("expected an object of token ids to biases".into())),
+    };
+    if map.len() > MAX_LOGIT_BIASES {
+        return Err(bad(format!("at most {MAX_LOGIT_BIASES} entries")));
+    }
+    map.iter()
+        .map(|(k, b)| {
+            let id = k
+                .parse::<u32>()
+                .ok()
+                .filter(|&id| (id as usize) < vocab)
+                .ok_or_else(|| {
+                    bad(format!(
+                        "`{k}` is not a token id of the model (0 to {})",
+                        vocab.saturating_sub(1)
+                    ))
+                })?;
+            let bias = b
+                .as_f64()
+                .filter(|b| (-f64::from(MAX_LOGIT_BIAS)..=f64::from(MAX_LOGIT_BIAS)).contains(b))
+                .ok_or_else(|| bad(format!("the bias of `{k}` must be a number in [-100, 100]")))?;
+            Ok((id, bias as f32))
+        })
+        .collect()
 }
 
 fn text_of(content: &serde_json::Value) -> Result<String, ApiError> {
@@ -480,7 +539,7 @@ pub async fn chat(
     Json(b): Json<ChatRequest>,
 ) -> Result<Response, ApiError> {
     caller.require(Scope::Qa)?;
-    refuse_unsupported(&b)?;
+    let shaping = check_chat(&b, s.engine.info.vocab_size)?;
     if let Some(u) = &b.user {
         tracing::info!(key = %caller.key_id, end_user = %u, "chat completion");
     }
@@ -594,6 +653,9 @@ pub async fn chat(
             stops,
             grammar,
             copy_bias: None,
+            presence_penalty: shaping.presence_penalty,
+            frequency_penalty: shaping.frequency_penalty,
+            logit_bias: shaping.logit_bias,
         },
         policy,
     )?;
@@ -823,11 +885,11 @@ pub struct CompletionRequest {
     pub echo: Option<bool>,
     /// Only null or empty.
     pub suffix: Option<String>,
-    /// Only 0.
+    /// In [-2, 2], as in chat.
     pub presence_penalty: Option<f32>,
-    /// Only 0.
+    /// In [-2, 2], as in chat.
     pub frequency_penalty: Option<f32>,
-    /// Only empty.
+    /// `{"token id": bias}`, as in chat.
     #[schema(value_type = Object)]
     pub logit_bias: Option<serde_json::Value>,
     /// The end user: logged with the request.
@@ -851,13 +913,17 @@ pub async fn completions(
 ) -> Result<Response, ApiError> {
     caller.require(Scope::Qa)?;
     let no = |param: &str, why: &str| Err(ApiError::invalid(param, why.to_owned()));
-    refuse_common(&Common {
-        unknown: &b.unknown,
-        n: b.n,
-        presence_penalty: b.presence_penalty,
-        frequency_penalty: b.frequency_penalty,
-        top_p: b.top_p,
-    })?;
+    let shaping = check_common(
+        &Common {
+            unknown: &b.unknown,
+            n: b.n,
+            presence_penalty: b.presence_penalty,
+            frequency_penalty: b.frequency_penalty,
+            logit_bias: b.logit_bias.as_ref(),
+            top_p: b.top_p,
+        },
+        s.engine.info.vocab_size,
+    )?;
     if b.best_of.is_some_and(|n| n != 1) {
         return no("best_of", "only 1");
     }
@@ -869,12 +935,6 @@ pub async fn completions(
     }
     if b.suffix.as_deref().is_some_and(|x| !x.is_empty()) {
         return no("suffix", "insertion (a suffix) is not implemented");
-    }
-    if b.logit_bias
-        .as_ref()
-        .is_some_and(|l| l.as_object().is_none_or(|o| !o.is_empty()))
-    {
-        return no("logit_bias", "logit biases are not implemented");
     }
     check_model(b.model.as_deref(), &model_ids(&s)[..2])?;
     let text = match &b.prompt {
@@ -906,6 +966,9 @@ pub async fn completions(
             stops: stop_strings(b.stop.as_ref())?,
             grammar: None,
             copy_bias: None,
+            presence_penalty: shaping.presence_penalty,
+            frequency_penalty: shaping.frequency_penalty,
+            logit_bias: shaping.logit_bias,
         },
         None,
     )?;
