@@ -205,9 +205,13 @@ def test_parameters(model):
     # frequency_penalty: a list repeats its punctuation, which the penalty makes costly.
     varied = client.chat.completions.create(**ask, frequency_penalty=2.0, presence_penalty=0.5, logit_bias={})
     assert varied.choices[0].message.content != text, (text, varied)
+    # logprobs: each token of the answer with its log probability and alternatives.
+    scored = client.chat.completions.create(**ask, logprobs=True, top_logprobs=2)
+    tokens = scored.choices[0].logprobs.content
+    assert len(tokens) == scored.usage.completion_tokens and all(t.logprob <= 0 and len(t.top_logprobs) == 2 for t in tokens), tokens
     refused = {
         "n": {"n": 2},
-        "logprobs": {"logprobs": True},
+        "top_logprobs": {"logprobs": True, "top_logprobs": 21},
         "presence_penalty": {"presence_penalty": 2.5},
         "logit_bias": {"logit_bias": {"not-an-id": 1}},
         "response_format": {"response_format": {"type": "xml"}},

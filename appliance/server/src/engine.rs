@@ -99,8 +99,24 @@ pub struct Job {
 #[derive(Debug)]
 pub enum Event {
     Token(String),
+    /// With `Sampling::logprobs`: the tokens generated since the last `Token`, sent just before
+    /// the `Token` their text completes (or before `Done`, for tokens whose text never went
+    /// out: a stop string's, an end the answer's cleanup dropped).
+    Logprobs(Vec<TokenLogprob>),
     Done(Summary),
     Error(ApiError),
+}
+
+/// One generated token's log probability (OpenAI's `logprobs`), under the distribution it was
+/// drawn from before temperature, nucleus, penalties and bias (the model's, with a RAG
+/// answer's copy bias and a grammar's mask applied), and the most likely tokens there.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TokenLogprob {
+    /// The token's bytes (a piece of a UTF-8 character for some tokens).
+    pub bytes: Vec<u8>,
+    pub logprob: f32,
+    /// The `Sampling::logprobs` most likely tokens, most likely first.
+    pub top: Vec<(Vec<u8>, f32)>,
 }
 
 /// How a job picks its tokens and when it ends early: greedy at temperature 0, else sampled
@@ -121,6 +137,9 @@ pub struct Sampling {
     pub presence_penalty: f32,
     pub frequency_penalty: f32,
     pub logit_bias: Vec<(u32, f32)>,
+    /// `Some(n)`: send each generated token's log probability and its `n` most likely
+    /// alternatives ([`Event::Logprobs`]).
+    pub logprobs: Option<usize>,
 }
 
 impl Sampling {
@@ -135,6 +154,7 @@ impl Sampling {
             presence_penalty: 0.0,
             frequency_penalty: 0.0,
             logit_bias: Vec::new(),
+            logprobs: None,
         }
     }
 }
@@ -240,7 +260,13 @@ impl EngineHandle {
         sampling: Sampling,
         policy: Option<Policy>,
     ) -> std::result::Result<mpsc::Receiver<Event>, ApiError> {
-        let (events, rx) = mpsc::channel(max_tokens.saturating_add(EXTRA_EVENTS));
+        // With log probabilities, each `Token` may follow a `Logprobs`.
+        let per_token = if sampling.logprobs.is_some() { 2 } else { 1 };
+        let (events, rx) = mpsc::channel(
+            max_tokens
+                .saturating_mul(per_token)
+                .saturating_add(EXTRA_EVENTS),
+        );
         if let Prompt::Rag { question, passages } = &prompt {
             if passages.is_empty() {
                 let _ = events.try_send(Event::Token(no_answer(question).to_owned()));
@@ -293,13 +319,25 @@ impl EngineHandle {
 
 /// Collects a job's events into (answer, summary).
 pub async fn collect(
-    mut rx: mpsc::Receiver<Event>,
+    rx: mpsc::Receiver<Event>,
 ) -> std::result::Result<(String, Summary), ApiError> {
+    collect_logprobs(rx)
+        .await
+        .map(|(answer, sum, _)| (answer, sum))
+}
+
+/// [`collect`], with the log probabilities of the tokens generated (none unless the job asked
+/// for them).
+pub async fn collect_logprobs(
+    mut rx: mpsc::Receiver<Event>,
+) -> std::result::Result<(String, Summary, Vec<TokenLogprob>), ApiError> {
     let mut answer = String::new();
+    let mut logprobs = Vec::new();
     while let Some(ev) = rx.recv().await {
         match ev {
             Event::Token(t) => answer.push_str(&t),
-            Event::Done(s) => return Ok((answer, s)),
+            Event::Logprobs(l) => logprobs.extend(l),
+            Event::Done(s) => return Ok((answer, s, logprobs)),
             Event::Error(e) => return Err(e),
         }
     }
@@ -321,6 +359,25 @@ struct Engine {
     trie: OnceCell<Arc<TokenTrie>>,
 }
 
+/// The ids of the `k` largest logits, largest first (ties to the lower id), without sorting
+/// the whole vocabulary.
+fn top_tokens(logits: &[f32], k: usize) -> Vec<u32> {
+    let k = k.min(logits.len());
+    if k == 0 {
+        return Vec::new();
+    }
+    let by = |a: &u32, b: &u32| {
+        logits[*b as usize]
+            .total_cmp(&logits[*a as usize])
+            .then(a.cmp(b))
+    };
+    let mut ids: Vec<u32> = (0..logits.len() as u32).collect();
+    ids.select_nth_unstable_by(k - 1, by);
+    ids.truncate(k);
+    ids.sort_unstable_by(by);
+    ids
+}
+
 /// A job in the decode batch: its own cache, sampler and output state.
 struct Active<'t> {
     job: Job,
@@ -338,6 +395,8 @@ struct Active<'t> {
     copy: Option<CopyBias>,
     /// The logits the next token is sampled from.
     logits: Vec<f32>,
+    /// Log probabilities of tokens whose text has not gone out yet (with `Sampling::logprobs`).
+    logprobs: Vec<TokenLogprob>,
     /// The last sampled token, fed at `position` by the next step.
     pending: u32,
     position: i32,
@@ -621,6 +680,9 @@ impl Engine {
         if self.tokenizer.is_eog(id) {
             return Advance::Finished("stop");
         }
+        if let Some(top) = a.job.sampling.logprobs {
+            a.logprobs.push(self.logprob(&a.logits, id, top));
+        }
         a.generated += 1;
         a.history.push(id);
         let mut finished = false;
@@ -630,9 +692,19 @@ impl Engine {
             finished = c.is_finished();
         }
         let (piece, ended) = a.out.push(&a.detok.push(id));
-        if !piece.is_empty() && a.job.events.try_send(Event::Token(piece)).is_err() {
+        if !piece.is_empty() {
             // Closed: the client left (the channel has room for every event of the job).
-            return Advance::Cancelled;
+            if !a.logprobs.is_empty()
+                && a.job
+                    .events
+                    .try_send(Event::Logprobs(std::mem::take(&mut a.logprobs)))
+                    .is_err()
+            {
+                return Advance::Cancelled;
+            }
+            if a.job.events.try_send(Event::Token(piece)).is_err() {
+                return Advance::Cancelled;
+            }
         }
         if ended || finished {
             return Advance::Finished("stop");
@@ -644,6 +716,31 @@ impl Engine {
         Advance::Continue
     }
 
+    /// Token `id`'s log probability under `logits` (a log-softmax in f64), and the `top` most
+    /// likely tokens.
+    fn logprob(&self, logits: &[f32], id: u32, top: usize) -> TokenLogprob {
+        let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let sum: f64 = logits
+            .iter()
+            .map(|&l| f64::from(l - max).exp())
+            .sum::<f64>();
+        let log_z = f64::from(max) + sum.ln();
+        let lp = |l: f32| (f64::from(l) - log_z) as f32;
+        let bytes = |t: u32| self.tokenizer.token_piece(t).to_vec();
+        TokenLogprob {
+            bytes: bytes(id),
+            logprob: logits
+                .get(id as usize)
+                .map_or(f32::NEG_INFINITY, |&l| lp(l)),
+            top: top_tokens(logits, top)
+                .into_iter()
+                .map(|t| (bytes(t), lp(logits[t as usize])))
+                // Tokens a grammar masks out are not alternatives.
+                .filter(|(_, l)| l.is_finite())
+                .collect(),
+        }
+    }
+
     /// Sends a finished sequence's last text and its summary.
     fn finish(&self, mut a: Active<'_>, mut finish_reason: &'static str) {
         // After a stop string nothing more goes out; else the detokenizer's and the stop
@@ -651,6 +748,14 @@ impl Engine {
         let (tail, stopped) = a.out.finish();
         if stopped {
             finish_reason = "stop";
+        }
+        if !a.logprobs.is_empty()
+            && a.job
+                .events
+                .try_send(Event::Logprobs(std::mem::take(&mut a.logprobs)))
+                .is_err()
+        {
+            return;
         }
         if !tail.is_empty() && a.job.events.try_send(Event::Token(tail)).is_err() {
             return;
@@ -912,6 +1017,7 @@ impl Engine {
             constrained,
             copy,
             logits: done.logits,
+            logprobs: Vec::new(),
             pending: 0,
             position: done.next_position,
             max_tokens,

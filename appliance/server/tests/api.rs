@@ -1293,7 +1293,6 @@ fn openai_chat_parameters_are_honoured_or_refused_by_name() {
     };
     for (param, value) in [
         ("n", json!(2)),
-        ("logprobs", json!(true)),
         ("top_logprobs", json!(3)),
         ("presence_penalty", json!(2.5)),
         ("frequency_penalty", json!(-3)),
@@ -1678,7 +1677,7 @@ fn openai_text_completions() {
     );
     for (param, value) in [
         ("echo", json!(true)),
-        ("logprobs", json!(2)),
+        ("logprobs", json!(6)),
         ("best_of", json!(3)),
         ("suffix", json!("end")),
         ("logit_bias", json!({"-1": -100})),
@@ -1695,6 +1694,105 @@ fn openai_text_completions() {
         );
     }
     assert_eq!(complete(json!({"model": "davinci-002"})).status, 404);
+}
+
+/// OpenAI's `logprobs`: every generated token with its log probability and the most likely
+/// alternatives, the same whether streamed or not, in chat's and text completions' shapes.
+#[test]
+fn openai_logprobs() {
+    let s = server();
+    let call = |path: &str, body: Value| {
+        let r = s.call("POST", path, Some(&s.only_a), Some(body));
+        assert_eq!(r.status, 200, "{}", r.text());
+        r
+    };
+    let ask = json!({"messages": [{"role": "user", "content": "Name three colours."}],
+        "max_tokens": 12, "temperature": 0, "logprobs": true, "top_logprobs": 3});
+    let v = call("/v1/chat/completions", ask.clone()).json();
+    let content = v["choices"][0]["logprobs"]["content"]
+        .as_array()
+        .unwrap()
+        .clone();
+    assert_eq!(
+        content.len() as u64,
+        v["usage"]["completion_tokens"].as_u64().unwrap(),
+        "{v}"
+    );
+    let mut bytes = Vec::new();
+    for t in &content {
+        let lp = t["logprob"].as_f64().unwrap();
+        assert!(lp <= 0.0, "{t}");
+        let top = t["top_logprobs"].as_array().unwrap();
+        assert_eq!(top.len(), 3, "{t}");
+        // Greedy: the token taken is the most likely one.
+        assert_eq!(top[0]["bytes"], t["bytes"], "{t}");
+        assert!((top[0]["logprob"].as_f64().unwrap() - lp).abs() < 1e-6);
+        assert!(top[1]["logprob"].as_f64().unwrap() <= lp);
+        bytes.extend(
+            t["bytes"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|b| b.as_u64().unwrap() as u8),
+        );
+    }
+    // The tokens' bytes are the answer.
+    assert_eq!(
+        String::from_utf8(bytes).unwrap().trim(),
+        v["choices"][0]["message"]["content"],
+    );
+    // Streamed: the same entries, spread over the chunks.
+    let mut streamed = ask.clone();
+    streamed["stream"] = json!(true);
+    let body = call("/v1/chat/completions", streamed).text();
+    let entries: Vec<Value> = body
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter(|d| *d != "[DONE]")
+        .map(|d| serde_json::from_str::<Value>(d).unwrap())
+        .flat_map(|c| {
+            c["choices"][0]["logprobs"]["content"]
+                .as_array()
+                .cloned()
+                .unwrap_or_default()
+        })
+        .collect();
+    assert_eq!(entries, content);
+    // Without `logprobs`, null.
+    let mut plain = ask.clone();
+    plain["logprobs"] = json!(false);
+    plain["top_logprobs"] = json!(0);
+    assert!(call("/v1/chat/completions", plain).json()["choices"][0]["logprobs"].is_null());
+
+    // Text completions: tokens, their log probabilities, the top 2 as objects, offsets.
+    let prompt = "The capital of France is";
+    let v = call(
+        "/v1/completions",
+        json!({"prompt": prompt, "max_tokens": 6, "temperature": 0, "logprobs": 2}),
+    )
+    .json();
+    let l = &v["choices"][0]["logprobs"];
+    let tokens: Vec<&str> = l["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_str().unwrap())
+        .collect();
+    assert_eq!(tokens.concat(), v["choices"][0]["text"], "{v}");
+    let offsets = l["text_offset"].as_array().unwrap();
+    assert_eq!(offsets[0], prompt.chars().count());
+    for (i, t) in tokens.iter().enumerate() {
+        let top = l["top_logprobs"][i].as_object().unwrap();
+        assert!(top.len() <= 2, "{top:?}");
+        assert!(top.contains_key(*t), "{top:?} {t:?}");
+        assert!(l["token_logprobs"][i].as_f64().unwrap() <= 0.0);
+        if i > 0 {
+            assert_eq!(
+                offsets[i].as_u64().unwrap(),
+                offsets[i - 1].as_u64().unwrap() + tokens[i - 1].chars().count() as u64
+            );
+        }
+    }
 }
 
 /// OpenAI's `logit_bias`, `presence_penalty` and `frequency_penalty` change what is generated

@@ -19,7 +19,7 @@ use crate::api::qa::{check_generation, citations, with_retrieve, Citation};
 use crate::api::search::{retrieve, Mode};
 use crate::api::{AppState, Caller, Json};
 use crate::auth::Scope;
-use crate::engine::{Event, Prompt};
+use crate::engine::{Event, Prompt, TokenLogprob};
 use crate::error::ApiError;
 
 /// Tokens generated when the request does not say.
@@ -83,9 +83,10 @@ pub struct ChatRequest {
     #[serde(default)]
     pub stream: bool,
     pub stream_options: Option<StreamOptions>,
-    /// Only false (no log probabilities).
+    /// True: each answer token's log probability in `choices[].logprobs.content` (and in each
+    /// streamed chunk, for the tokens of its text).
     pub logprobs: Option<bool>,
-    /// Only 0.
+    /// 0 to 20 most likely alternatives per token (needs `logprobs: true`).
     pub top_logprobs: Option<u32>,
     /// In [-2, 2]: subtracted from the logit of every token the answer already holds.
     pub presence_penalty: Option<f32>,
@@ -183,13 +184,11 @@ fn check_chat(b: &ChatRequest, vocab: usize) -> Result<Shaping, ApiError> {
         },
         vocab,
     )?;
-    if b.logprobs == Some(true) || b.top_logprobs.is_some_and(|n| n > 0) {
-        let p = if b.logprobs == Some(true) {
-            "logprobs"
-        } else {
-            "top_logprobs"
-        };
-        return no(p, "log probabilities are not returned");
+    if b.top_logprobs.is_some_and(|n| n > MAX_TOP_LOGPROBS) {
+        return no("top_logprobs", "must be in 0..=20");
+    }
+    if b.top_logprobs.is_some_and(|n| n > 0) && b.logprobs != Some(true) {
+        return no("top_logprobs", "needs `logprobs: true`");
     }
     Ok(shaping)
 }
@@ -440,6 +439,62 @@ fn check_common(c: &Common<'_>, vocab: usize) -> Result<Shaping, ApiError> {
     })
 }
 
+/// Most alternatives per token a chat request may ask for (OpenAI's limit).
+const MAX_TOP_LOGPROBS: u32 = 20;
+/// Most alternatives per token a text completion may ask for (OpenAI's limit).
+const MAX_COMPLETION_LOGPROBS: u32 = 5;
+
+/// Chat's `logprobs` content entries (OpenAI's shape: `token`, `logprob`, `bytes`,
+/// `top_logprobs`). A token that is part of a UTF-8 character shows U+FFFD in `token`; its
+/// `bytes` are exact.
+fn chat_logprobs(tokens: &[TokenLogprob]) -> serde_json::Value {
+    let entry = |bytes: &[u8], logprob: f32| {
+        serde_json::json!({
+            "token": String::from_utf8_lossy(bytes),
+            "logprob": logprob,
+            "bytes": bytes,
+        })
+    };
+    let content: Vec<serde_json::Value> = tokens
+        .iter()
+        .map(|t| {
+            let mut e = entry(&t.bytes, t.logprob);
+            e["top_logprobs"] = t.top.iter().map(|(b, l)| entry(b, *l)).collect();
+            e
+        })
+        .collect();
+    serde_json::json!({ "content": content })
+}
+
+/// Text completions' `logprobs` (`tokens`, `token_logprobs`, `top_logprobs` as objects of
+/// token to log probability, `text_offset` in characters from the prompt's start), for the
+/// tokens after the first `offset` characters.
+fn text_logprobs(tokens: &[TokenLogprob], offset: &mut usize) -> serde_json::Value {
+    let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+    let mut offsets = Vec::with_capacity(tokens.len());
+    for t in tokens {
+        offsets.push(*offset);
+        *offset += text(&t.bytes).chars().count();
+    }
+    serde_json::json!({
+        "tokens": tokens.iter().map(|t| text(&t.bytes)).collect::<Vec<_>>(),
+        "token_logprobs": tokens.iter().map(|t| t.logprob).collect::<Vec<_>>(),
+        "top_logprobs": tokens
+            .iter()
+            .map(|t| {
+                t.top
+                    .iter()
+                    .map(|(b, l)| (text(b), serde_json::json!(l)))
+                    .collect::<serde_json::Map<_, _>>()
+            })
+            .collect::<Vec<_>>(),
+        "text_offset": offsets,
+    })
+}
+
+/// Formats the log probabilities of a streamed chunk's tokens.
+type LogprobFormat = Box<dyn FnMut(&[TokenLogprob]) -> serde_json::Value + Send>;
+
 /// Most entries a `logit_bias` may have (OpenAI's limit).
 const MAX_LOGIT_BIASES: usize = 300;
 
@@ -540,6 +595,7 @@ pub async fn chat(
 ) -> Result<Response, ApiError> {
     caller.require(Scope::Qa)?;
     let shaping = check_chat(&b, s.engine.info.vocab_size)?;
+    let logprobs = (b.logprobs == Some(true)).then(|| b.top_logprobs.unwrap_or(0) as usize);
     if let Some(u) = &b.user {
         tracing::info!(key = %caller.key_id, end_user = %u, "chat completion");
     }
@@ -656,6 +712,7 @@ pub async fn chat(
             presence_penalty: shaping.presence_penalty,
             frequency_penalty: shaping.frequency_penalty,
             logit_bias: shaping.logit_bias,
+            logprobs,
         },
         policy,
     )?;
@@ -664,7 +721,8 @@ pub async fn chat(
     if calls_tools {
         // A call is known to be one only once it parses: it is answered whole, also when
         // streamed.
-        let (answer, sum) = crate::engine::collect(rx).await?;
+        let (answer, sum, lps) = crate::engine::collect_logprobs(rx).await?;
+        let lps = logprobs.map(|_| chat_logprobs(&lps));
         let call = (sum.finish_reason == "stop")
             .then(|| tool_call_of(&answer))
             .flatten();
@@ -680,9 +738,9 @@ pub async fn chat(
                 }
                 None => serde_json::json!({"role": "assistant", "content": answer.trim()}),
             };
-            return Ok(
-                axum::Json(completion(&id, created, &model, message, finish, &sum)).into_response(),
-            );
+            let mut body = completion(&id, created, &model, message, finish, &sum);
+            body["choices"][0]["logprobs"] = lps.unwrap_or_default();
+            return Ok(axum::Json(body).into_response());
         }
         let chunk = |delta: serde_json::Value, finish: Option<&str>| {
             serde_json::json!({
@@ -700,12 +758,16 @@ pub async fn chat(
             }
             None => serde_json::json!({"content": answer.trim()}),
         };
+        let mut delta = chunk(delta, None);
+        if let Some(l) = lps {
+            delta["choices"][0]["logprobs"] = l;
+        }
         let mut events = vec![
             chunk(
                 serde_json::json!({"role": "assistant", "content": ""}),
                 None,
             ),
-            chunk(delta, None),
+            delta,
             chunk(serde_json::json!({}), Some(finish)),
         ];
         if include_usage {
@@ -724,9 +786,12 @@ pub async fn chat(
         );
     }
     if !b.stream {
-        let (answer, sum) = crate::engine::collect(rx).await?;
+        let (answer, sum, lps) = crate::engine::collect_logprobs(rx).await?;
         let message = serde_json::json!({"role": "assistant", "content": answer.trim()});
         let mut body = completion(&id, created, &model, message, sum.finish_reason, &sum);
+        if logprobs.is_some() {
+            body["choices"][0]["logprobs"] = chat_logprobs(&lps);
+        }
         if let Some(c) = cites {
             body["citations"] = serde_json::to_value(c).expect("json");
             body["engram"] = serde_json::json!({
@@ -737,11 +802,17 @@ pub async fn chat(
         }
         return Ok(axum::Json(body).into_response());
     }
-    Ok(
-        Sse::new(chunks(rx, id, created, model, cites, include_usage))
-            .keep_alive(KeepAlive::default())
-            .into_response(),
-    )
+    Ok(Sse::new(chunks(
+        rx,
+        id,
+        created,
+        model,
+        cites,
+        include_usage,
+        logprobs.map(|_| Box::new(|l: &[TokenLogprob]| chat_logprobs(l)) as LogprobFormat),
+    ))
+    .keep_alive(KeepAlive::default())
+    .into_response())
 }
 
 /// A whole `chat.completion` of one choice.
@@ -758,7 +829,8 @@ fn completion(
         "object": "chat.completion",
         "created": created,
         "model": model,
-        "choices": [{"index": 0, "message": message, "finish_reason": finish_reason}],
+        "choices": [{"index": 0, "message": message, "logprobs": null,
+            "finish_reason": finish_reason}],
         "usage": usage_of(sum),
     })
 }
@@ -778,9 +850,9 @@ fn data(v: &serde_json::Value) -> SseEvent {
     SseEvent::default().data(v.to_string())
 }
 
-/// `chat.completion.chunk` events: the role, the content pieces, the finish reason (with the
-/// citations when retrieval ran), with `include_usage` a chunk with the usage and no choices,
-/// then `[DONE]`.
+/// `chat.completion.chunk` events: the role, the content pieces (with their tokens' log
+/// probabilities when asked), the finish reason (with the citations when retrieval ran), with
+/// `include_usage` a chunk with the usage and no choices, then `[DONE]`.
 fn chunks(
     rx: tokio::sync::mpsc::Receiver<Event>,
     id: String,
@@ -788,6 +860,7 @@ fn chunks(
     model: String,
     cites: Option<Vec<Citation>>,
     include_usage: bool,
+    logprobs: Option<LogprobFormat>,
 ) -> impl Stream<Item = Result<SseEvent, Infallible>> {
     let chunk = move |text: Option<&str>, finish: Option<&str>| {
         let delta = match text {
@@ -810,35 +883,69 @@ fn chunks(
         include_usage,
         chunk,
         cites,
+        logprobs,
     ))
 }
 
-/// The events of a streamed generation: `chunk(Some(text), None)` per piece of text, then
-/// `chunk(None, Some(finish_reason))` (with `citations` when given), with `include_usage` a
-/// chunk with no choices and the `usage`, then `[DONE]`. An error ends the stream with its
-/// body and `[DONE]`.
+/// The events of a streamed generation: `chunk(Some(text), None)` per piece of text (with
+/// `logprobs`, its tokens' log probabilities in the choice's `logprobs`), then
+/// `chunk(None, Some(finish_reason))` (with `citations` when given, and the log probabilities
+/// of tokens whose text never went out), with `include_usage` a chunk with no choices and the
+/// `usage`, then `[DONE]`. An error ends the stream with its body and `[DONE]`.
 fn generation_events(
     rx: tokio::sync::mpsc::Receiver<Event>,
     include_usage: bool,
     chunk: impl Fn(Option<&str>, Option<&str>) -> serde_json::Value + Send + 'static,
     citations: Option<serde_json::Value>,
+    logprobs: Option<LogprobFormat>,
 ) -> impl Stream<Item = Result<SseEvent, Infallible>> {
+    struct State<C> {
+        rx: tokio::sync::mpsc::Receiver<Event>,
+        chunk: C,
+        citations: Option<serde_json::Value>,
+        logprobs: Option<LogprobFormat>,
+        /// Log probabilities of tokens whose text has not gone out yet.
+        pending: Vec<TokenLogprob>,
+    }
+    impl<C> State<C> {
+        /// Adds the pending tokens' log probabilities to a chunk's choice.
+        fn attach(&mut self, ev: &mut serde_json::Value) {
+            if let Some(format) = &mut self.logprobs {
+                if !self.pending.is_empty() {
+                    ev["choices"][0]["logprobs"] = format(&std::mem::take(&mut self.pending));
+                }
+            }
+        }
+    }
     let done = || SseEvent::default().data("[DONE]");
-    stream::unfold(Some((rx, chunk, citations)), move |state| async move {
-        let (mut rx, chunk, citations) = state?;
-        let events = match rx.recv().await {
+    let state = State {
+        rx,
+        chunk,
+        citations,
+        logprobs,
+        pending: Vec::new(),
+    };
+    stream::unfold(Some(state), move |state| async move {
+        let mut st = state?;
+        let events = match st.rx.recv().await {
             Some(Event::Token(t)) => {
-                let ev = data(&chunk(Some(&t), None));
-                return Some((vec![ev], Some((rx, chunk, citations))));
+                let mut ev = (st.chunk)(Some(&t), None);
+                st.attach(&mut ev);
+                return Some((vec![data(&ev)], Some(st)));
+            }
+            Some(Event::Logprobs(l)) => {
+                st.pending.extend(l);
+                return Some((Vec::new(), Some(st)));
             }
             Some(Event::Done(sum)) => {
-                let mut last = chunk(None, Some(sum.finish_reason));
-                if let Some(c) = citations {
+                let mut last = (st.chunk)(None, Some(sum.finish_reason));
+                st.attach(&mut last);
+                if let Some(c) = st.citations.take() {
                     last["citations"] = c;
                 }
                 let mut events = vec![data(&last)];
                 if include_usage {
-                    let mut usage = chunk(None, None);
+                    let mut usage = (st.chunk)(None, None);
                     usage["choices"] = serde_json::json!([]);
                     usage["usage"] = usage_of(&sum);
                     events.push(data(&usage));
@@ -879,7 +986,8 @@ pub struct CompletionRequest {
     #[serde(default)]
     pub stream: bool,
     pub stream_options: Option<StreamOptions>,
-    /// Only null or 0.
+    /// 0 to 5: each token's log probability and that many most likely alternatives
+    /// (`choices[].logprobs`: `tokens`, `token_logprobs`, `top_logprobs`, `text_offset`).
     pub logprobs: Option<u32>,
     /// Only false.
     pub echo: Option<bool>,
@@ -927,8 +1035,8 @@ pub async fn completions(
     if b.best_of.is_some_and(|n| n != 1) {
         return no("best_of", "only 1");
     }
-    if b.logprobs.is_some_and(|n| n > 0) {
-        return no("logprobs", "log probabilities are not returned");
+    if b.logprobs.is_some_and(|n| n > MAX_COMPLETION_LOGPROBS) {
+        return no("logprobs", "must be in 0..=5");
     }
     if b.echo == Some(true) {
         return no("echo", "the prompt is not echoed");
@@ -955,6 +1063,8 @@ pub async fn completions(
     let max_tokens = b.max_tokens.unwrap_or(16);
     let temperature = b.temperature.unwrap_or(1.0);
     check_generation(&s, max_tokens, temperature)?;
+    // `text_offset` counts from the prompt's start, as OpenAI's does.
+    let prompt_chars = text.chars().count();
     let rx = s.engine.submit(
         "chat",
         Prompt::Text { text },
@@ -969,6 +1079,7 @@ pub async fn completions(
             presence_penalty: shaping.presence_penalty,
             frequency_penalty: shaping.frequency_penalty,
             logit_bias: shaping.logit_bias,
+            logprobs: b.logprobs.map(|n| n as usize),
         },
         None,
     )?;
@@ -976,13 +1087,16 @@ pub async fn completions(
     let created = unix_now();
     let model = b.model.unwrap_or_else(|| s.engine.info.model_id.clone());
     if !b.stream {
-        let (text, sum) = crate::engine::collect(rx).await?;
+        let (text, sum, lps) = crate::engine::collect_logprobs(rx).await?;
+        let logprobs = b
+            .logprobs
+            .map(|_| text_logprobs(&lps, &mut prompt_chars.clone()));
         return Ok(axum::Json(serde_json::json!({
             "id": id,
             "object": "text_completion",
             "created": created,
             "model": model,
-            "choices": [{"text": text, "index": 0, "logprobs": null,
+            "choices": [{"text": text, "index": 0, "logprobs": logprobs,
                 "finish_reason": sum.finish_reason}],
             "usage": usage_of(&sum),
         }))
@@ -999,7 +1113,11 @@ pub async fn completions(
                 "finish_reason": finish}],
         })
     };
-    let events = generation_events(rx, include_usage, chunk, None);
+    let format = b.logprobs.map(|_| {
+        let mut offset = prompt_chars;
+        Box::new(move |l: &[TokenLogprob]| text_logprobs(l, &mut offset)) as LogprobFormat
+    });
+    let events = generation_events(rx, include_usage, chunk, None, format);
     Ok(Sse::new(events)
         .keep_alive(KeepAlive::default())
         .into_response())

@@ -245,6 +245,8 @@ fn sse_stream(
                     None,
                 ))
             }
+            // Not asked for here.
+            Some(Event::Logprobs(_)) => Some((Vec::new(), Some((rx, cites)))),
             Some(Event::Error(e)) => Some((vec![json_event("error", &e.body())], None)),
             None => Some((
                 vec![json_event(
