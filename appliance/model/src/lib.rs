@@ -40,7 +40,7 @@ pub use gpu::{GpuCache, GpuModel, HostKv, LayerTimes};
 pub use kv::KvCache;
 pub use model::{Blend, LayerObserver, Logits, Model, QueryObserver, Sequence};
 pub use ops::Rope;
-pub use sampling::{argmax, top_k, Sampler, SamplingParams, MAX_LOGIT_BIAS, MAX_PENALTY};
+pub use sampling::{argmax, top_k, Sampler, SamplingParams};
 
 #[cfg(test)]
 mod tests;

@@ -100,9 +100,9 @@ impl SamplingParams {
 }
 
 /// The largest presence or frequency penalty either way (OpenAI's range).
-pub const MAX_PENALTY: f32 = 2.0;
+const MAX_PENALTY: f32 = 2.0;
 /// The largest logit bias either way (OpenAI's range).
-pub const MAX_LOGIT_BIAS: f32 = 100.0;
+const MAX_LOGIT_BIAS: f32 = 100.0;
 
 /// Picks tokens according to [`SamplingParams`], with its own seeded random generator.
 pub struct Sampler {
@@ -236,15 +236,23 @@ pub fn argmax(logits: &[f32]) -> u32 {
     best as u32
 }
 
-/// The `k` largest logits as `(id, logit)`, highest first (ties to the lower id).
+/// The `k` largest logits as `(id, logit)`, highest first (ties to the lower id). Selects
+/// before it sorts, so a few from a whole vocabulary (every token of an answer with OpenAI's
+/// `logprobs`) cost one pass, not a sort of the vocabulary.
 pub fn top_k(logits: &[f32], k: usize) -> Vec<(u32, f32)> {
     let mut all: Vec<(u32, f32)> = logits
         .iter()
         .enumerate()
         .map(|(i, &l)| (i as u32, l))
         .collect();
-    all.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+    let by = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
+    let k = k.min(all.len());
+    if k == 0 {
+        return Vec::new();
+    }
+    all.select_nth_unstable_by(k - 1, by);
     all.truncate(k);
+    all.sort_unstable_by(by);
     all
 }
 
@@ -360,6 +368,17 @@ mod tests {
         });
         assert_eq!(s.sample(&[2.0, 2.5], &[]), 1);
         assert_eq!(s.sample(&[3.0, 2.5], &[]), 1);
+    }
+
+    #[test]
+    fn top_k_is_the_largest_first_with_ties_to_the_lower_id() {
+        let logits = [1.0, 4.0, 2.0, 4.0, -1.0, 3.0];
+        assert_eq!(top_k(&logits, 3), [(1, 4.0), (3, 4.0), (5, 3.0)]);
+        assert_eq!(top_k(&logits, 1), [(1, 4.0)]);
+        assert_eq!(top_k(&logits, 0), []);
+        let all = top_k(&logits, 10);
+        assert_eq!(all.len(), 6);
+        assert_eq!(all.last(), Some(&(4, -1.0)));
     }
 
     #[test]

@@ -359,23 +359,13 @@ struct Engine {
     trie: OnceCell<Arc<TokenTrie>>,
 }
 
-/// The ids of the `k` largest logits, largest first (ties to the lower id), without sorting
-/// the whole vocabulary.
-fn top_tokens(logits: &[f32], k: usize) -> Vec<u32> {
-    let k = k.min(logits.len());
-    if k == 0 {
-        return Vec::new();
-    }
-    let by = |a: &u32, b: &u32| {
-        logits[*b as usize]
-            .total_cmp(&logits[*a as usize])
-            .then(a.cmp(b))
+/// A sampling parameter [`SamplingParams::validate`] refused, as a 400 naming it.
+pub fn sampling_error(e: engram_model::ModelError) -> ApiError {
+    let param = match &e {
+        engram_model::ModelError::Sampling { name, .. } => *name,
+        _ => "sampling",
     };
-    let mut ids: Vec<u32> = (0..logits.len() as u32).collect();
-    ids.select_nth_unstable_by(k - 1, by);
-    ids.truncate(k);
-    ids.sort_unstable_by(by);
-    ids
+    ApiError::invalid(param, e.to_string())
 }
 
 /// A job in the decode batch: its own cache, sampler and output state.
@@ -732,9 +722,9 @@ impl Engine {
             logprob: logits
                 .get(id as usize)
                 .map_or(f32::NEG_INFINITY, |&l| lp(l)),
-            top: top_tokens(logits, top)
+            top: engram_model::top_k(logits, top)
                 .into_iter()
-                .map(|t| (bytes(t), lp(logits[t as usize])))
+                .map(|(t, l)| (bytes(t), lp(l)))
                 // Tokens a grammar masks out are not alternatives.
                 .filter(|(_, l)| l.is_finite())
                 .collect(),
@@ -1001,13 +991,7 @@ impl Engine {
             logit_bias: job.sampling.logit_bias.clone(),
             ..SamplingParams::default()
         })
-        .map_err(|e| {
-            let param = match &e {
-                engram_model::ModelError::Sampling { name, .. } => *name,
-                _ => "sampling",
-            };
-            ApiError::invalid(param, e.to_string())
-        })?;
+        .map_err(sampling_error)?;
         Ok(Active {
             kv,
             sampler,

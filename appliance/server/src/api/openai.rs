@@ -9,7 +9,7 @@ use std::time::{Instant, SystemTime};
 use axum::extract::State;
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
-use engram_model::{MAX_LOGIT_BIAS, MAX_PENALTY};
+use engram_model::SamplingParams;
 use futures_util::stream::{self, Stream};
 use futures_util::StreamExt;
 use serde::Deserialize;
@@ -408,9 +408,10 @@ struct Shaping {
     logit_bias: Vec<(u32, f32)>,
 }
 
-/// Refuses, naming it, an unknown argument, more than one choice, a penalty outside [-2, 2], a
-/// `logit_bias` that is not ids of the model (`vocab` of them) mapped to [-100, 100], or a
-/// `top_p` outside (0, 1]; returns the penalties and biases.
+/// Refuses, naming it, an unknown argument, more than one choice, a penalty or a bias outside
+/// the ranges [`SamplingParams::validate`] allows, a `logit_bias` that is not ids of the model
+/// (`vocab` of them) mapped to numbers, or a `top_p` outside (0, 1]; returns the penalties and
+/// biases.
 fn check_common(c: &Common<'_>, vocab: usize) -> Result<Shaping, ApiError> {
     let no = |param: &str, why: String| Err(ApiError::invalid(param, why));
     if let Some(name) = c.unknown.keys().next() {
@@ -419,24 +420,27 @@ fn check_common(c: &Common<'_>, vocab: usize) -> Result<Shaping, ApiError> {
     if c.n.is_some_and(|n| n != 1) {
         return no("n", "only one choice (n = 1) is generated".into());
     }
-    for (p, v) in [
-        ("presence_penalty", c.presence_penalty),
-        ("frequency_penalty", c.frequency_penalty),
-    ] {
-        if v.is_some_and(|v| !(-MAX_PENALTY..=MAX_PENALTY).contains(&v)) {
-            return no(p, "must be in [-2, 2]".into());
-        }
-    }
     if let Some(p) = c.top_p {
         if !(p > 0.0 && p <= 1.0) {
             return no("top_p", "must be in (0, 1]".into());
         }
     }
-    Ok(Shaping {
+    let shaping = Shaping {
         presence_penalty: c.presence_penalty.unwrap_or(0.0),
         frequency_penalty: c.frequency_penalty.unwrap_or(0.0),
         logit_bias: logit_bias(c.logit_bias, vocab)?,
-    })
+    };
+    // The engine's sampler checks these again; checked here, a bad value is a 400 before a
+    // stream starts rather than an error event inside it.
+    SamplingParams {
+        presence_penalty: shaping.presence_penalty,
+        frequency_penalty: shaping.frequency_penalty,
+        logit_bias: shaping.logit_bias.clone(),
+        ..SamplingParams::default()
+    }
+    .validate()
+    .map_err(crate::engine::sampling_error)?;
+    Ok(shaping)
 }
 
 /// Most alternatives per token a chat request may ask for (OpenAI's limit).
@@ -499,7 +503,7 @@ type LogprobFormat = Box<dyn FnMut(&[TokenLogprob]) -> serde_json::Value + Send>
 const MAX_LOGIT_BIASES: usize = 300;
 
 /// `logit_bias` as `(id, bias)`: an object of token ids (decimal strings below `vocab`) to
-/// numbers in [-100, 100]; absent or null is none.
+/// numbers (their range is [`SamplingParams::validate`]'s); absent or null is none.
 fn logit_bias(v: Option<&serde_json::Value>, vocab: usize) -> Result<Vec<(u32, f32)>, ApiError> {
     let bad = |why: String| ApiError::invalid("logit_bias", why);
     let map = match v {
@@ -524,7 +528,6 @@ fn logit_bias(v: Option<&serde_json::Value>, vocab: usize) -> Result<Vec<(u32, f
                 })?;
             let bias = b
                 .as_f64()
-                .filter(|b| (-f64::from(MAX_LOGIT_BIAS)..=f64::from(MAX_LOGIT_BIAS)).contains(b))
                 .ok_or_else(|| bad(format!("the bias of `{k}` must be a number in [-100, 100]")))?;
             Ok((id, bias as f32))
         })
@@ -1088,9 +1091,8 @@ pub async fn completions(
     let model = b.model.unwrap_or_else(|| s.engine.info.model_id.clone());
     if !b.stream {
         let (text, sum, lps) = crate::engine::collect_logprobs(rx).await?;
-        let logprobs = b
-            .logprobs
-            .map(|_| text_logprobs(&lps, &mut prompt_chars.clone()));
+        let mut offset = prompt_chars;
+        let logprobs = b.logprobs.map(|_| text_logprobs(&lps, &mut offset));
         return Ok(axum::Json(serde_json::json!({
             "id": id,
             "object": "text_completion",
