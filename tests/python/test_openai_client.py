@@ -209,8 +209,23 @@ def test_parameters(model):
     scored = client.chat.completions.create(**ask, logprobs=True, top_logprobs=2)
     tokens = scored.choices[0].logprobs.content
     assert len(tokens) == scored.usage.completion_tokens and all(t.logprob <= 0 and len(t.top_logprobs) == 2 for t in tokens), tokens
+    # n: several choices, each reproducible by its seed (choice i uses seed + i).
+    several = client.chat.completions.create(**{**ask, "temperature": 1.0}, n=2, seed=3)
+    assert [c.index for c in several.choices] == [0, 1], several
+    alone = client.chat.completions.create(**{**ask, "temperature": 1.0}, seed=4)
+    assert several.choices[1].message.content == alone.choices[0].message.content, (several, alone)
+    pieces = ["", ""]
+    for chunk in client.chat.completions.create(**{**ask, "temperature": 1.0}, n=2, seed=3, stream=True):
+        for c in chunk.choices:
+            pieces[c.index] += c.delta.content or ""
+    assert [p.strip() for p in pieces] == [c.message.content for c in several.choices], pieces
+    # Text completions: best_of and echo.
+    best = client.completions.create(model=model, prompt="Once upon a time", max_tokens=6, temperature=1.0, n=2, best_of=3, seed=2)
+    assert len(best.choices) == 2 and best.usage.completion_tokens > 0, best
+    echoed = client.completions.create(model=model, prompt="Once upon a time", max_tokens=6, temperature=0, echo=True)
+    assert echoed.choices[0].text.startswith("Once upon a time"), echoed
     refused = {
-        "n": {"n": 2},
+        "n": {"n": 17},
         "top_logprobs": {"logprobs": True, "top_logprobs": 21},
         "presence_penalty": {"presence_penalty": 2.5},
         "logit_bias": {"logit_bias": {"not-an-id": 1}},

@@ -1292,7 +1292,8 @@ fn openai_chat_parameters_are_honoured_or_refused_by_name() {
         s.call("POST", "/v1/chat/completions", Some(&s.admin), Some(body))
     };
     for (param, value) in [
-        ("n", json!(2)),
+        ("n", json!(0)),
+        ("n", json!(17)),
         ("top_logprobs", json!(3)),
         ("presence_penalty", json!(2.5)),
         ("frequency_penalty", json!(-3)),
@@ -1676,9 +1677,9 @@ fn openai_text_completions() {
         "{body}"
     );
     for (param, value) in [
-        ("echo", json!(true)),
         ("logprobs", json!(6)),
-        ("best_of", json!(3)),
+        ("best_of", json!(17)),
+        ("n", json!(17)),
         ("suffix", json!("end")),
         ("logit_bias", json!({"-1": -100})),
         ("frequency_penalty", json!(2.01)),
@@ -1694,6 +1695,146 @@ fn openai_text_completions() {
         );
     }
     assert_eq!(complete(json!({"model": "davinci-002"})).status, 404);
+    // Combinations that cannot be honoured.
+    for (param, extra) in [
+        ("echo", json!({"echo": true, "logprobs": 1})),
+        ("best_of", json!({"n": 3, "best_of": 2})),
+        ("best_of", json!({"best_of": 2, "stream": true})),
+    ] {
+        let r = complete(extra);
+        assert_eq!(r.status, 400, "{param}: {}", r.text());
+        assert!(r.text().contains(&format!("`{param}`")), "{}", r.text());
+    }
+}
+
+/// The `data:` objects of an SSE body, without `[DONE]`.
+fn sse_objects(body: &str) -> Vec<Value> {
+    assert!(body.trim_end().ends_with("data: [DONE]"), "{body}");
+    body.lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter(|d| *d != "[DONE]")
+        .map(|d| serde_json::from_str(d).unwrap())
+        .collect()
+}
+
+/// OpenAI's `n` (several choices, each reproducible by its seed, streamed interleaved by
+/// index), `best_of` (the candidates with the highest mean token log probability) and `echo`.
+#[test]
+fn openai_several_choices() {
+    let s = server();
+    let call = |path: &str, body: Value| {
+        let r = s.call("POST", path, Some(&s.only_a), Some(body));
+        assert_eq!(r.status, 200, "{}", r.text());
+        r
+    };
+    let ask = json!({"messages": [{"role": "user", "content": "Write a short poem about rain."}],
+        "max_tokens": 10, "temperature": 1.0, "seed": 5, "n": 3, "logprobs": true});
+    let v = call("/v1/chat/completions", ask.clone()).json();
+    let choices = v["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 3, "{v}");
+    let mut tokens = 0;
+    let mut texts = Vec::new();
+    for (i, c) in choices.iter().enumerate() {
+        assert_eq!(c["index"], i, "{v}");
+        tokens += c["logprobs"]["content"].as_array().unwrap().len();
+        texts.push(c["message"]["content"].as_str().unwrap().to_owned());
+    }
+    // Usage: the prompt once, every choice's tokens.
+    assert_eq!(v["usage"]["completion_tokens"], tokens, "{v}");
+    assert!(texts[0] != texts[1] || texts[1] != texts[2], "{texts:?}");
+    // Choice 1 is the single answer seeded with seed + 1.
+    let mut one = ask.clone();
+    one["n"] = json!(1);
+    one["seed"] = json!(6);
+    let single = call("/v1/chat/completions", one).json();
+    assert_eq!(
+        single["choices"][0]["message"]["content"],
+        texts[1].as_str()
+    );
+    // Streamed: each choice's role, pieces and finish under its index, the usage once.
+    let mut streamed = ask.clone();
+    streamed["stream"] = json!(true);
+    streamed["stream_options"] = json!({"include_usage": true});
+    let objects = sse_objects(&call("/v1/chat/completions", streamed).text());
+    let mut pieces = vec![String::new(); 3];
+    let mut finishes = [0; 3];
+    let mut roles = [0; 3];
+    for o in &objects[..objects.len() - 1] {
+        let c = &o["choices"][0];
+        let i = c["index"].as_u64().unwrap() as usize;
+        pieces[i].push_str(c["delta"]["content"].as_str().unwrap_or(""));
+        roles[i] += usize::from(c["delta"]["role"] == "assistant");
+        finishes[i] += usize::from(c["finish_reason"].is_string());
+    }
+    assert_eq!((roles, finishes), ([1; 3], [1; 3]), "{objects:?}");
+    for (p, t) in pieces.iter().zip(&texts) {
+        assert_eq!(p.trim(), t, "{objects:?}");
+    }
+    // The same tokens (how many the prefix cache served differs by then).
+    let usage = &objects.last().unwrap()["usage"];
+    for field in ["prompt_tokens", "completion_tokens"] {
+        assert_eq!(usage[field], v["usage"][field], "{usage}");
+    }
+
+    // Text completions: `best_of` returns the candidates of highest mean log probability.
+    let prompt = "Once upon a time";
+    let base = json!({"prompt": prompt, "max_tokens": 8, "temperature": 1.0, "seed": 11});
+    let mut all = base.clone();
+    all["n"] = json!(4);
+    all["logprobs"] = json!(0);
+    let all = call("/v1/completions", all).json();
+    let mut ranked: Vec<(f64, String)> = all["choices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| {
+            let lps = c["logprobs"]["token_logprobs"].as_array().unwrap();
+            let sum: f64 = lps.iter().map(|l| l.as_f64().unwrap()).sum();
+            (
+                sum / lps.len() as f64,
+                c["text"].as_str().unwrap().to_owned(),
+            )
+        })
+        .collect();
+    ranked.sort_by(|a, b| b.0.total_cmp(&a.0));
+    let mut best = base.clone();
+    best["n"] = json!(2);
+    best["best_of"] = json!(4);
+    let best = call("/v1/completions", best).json();
+    let got: Vec<&str> = best["choices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["text"].as_str().unwrap())
+        .collect();
+    assert_eq!(got, [ranked[0].1.as_str(), ranked[1].1.as_str()], "{best}");
+    assert_eq!(
+        best["usage"]["completion_tokens"],
+        all["usage"]["completion_tokens"]
+    );
+    assert!(best["choices"][0]["logprobs"].is_null(), "{best}");
+
+    // `echo`: the prompt, then the completion; streamed as a first piece.
+    let mut echo = base.clone();
+    echo["echo"] = json!(true);
+    echo["temperature"] = json!(0);
+    let plain = {
+        let mut p = echo.clone();
+        p["echo"] = json!(false);
+        call("/v1/completions", p).json()["choices"][0]["text"]
+            .as_str()
+            .unwrap()
+            .to_owned()
+    };
+    let echoed = call("/v1/completions", echo.clone()).json();
+    assert_eq!(echoed["choices"][0]["text"], format!("{prompt}{plain}"));
+    echo["stream"] = json!(true);
+    let objects = sse_objects(&call("/v1/completions", echo).text());
+    let text: String = objects
+        .iter()
+        .filter_map(|o| o["choices"][0]["text"].as_str())
+        .collect();
+    assert_eq!(text, format!("{prompt}{plain}"));
 }
 
 /// OpenAI's `logprobs`: every generated token with its log probability and the most likely

@@ -78,7 +78,8 @@ pub struct ChatRequest {
     /// Up to 4 strings: the answer ends before the first of them (`finish_reason: stop`).
     #[schema(value_type = Object)]
     pub stop: Option<serde_json::Value>,
-    /// Only 1.
+    /// Choices to generate, 1 to 16 (default 1); choice `i` is sampled with seed `seed + i`,
+    /// so at a temperature above 0 they differ and each is reproducible.
     pub n: Option<u32>,
     #[serde(default)]
     pub stream: bool,
@@ -401,14 +402,20 @@ struct Common<'a> {
     top_p: Option<f32>,
 }
 
+/// Most choices (`n`, `best_of`) one request may ask for: each is a sequence of the engine's
+/// decode batch.
+const MAX_CHOICES: u32 = 16;
+
 /// What the shared parameters ask of the sampler.
 struct Shaping {
+    /// Choices to return.
+    n: usize,
     presence_penalty: f32,
     frequency_penalty: f32,
     logit_bias: Vec<(u32, f32)>,
 }
 
-/// Refuses, naming it, an unknown argument, more than one choice, a penalty or a bias outside
+/// Refuses, naming it, an unknown argument, a number of choices outside 1..=[`MAX_CHOICES`], a penalty or a bias outside
 /// the ranges [`SamplingParams::validate`] allows, a `logit_bias` that is not ids of the model
 /// (`vocab` of them) mapped to numbers, or a `top_p` outside (0, 1]; returns the penalties and
 /// biases.
@@ -417,8 +424,9 @@ fn check_common(c: &Common<'_>, vocab: usize) -> Result<Shaping, ApiError> {
     if let Some(name) = c.unknown.keys().next() {
         return no(name, "unrecognized request argument".into());
     }
-    if c.n.is_some_and(|n| n != 1) {
-        return no("n", "only one choice (n = 1) is generated".into());
+    let n = c.n.unwrap_or(1);
+    if !(1..=MAX_CHOICES).contains(&n) {
+        return no("n", format!("must be in 1..={MAX_CHOICES}"));
     }
     if let Some(p) = c.top_p {
         if !(p > 0.0 && p <= 1.0) {
@@ -426,6 +434,7 @@ fn check_common(c: &Common<'_>, vocab: usize) -> Result<Shaping, ApiError> {
         }
     }
     let shaping = Shaping {
+        n: n as usize,
         presence_penalty: c.presence_penalty.unwrap_or(0.0),
         frequency_penalty: c.frequency_penalty.unwrap_or(0.0),
         logit_bias: logit_bias(c.logit_bias, vocab)?,
@@ -701,7 +710,8 @@ pub async fn chat(
         }
         None => (Prompt::Chat { messages }, None, None, None),
     };
-    let rx = s.engine.submit(
+    let rxs = submit_choices(
+        &s,
         "chat",
         prompt,
         max_tokens,
@@ -718,65 +728,81 @@ pub async fn chat(
             logprobs,
         },
         policy,
+        shaping.n,
     )?;
     let id = format!("chatcmpl-{:016x}", rand::random::<u64>());
     let created = unix_now();
     if calls_tools {
-        // A call is known to be one only once it parses: it is answered whole, also when
-        // streamed.
-        let (answer, sum, lps) = crate::engine::collect_logprobs(rx).await?;
-        let lps = logprobs.map(|_| chat_logprobs(&lps));
-        let call = (sum.finish_reason == "stop")
-            .then(|| tool_call_of(&answer))
-            .flatten();
-        let finish = if call.is_some() {
-            "tool_calls"
-        } else {
-            sum.finish_reason
-        };
-        if !b.stream {
-            let message = match &call {
-                Some(c) => {
-                    serde_json::json!({"role": "assistant", "content": null, "tool_calls": [c]})
-                }
-                None => serde_json::json!({"role": "assistant", "content": answer.trim()}),
+        // A call is known to be one only once it parses: each choice is answered whole, also
+        // when streamed.
+        let results = collect_choices(rxs).await?;
+        let mut choices = Vec::with_capacity(results.len());
+        let mut sums = Vec::with_capacity(results.len());
+        for (i, (answer, sum, lps)) in results.into_iter().enumerate() {
+            let lps = logprobs.map(|_| chat_logprobs(&lps));
+            let call = (sum.finish_reason == "stop")
+                .then(|| tool_call_of(&answer))
+                .flatten();
+            let finish = if call.is_some() {
+                "tool_calls"
+            } else {
+                sum.finish_reason
             };
-            let mut body = completion(&id, created, &model, message, finish, &sum);
-            body["choices"][0]["logprobs"] = lps.unwrap_or_default();
+            choices.push((i, answer, call, finish, lps));
+            sums.push(sum);
+        }
+        if !b.stream {
+            let choices = choices
+                .into_iter()
+                .map(|(i, answer, call, finish, lps)| {
+                    let message = match &call {
+                        Some(c) => serde_json::json!(
+                            {"role": "assistant", "content": null, "tool_calls": [c]}),
+                        None => serde_json::json!({"role": "assistant", "content": answer.trim()}),
+                    };
+                    serde_json::json!({"index": i, "message": message,
+                        "logprobs": lps.unwrap_or_default(), "finish_reason": finish})
+                })
+                .collect();
+            let body = completion(&id, created, &model, choices, &sums);
             return Ok(axum::Json(body).into_response());
         }
-        let chunk = |delta: serde_json::Value, finish: Option<&str>| {
+        let chunk = |i: usize, delta: serde_json::Value, finish: Option<&str>| {
             serde_json::json!({
                 "id": id,
                 "object": "chat.completion.chunk",
                 "created": created,
                 "model": model,
-                "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+                "choices": [{"index": i, "delta": delta, "finish_reason": finish}],
             })
         };
-        let delta = match call {
-            Some(mut c) => {
-                c["index"] = 0.into();
-                serde_json::json!({"tool_calls": [c]})
+        let mut events = Vec::new();
+        for (i, answer, call, finish, lps) in choices {
+            let delta = match call {
+                Some(mut c) => {
+                    c["index"] = 0.into();
+                    serde_json::json!({"tool_calls": [c]})
+                }
+                None => serde_json::json!({"content": answer.trim()}),
+            };
+            let mut delta = chunk(i, delta, None);
+            if let Some(l) = lps {
+                delta["choices"][0]["logprobs"] = l;
             }
-            None => serde_json::json!({"content": answer.trim()}),
-        };
-        let mut delta = chunk(delta, None);
-        if let Some(l) = lps {
-            delta["choices"][0]["logprobs"] = l;
+            events.extend([
+                chunk(
+                    i,
+                    serde_json::json!({"role": "assistant", "content": ""}),
+                    None,
+                ),
+                delta,
+                chunk(i, serde_json::json!({}), Some(finish)),
+            ]);
         }
-        let mut events = vec![
-            chunk(
-                serde_json::json!({"role": "assistant", "content": ""}),
-                None,
-            ),
-            delta,
-            chunk(serde_json::json!({}), Some(finish)),
-        ];
         if include_usage {
-            let mut usage = chunk(serde_json::json!({}), None);
+            let mut usage = chunk(0, serde_json::json!({}), None);
             usage["choices"] = serde_json::json!([]);
-            usage["usage"] = usage_of(&sum);
+            usage["usage"] = usage_of(&sums);
             events.push(usage);
         }
         let events: Vec<SseEvent> = events
@@ -789,63 +815,77 @@ pub async fn chat(
         );
     }
     if !b.stream {
-        let (answer, sum, lps) = crate::engine::collect_logprobs(rx).await?;
-        let message = serde_json::json!({"role": "assistant", "content": answer.trim()});
-        let mut body = completion(&id, created, &model, message, sum.finish_reason, &sum);
-        if logprobs.is_some() {
-            body["choices"][0]["logprobs"] = chat_logprobs(&lps);
-        }
+        let results = collect_choices(rxs).await?;
+        let choices = results
+            .iter()
+            .enumerate()
+            .map(|(i, (answer, sum, lps))| {
+                serde_json::json!({
+                    "index": i,
+                    "message": {"role": "assistant", "content": answer.trim()},
+                    "logprobs": logprobs.map(|_| chat_logprobs(lps)),
+                    "finish_reason": sum.finish_reason,
+                })
+            })
+            .collect();
+        let sums: Vec<_> = results.into_iter().map(|(_, sum, _)| sum).collect();
+        let mut body = completion(&id, created, &model, choices, &sums);
         if let Some(c) = cites {
+            // Every choice answers from the same passages; the first one's timings.
+            let first = &sums[0];
             body["citations"] = serde_json::to_value(c).expect("json");
             body["engram"] = serde_json::json!({
-                "policy": sum.policy,
-                "fusion_disabled": sum.fusion_disabled,
-                "timings": with_retrieve(sum.timings, retrieve_ms.unwrap_or(0.0)),
+                "policy": first.policy,
+                "fusion_disabled": first.fusion_disabled,
+                "timings": with_retrieve(first.timings.clone(), retrieve_ms.unwrap_or(0.0)),
             });
         }
         return Ok(axum::Json(body).into_response());
     }
     Ok(Sse::new(chunks(
-        rx,
+        rxs,
         id,
         created,
         model,
         cites,
         include_usage,
-        logprobs.map(|_| Box::new(|l: &[TokenLogprob]| chat_logprobs(l)) as LogprobFormat),
+        logprobs.is_some(),
     ))
     .keep_alive(KeepAlive::default())
     .into_response())
 }
 
-/// A whole `chat.completion` of one choice.
+/// A whole `chat.completion` of `choices` (their `index`, `message`, `logprobs` and
+/// `finish_reason`), with the usage of the jobs that made them.
 fn completion(
     id: &str,
     created: u64,
     model: &str,
-    message: serde_json::Value,
-    finish_reason: &str,
-    sum: &crate::engine::Summary,
+    choices: Vec<serde_json::Value>,
+    sums: &[crate::engine::Summary],
 ) -> serde_json::Value {
     serde_json::json!({
         "id": id,
         "object": "chat.completion",
         "created": created,
         "model": model,
-        "choices": [{"index": 0, "message": message, "logprobs": null,
-            "finish_reason": finish_reason}],
-        "usage": usage_of(sum),
+        "choices": choices,
+        "usage": usage_of(sums),
     })
 }
 
-/// OpenAI's `usage`; `cached_tokens`: prompt tokens whose KV came from the prefix cache (the
-/// system prompt, an earlier turn of the conversation).
-fn usage_of(sum: &crate::engine::Summary) -> serde_json::Value {
+/// OpenAI's `usage` of one request's jobs (its choices, in order): the prompt once, every
+/// job's completion tokens; `cached_tokens`: prompt tokens whose KV came from the prefix cache
+/// (the system prompt, an earlier turn of the conversation) for the first choice.
+fn usage_of(sums: &[crate::engine::Summary]) -> serde_json::Value {
+    let prompt = sums.first().map_or(0, |s| s.prompt_tokens);
+    let cached = sums.first().map_or(0, |s| s.cached_tokens);
+    let completion: usize = sums.iter().map(|s| s.generated_tokens).sum();
     serde_json::json!({
-        "prompt_tokens": sum.prompt_tokens,
-        "completion_tokens": sum.generated_tokens,
-        "total_tokens": sum.prompt_tokens + sum.generated_tokens,
-        "prompt_tokens_details": {"cached_tokens": sum.cached_tokens},
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
     })
 }
 
@@ -853,19 +893,20 @@ fn data(v: &serde_json::Value) -> SseEvent {
     SseEvent::default().data(v.to_string())
 }
 
-/// `chat.completion.chunk` events: the role, the content pieces (with their tokens' log
-/// probabilities when asked), the finish reason (with the citations when retrieval ran), with
-/// `include_usage` a chunk with the usage and no choices, then `[DONE]`.
+/// `chat.completion.chunk` events of choices `rxs`: each choice's role, then the content
+/// pieces as they come (with their tokens' log probabilities when asked), each choice's finish
+/// reason (with the citations when retrieval ran), with `include_usage` a chunk with the usage
+/// and no choices, then `[DONE]`.
 fn chunks(
-    rx: tokio::sync::mpsc::Receiver<Event>,
+    rxs: Vec<tokio::sync::mpsc::Receiver<Event>>,
     id: String,
     created: u64,
     model: String,
     cites: Option<Vec<Citation>>,
     include_usage: bool,
-    logprobs: Option<LogprobFormat>,
+    logprobs: bool,
 ) -> impl Stream<Item = Result<SseEvent, Infallible>> {
-    let chunk = move |text: Option<&str>, finish: Option<&str>| {
+    let chunk = move |index: usize, text: Option<&str>, finish: Option<&str>| {
         let delta = match text {
             Some(t) => serde_json::json!({"content": t}),
             None => serde_json::json!({}),
@@ -875,87 +916,115 @@ fn chunks(
             "object": "chat.completion.chunk",
             "created": created,
             "model": model,
-            "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+            "choices": [{"index": index, "delta": delta, "finish_reason": finish}],
         })
     };
-    let mut first = chunk(None, None);
-    first["choices"][0]["delta"] = serde_json::json!({"role": "assistant", "content": ""});
+    let roles: Vec<_> = (0..rxs.len())
+        .map(|i| {
+            let mut first = chunk(i, None, None);
+            first["choices"][0]["delta"] = serde_json::json!({"role": "assistant", "content": ""});
+            Ok(data(&first))
+        })
+        .collect();
+    let formats = if logprobs {
+        (0..rxs.len())
+            .map(|_| Box::new(|l: &[TokenLogprob]| chat_logprobs(l)) as LogprobFormat)
+            .collect()
+    } else {
+        Vec::new()
+    };
     let cites = cites.map(|c| serde_json::to_value(c).expect("json"));
-    stream::once(async move { Ok(data(&first)) }).chain(generation_events(
-        rx,
-        include_usage,
-        chunk,
-        cites,
-        logprobs,
-    ))
+    stream::iter(roles).chain(generation_events(rxs, include_usage, chunk, cites, formats))
 }
 
-/// The events of a streamed generation: `chunk(Some(text), None)` per piece of text (with
-/// `logprobs`, its tokens' log probabilities in the choice's `logprobs`), then
-/// `chunk(None, Some(finish_reason))` (with `citations` when given, and the log probabilities
-/// of tokens whose text never went out), with `include_usage` a chunk with no choices and the
-/// `usage`, then `[DONE]`. An error ends the stream with its body and `[DONE]`.
+/// The events of streamed generations, one per choice (`rxs[i]` is choice `i`), as they come:
+/// `chunk(i, Some(text), None)` per piece of text (with `formats`, one per choice, its tokens'
+/// log probabilities in the choice's `logprobs`), then `chunk(i, None, Some(finish_reason))`
+/// (with `citations` when given, and the log probabilities of tokens whose text never went
+/// out); once every choice has finished, with `include_usage` a chunk with no choices and the
+/// `usage` of them all, then `[DONE]`. An error ends the stream with its body and `[DONE]`
+/// (the other choices' jobs are cancelled as their receivers drop).
 fn generation_events(
-    rx: tokio::sync::mpsc::Receiver<Event>,
+    rxs: Vec<tokio::sync::mpsc::Receiver<Event>>,
     include_usage: bool,
-    chunk: impl Fn(Option<&str>, Option<&str>) -> serde_json::Value + Send + 'static,
+    chunk: impl Fn(usize, Option<&str>, Option<&str>) -> serde_json::Value + Send + 'static,
     citations: Option<serde_json::Value>,
-    logprobs: Option<LogprobFormat>,
+    formats: Vec<LogprobFormat>,
 ) -> impl Stream<Item = Result<SseEvent, Infallible>> {
     struct State<C> {
-        rx: tokio::sync::mpsc::Receiver<Event>,
+        events: stream::SelectAll<stream::BoxStream<'static, (usize, Event)>>,
         chunk: C,
         citations: Option<serde_json::Value>,
-        logprobs: Option<LogprobFormat>,
-        /// Log probabilities of tokens whose text has not gone out yet.
-        pending: Vec<TokenLogprob>,
+        /// Per choice: how its log probabilities are formatted, and those of tokens whose
+        /// text has not gone out yet.
+        formats: Vec<Option<LogprobFormat>>,
+        pending: Vec<Vec<TokenLogprob>>,
+        /// Each choice's summary, once it has finished.
+        finished: Vec<Option<crate::engine::Summary>>,
+        open: usize,
     }
     impl<C> State<C> {
-        /// Adds the pending tokens' log probabilities to a chunk's choice.
-        fn attach(&mut self, ev: &mut serde_json::Value) {
-            if let Some(format) = &mut self.logprobs {
-                if !self.pending.is_empty() {
-                    ev["choices"][0]["logprobs"] = format(&std::mem::take(&mut self.pending));
+        /// Adds choice `i`'s pending log probabilities to a chunk.
+        fn attach(&mut self, i: usize, ev: &mut serde_json::Value) {
+            if let Some(format) = &mut self.formats[i] {
+                if !self.pending[i].is_empty() {
+                    ev["choices"][0]["logprobs"] = format(&std::mem::take(&mut self.pending[i]));
                 }
             }
         }
     }
     let done = || SseEvent::default().data("[DONE]");
+    let choices = rxs.len();
+    let mut formats: Vec<Option<LogprobFormat>> = formats.into_iter().map(Some).collect();
+    formats.resize_with(choices, || None);
+    let events = stream::select_all(rxs.into_iter().enumerate().map(|(i, rx)| {
+        stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|e| (e, rx)) })
+            .map(move |e| (i, e))
+            .boxed()
+    }));
     let state = State {
-        rx,
+        events,
         chunk,
         citations,
-        logprobs,
-        pending: Vec::new(),
+        formats,
+        pending: vec![Vec::new(); choices],
+        finished: vec![None; choices],
+        open: choices,
     };
     stream::unfold(Some(state), move |state| async move {
         let mut st = state?;
-        let events = match st.rx.recv().await {
-            Some(Event::Token(t)) => {
-                let mut ev = (st.chunk)(Some(&t), None);
-                st.attach(&mut ev);
+        let events = match st.events.next().await {
+            Some((i, Event::Token(t))) => {
+                let mut ev = (st.chunk)(i, Some(&t), None);
+                st.attach(i, &mut ev);
                 return Some((vec![data(&ev)], Some(st)));
             }
-            Some(Event::Logprobs(l)) => {
-                st.pending.extend(l);
+            Some((i, Event::Logprobs(l))) => {
+                st.pending[i].extend(l);
                 return Some((Vec::new(), Some(st)));
             }
-            Some(Event::Done(sum)) => {
-                let mut last = (st.chunk)(None, Some(sum.finish_reason));
-                st.attach(&mut last);
-                if let Some(c) = st.citations.take() {
-                    last["citations"] = c;
+            Some((i, Event::Done(sum))) => {
+                let mut last = (st.chunk)(i, None, Some(sum.finish_reason));
+                st.attach(i, &mut last);
+                if let Some(c) = &st.citations {
+                    last["citations"] = c.clone();
+                }
+                st.finished[i] = Some(sum);
+                st.open -= 1;
+                if st.open > 0 {
+                    return Some((vec![data(&last)], Some(st)));
                 }
                 let mut events = vec![data(&last)];
                 if include_usage {
-                    let mut usage = (st.chunk)(None, None);
+                    let mut usage = (st.chunk)(0, None, None);
                     usage["choices"] = serde_json::json!([]);
-                    usage["usage"] = usage_of(&sum);
+                    let sums: Vec<_> = st.finished.drain(..).flatten().collect();
+                    usage["usage"] = usage_of(&sums);
                     events.push(data(&usage));
                 }
                 events
             }
-            Some(Event::Error(e)) => vec![data(&e.body())],
+            Some((_, Event::Error(e))) => vec![data(&e.body())],
             None => vec![data(
                 &ApiError::internal("the engine dropped the job").body(),
             )],
@@ -964,6 +1033,37 @@ fn generation_events(
     })
     .flat_map(stream::iter)
     .map(Ok)
+}
+
+/// Submits `n` jobs of one request, choice `i` sampled with seed `sampling.seed + i` (so
+/// sampled choices differ and each is reproducible); one receiver per choice.
+fn submit_choices(
+    s: &AppState,
+    kind: &'static str,
+    prompt: Prompt,
+    max_tokens: usize,
+    sampling: crate::engine::Sampling,
+    policy: Option<engram_fusion::Policy>,
+    n: usize,
+) -> Result<Vec<tokio::sync::mpsc::Receiver<Event>>, ApiError> {
+    // An error drops the receivers already made, which cancels their jobs.
+    (0..n)
+        .map(|i| {
+            let sampling = crate::engine::Sampling {
+                seed: sampling.seed.wrapping_add(i as u64),
+                ..sampling.clone()
+            };
+            s.engine
+                .submit(kind, prompt.clone(), max_tokens, sampling, policy)
+        })
+        .collect()
+}
+
+/// Every choice's text, summary and log probabilities, in choice order.
+async fn collect_choices(
+    rxs: Vec<tokio::sync::mpsc::Receiver<Event>>,
+) -> Result<Vec<(String, crate::engine::Summary, Vec<TokenLogprob>)>, ApiError> {
+    futures_util::future::try_join_all(rxs.into_iter().map(crate::engine::collect_logprobs)).await
 }
 
 /// OpenAI's (legacy) completions request. As for chat, every parameter is honoured or
@@ -982,9 +1082,11 @@ pub struct CompletionRequest {
     pub seed: Option<u64>,
     #[schema(value_type = Object)]
     pub stop: Option<serde_json::Value>,
-    /// Only 1.
+    /// Choices to return, 1 to 16 (default 1), sampled as chat's.
     pub n: Option<u32>,
-    /// Only 1.
+    /// Candidates to generate, `n` to 16 (default `n`): the `n` whose tokens have the highest
+    /// mean log probability are returned, best first (not with `stream`). Usage counts them
+    /// all.
     pub best_of: Option<u32>,
     #[serde(default)]
     pub stream: bool,
@@ -992,7 +1094,7 @@ pub struct CompletionRequest {
     /// 0 to 5: each token's log probability and that many most likely alternatives
     /// (`choices[].logprobs`: `tokens`, `token_logprobs`, `top_logprobs`, `text_offset`).
     pub logprobs: Option<u32>,
-    /// Only false.
+    /// True: each choice's text starts with the prompt (not with `logprobs`).
     pub echo: Option<bool>,
     /// Only null or empty.
     pub suffix: Option<String>,
@@ -1035,14 +1137,29 @@ pub async fn completions(
         },
         s.engine.info.vocab_size,
     )?;
-    if b.best_of.is_some_and(|n| n != 1) {
-        return no("best_of", "only 1");
+    let n = shaping.n;
+    let best_of = b.best_of.map_or(n, |m| m as usize);
+    if best_of < n || best_of > MAX_CHOICES as usize {
+        return no(
+            "best_of",
+            &format!("must be in n..={MAX_CHOICES} (n is {n})"),
+        );
+    }
+    if best_of > n && b.stream {
+        return no(
+            "best_of",
+            "candidates are ranked once complete, so they cannot be streamed",
+        );
     }
     if b.logprobs.is_some_and(|n| n > MAX_COMPLETION_LOGPROBS) {
         return no("logprobs", "must be in 0..=5");
     }
-    if b.echo == Some(true) {
-        return no("echo", "the prompt is not echoed");
+    let echo = b.echo == Some(true);
+    if echo && b.logprobs.is_some() {
+        return no(
+            "echo",
+            "not with logprobs (the prompt's own log probabilities are not computed)",
+        );
     }
     if b.suffix.as_deref().is_some_and(|x| !x.is_empty()) {
         return no("suffix", "insertion (a suffix) is not implemented");
@@ -1068,7 +1185,14 @@ pub async fn completions(
     check_generation(&s, max_tokens, temperature)?;
     // `text_offset` counts from the prompt's start, as OpenAI's does.
     let prompt_chars = text.chars().count();
-    let rx = s.engine.submit(
+    let echoed = echo.then(|| text.clone());
+    // Ranking candidates needs each token's log probability.
+    let job_logprobs = b
+        .logprobs
+        .map(|n| n as usize)
+        .or((best_of > n).then_some(0));
+    let rxs = submit_choices(
+        &s,
         "chat",
         Prompt::Text { text },
         max_tokens,
@@ -1082,47 +1206,93 @@ pub async fn completions(
             presence_penalty: shaping.presence_penalty,
             frequency_penalty: shaping.frequency_penalty,
             logit_bias: shaping.logit_bias,
-            logprobs: b.logprobs.map(|n| n as usize),
+            logprobs: job_logprobs,
         },
         None,
+        best_of,
     )?;
     let id = format!("cmpl-{:016x}", rand::random::<u64>());
     let created = unix_now();
     let model = b.model.unwrap_or_else(|| s.engine.info.model_id.clone());
     if !b.stream {
-        let (text, sum, lps) = crate::engine::collect_logprobs(rx).await?;
-        let mut offset = prompt_chars;
-        let logprobs = b.logprobs.map(|_| text_logprobs(&lps, &mut offset));
+        let results = collect_choices(rxs).await?;
+        let sums: Vec<_> = results.iter().map(|(_, sum, _)| sum.clone()).collect();
+        let choices = best_choices(results, n)
+            .into_iter()
+            .enumerate()
+            .map(|(i, (text, sum, lps))| {
+                let mut offset = prompt_chars;
+                let logprobs = b.logprobs.map(|_| text_logprobs(&lps, &mut offset));
+                let text = match &echoed {
+                    Some(p) => format!("{p}{text}"),
+                    None => text,
+                };
+                serde_json::json!({"text": text, "index": i, "logprobs": logprobs,
+                    "finish_reason": sum.finish_reason})
+            })
+            .collect::<Vec<_>>();
         return Ok(axum::Json(serde_json::json!({
             "id": id,
             "object": "text_completion",
             "created": created,
             "model": model,
-            "choices": [{"text": text, "index": 0, "logprobs": logprobs,
-                "finish_reason": sum.finish_reason}],
-            "usage": usage_of(&sum),
+            "choices": choices,
+            "usage": usage_of(&sums),
         }))
         .into_response());
     }
     let include_usage = b.stream_options.as_ref().is_some_and(|o| o.include_usage);
-    let chunk = move |text: Option<&str>, finish: Option<&str>| {
+    let chunk = move |index: usize, text: Option<&str>, finish: Option<&str>| {
         serde_json::json!({
             "id": id,
             "object": "text_completion",
             "created": created,
             "model": model,
-            "choices": [{"text": text.unwrap_or(""), "index": 0, "logprobs": null,
+            "choices": [{"text": text.unwrap_or(""), "index": index, "logprobs": null,
                 "finish_reason": finish}],
         })
     };
-    let format = b.logprobs.map(|_| {
-        let mut offset = prompt_chars;
-        Box::new(move |l: &[TokenLogprob]| text_logprobs(l, &mut offset)) as LogprobFormat
-    });
-    let events = generation_events(rx, include_usage, chunk, None, format);
-    Ok(Sse::new(events)
+    let echoes: Vec<_> = match &echoed {
+        Some(p) => (0..rxs.len())
+            .map(|i| Ok(data(&chunk(i, Some(p), None))))
+            .collect(),
+        None => Vec::new(),
+    };
+    let formats = match b.logprobs {
+        Some(_) => (0..rxs.len())
+            .map(|_| {
+                let mut offset = prompt_chars;
+                Box::new(move |l: &[TokenLogprob]| text_logprobs(l, &mut offset)) as LogprobFormat
+            })
+            .collect(),
+        None => Vec::new(),
+    };
+    let events = generation_events(rxs, include_usage, chunk, None, formats);
+    Ok(Sse::new(stream::iter(echoes).chain(events))
         .keep_alive(KeepAlive::default())
         .into_response())
+}
+
+/// The `n` best of `candidates` by their tokens' mean log probability (OpenAI's `best_of`),
+/// best first; all of them, in order, when there are no more than `n`. A candidate with no
+/// token ranks last.
+fn best_choices(
+    mut candidates: Vec<(String, crate::engine::Summary, Vec<TokenLogprob>)>,
+    n: usize,
+) -> Vec<(String, crate::engine::Summary, Vec<TokenLogprob>)> {
+    if candidates.len() <= n {
+        return candidates;
+    }
+    let mean = |lps: &[TokenLogprob]| {
+        if lps.is_empty() {
+            f32::NEG_INFINITY
+        } else {
+            lps.iter().map(|l| l.logprob).sum::<f32>() / lps.len() as f32
+        }
+    };
+    candidates.sort_by(|a, b| mean(&b.2).total_cmp(&mean(&a.2)));
+    candidates.truncate(n);
+    candidates
 }
 
 /// OpenAI's embeddings request.
