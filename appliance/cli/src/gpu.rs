@@ -556,6 +556,20 @@ mod imp {
             if c.batch > 1 {
                 failed |= !batch_check(&mut gpu, &c, decode)?;
             }
+            // The way engramd serves: CPU prefill, the cache uploaded, batched decode, the
+            // cache read back (what the daemon checks before it serves from this device).
+            let serving = gpu.check_serving(&prompts[0], decode.max(2));
+            failed |= serving.is_err();
+            println!(
+                "{}",
+                json!({
+                    "test": "serving",
+                    "n_gpu_layers": gpu.n_gpu_layers(),
+                    "pass": serving.is_ok(),
+                    "top5_max_abs_diff": serving.as_ref().ok(),
+                    "error": serving.as_ref().err().map(|e| e.to_string()),
+                })
+            );
             dev = Some(gpu.into_device());
         }
         if failed {

@@ -397,6 +397,142 @@ impl GpuModel {
         })
     }
 
+    /// A cache for `capacity` tokens holding everything `kv` holds (a prompt prefilled on the
+    /// CPU, fused or not): the GPU layers' keys and values copied to device memory (keys are
+    /// untiled on the way), the CPU layers' kept in the cache's [`KvCache`]. Decode then runs
+    /// here ([`GpuModel::forward_batch`]).
+    pub fn upload_cache(&self, kv: &KvCache, capacity: usize) -> Result<GpuCache> {
+        let cfg = self.model.config();
+        kv.check_layout(cfg)?;
+        let len = kv.len();
+        if len > capacity {
+            return Err(ModelError::CacheFull {
+                used: 0,
+                capacity,
+                requested: len,
+            });
+        }
+        let mut cache = self.new_cache(capacity)?;
+        let (heads, hd) = (cfg.n_head_kv, cfg.head_dim);
+        for l in 0..self.layers.len() {
+            for h in 0..heads {
+                let at = ((l * heads + h) * capacity) * hd * 2;
+                self.dev
+                    .write(&cache.keys, at, &kv.key_rows(l, h, len))
+                    .map_err(gpu)?;
+                self.dev
+                    .write(&cache.values, at, kv.values(l, h, len))
+                    .map_err(gpu)?;
+            }
+        }
+        if len > 0 {
+            self.dev
+                .write(&cache.kv_pos, 0, kv.positions())
+                .map_err(gpu)?;
+        }
+        if let Some(cpu) = &mut cache.cpu {
+            cpu.append_from(kv, 0..len)?;
+        }
+        cache.positions.extend_from_slice(kv.positions());
+        Ok(cache)
+    }
+
+    /// The whole of `kv` as a CPU [`KvCache`] of `kv.len()` slots (a finished conversation
+    /// kept for its next turn): the inverse of [`GpuModel::upload_cache`].
+    pub fn download_cache(&self, kv: &GpuCache) -> Result<KvCache> {
+        let cfg = self.model.config();
+        let (heads, hd, len) = (cfg.n_head_kv, cfg.head_dim, kv.len());
+        let n_gpu = self.layers.len();
+        let read = |buf: &Buffer, l: usize, h: usize| -> Result<Vec<half::f16>> {
+            let mut out = vec![half::f16::ZERO; len * hd];
+            if len > 0 {
+                let at = ((l * heads + h) * kv.capacity) * hd * 2;
+                self.dev.read(buf, at, &mut out).map_err(gpu)?;
+            }
+            Ok(out)
+        };
+        let mut keys = Vec::with_capacity(cfg.n_layer * heads);
+        let mut values = Vec::with_capacity(cfg.n_layer * heads);
+        for l in 0..cfg.n_layer {
+            for h in 0..heads {
+                if l < n_gpu {
+                    keys.push(read(&kv.keys, l, h)?);
+                    values.push(read(&kv.values, l, h)?);
+                } else {
+                    let cpu = kv.cpu.as_ref().ok_or_else(|| {
+                        ModelError::Gpu("a split cache without its CPU part".into())
+                    })?;
+                    keys.push(cpu.key_rows(l, h, len));
+                    values.push(cpu.values(l, h, len).to_vec());
+                }
+            }
+        }
+        let mut out = self.model.new_cache(len);
+        out.append_rows(
+            &kv.positions,
+            |l, h| keys[l * heads + h].clone(),
+            |l, h| values[l * heads + h].clone(),
+        )?;
+        Ok(out)
+    }
+
+    /// Checks the way `engramd` serves from this GPU against the CPU path, before it does:
+    /// `prompt` prefilled on the CPU, its cache uploaded ([`GpuModel::upload_cache`]) to two
+    /// sequences decoded together ([`GpuModel::forward_batch`]) for `steps` tokens, fed the
+    /// CPU's greedy tokens, and the cache read back ([`GpuModel::download_cache`]). Passes when
+    /// at every step both sequences' logits match the CPU's as a broken kernel's or a
+    /// misplaced cache's would not (each side's top token among the other's top 3, the top 5s
+    /// sharing 3) and the read-back cache holds the CPU cache's positions. Returns the largest
+    /// absolute logit difference over the top 5, or why it failed.
+    pub fn check_serving(&mut self, prompt: &[u32], steps: usize) -> Result<f32> {
+        let model = self.model.clone();
+        let v = model.config().vocab_size;
+        if prompt.is_empty() {
+            return Err(ModelError::Gpu("an empty check prompt".into()));
+        }
+        let capacity = prompt.len() + steps + 1;
+        let positions: Vec<i32> = (0..prompt.len() as i32).collect();
+        let mut cpu = model.new_cache(capacity);
+        let mut want = model.forward(prompt, &positions, &mut cpu, Logits::Last)?;
+        let mut a = self.upload_cache(&cpu, capacity)?;
+        let mut b = self.upload_cache(&cpu, capacity)?;
+        let mut worst = 0f32;
+        for step in 0..steps {
+            let token = [crate::argmax(&want)];
+            let pos = [(prompt.len() + step) as i32];
+            let got = self.forward_batch(
+                &mut [
+                    (&token[..], &pos[..], &mut a),
+                    (&token[..], &pos[..], &mut b),
+                ],
+                Logits::Last,
+            )?;
+            want = model.forward(&token, &pos, &mut cpu, Logits::Last)?;
+            for (seq, row) in got.chunks_exact(v).enumerate() {
+                let (mine, theirs) = (top_ids(row, 5), top_ids(&want, 5));
+                let shared = mine.iter().filter(|i| theirs.contains(i)).count();
+                if !theirs[..3].contains(&mine[0]) || !mine[..3].contains(&theirs[0]) || shared < 3
+                {
+                    return Err(ModelError::Gpu(format!(
+                        "step {step}, sequence {seq}: GPU top 5 {mine:?}, CPU top 5 {theirs:?}"
+                    )));
+                }
+                for &i in &theirs {
+                    worst = worst.max((row[i] - want[i]).abs());
+                }
+            }
+        }
+        let back = self.download_cache(&a)?;
+        if back.positions() != cpu.positions() {
+            return Err(ModelError::Gpu(format!(
+                "the cache read back holds positions {:?}, not {:?}",
+                back.positions(),
+                cpu.positions()
+            )));
+        }
+        Ok(worst)
+    }
+
     /// Copies slots `range` of `kv` (every layer; the model must be wholly on the GPU) to
     /// page-locked host memory: how chunk KV computed on the GPU is kept in DRAM.
     pub fn export_kv(&self, kv: &GpuCache, range: std::ops::Range<usize>) -> Result<HostKv> {
@@ -1269,6 +1405,14 @@ fn check_overwrite(
 
 fn upload_opt(dev: &Device, v: &Option<Vec<f32>>) -> Result<Option<Buffer>> {
     v.as_ref().map(|v| dev.upload(v).map_err(gpu)).transpose()
+}
+
+/// The indices of the `k` largest values, largest first.
+fn top_ids(v: &[f32], k: usize) -> Vec<usize> {
+    crate::top_k(v, k)
+        .into_iter()
+        .map(|(i, _)| i as usize)
+        .collect()
 }
 
 fn gpu(e: engram_kernels_cuda::CudaError) -> ModelError {

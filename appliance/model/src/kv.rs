@@ -226,6 +226,61 @@ impl KvCache {
         &self.v[layer][at..at + len * self.head_dim]
     }
 
+    /// Keys of one KV head in one layer for the first `len` slots, untiled: `[len][head_dim]`
+    /// (the layout a GPU cache holds).
+    pub fn key_rows(&self, layer: usize, head: usize, len: usize) -> Vec<f16> {
+        let hd = self.head_dim;
+        let keys = &self.k[layer][head * self.stride * hd..];
+        let mut out = Vec::with_capacity(len.min(self.len) * hd);
+        for slot in 0..len.min(self.len) {
+            out.extend((0..hd).map(|d| keys[key_tile_index(slot, d, hd)]));
+        }
+        out
+    }
+
+    /// Appends slots whose keys are already rotated to `positions` (a GPU cache read back):
+    /// `k(layer, head)` and `v(layer, head)` give the tokens' `[n][head_dim]` keys and values,
+    /// `n = positions.len()`, as [`KvCache::key_rows`] and [`KvCache::values`] return them.
+    /// Returns the first new slot.
+    pub fn append_rows(
+        &mut self,
+        positions: &[i32],
+        k: impl Fn(usize, usize) -> Vec<f16>,
+        v: impl Fn(usize, usize) -> Vec<f16>,
+    ) -> Result<usize> {
+        let (n, hd) = (positions.len(), self.head_dim);
+        let mut rows = Vec::with_capacity(self.n_layer * self.n_head_kv);
+        for layer in 0..self.n_layer {
+            for head in 0..self.n_head_kv {
+                let (ks, vs) = (k(layer, head), v(layer, head));
+                if ks.len() != n * hd || vs.len() != n * hd {
+                    return Err(ModelError::StoredLayout {
+                        found: format!(
+                            "layer {layer} head {head}: {} keys, {} values",
+                            ks.len(),
+                            vs.len()
+                        ),
+                        expected: format!("{n} tokens x {hd} dims"),
+                    });
+                }
+                rows.push((ks, vs));
+            }
+        }
+        let first = self.append_slots(positions)?;
+        for (i, (ks, vs)) in rows.iter().enumerate() {
+            let (layer, head) = (i / self.n_head_kv, i % self.n_head_kv);
+            let base = head * self.stride * hd;
+            for t in 0..n {
+                for d in 0..hd {
+                    self.k[layer][base + key_tile_index(first + t, d, hd)] = ks[t * hd + d];
+                }
+            }
+            let at = base + first * hd;
+            self.v[layer][at..at + n * hd].copy_from_slice(vs);
+        }
+        Ok(first)
+    }
+
     /// Number of layers, KV heads and head width this cache was made for.
     pub fn shape(&self) -> (usize, usize, usize) {
         (self.n_layer, self.n_head_kv, self.head_dim)
@@ -359,6 +414,59 @@ mod tests {
             rope_dims: head_dim,
             rope_style: RopeStyle::NeoX,
             rope_scaling: RopeScaling::None,
+        }
+    }
+
+    /// Rows read out with `key_rows`/`values` and appended with `append_rows` (a GPU cache's
+    /// round trip) give the same cache, also when appended after slots already there.
+    #[test]
+    fn rows_round_trip_through_append_rows() {
+        let hd = 16;
+        let c = cfg(hd);
+        let kvw = c.n_head_kv * hd;
+        for len in [1, 15, 17, 40] {
+            let mut kv = KvCache::new(&c, len);
+            let positions: Vec<i32> = (0..len as i32).map(|p| p * 3 + 1).collect();
+            kv.append_slots(&positions).expect("slots");
+            for s in 0..len {
+                let k: Vec<f32> = (0..kvw)
+                    .map(|i| ((s * 13 + i * 5) % 19) as f32 / 9.0)
+                    .collect();
+                let v: Vec<f32> = (0..kvw).map(|i| ((s * 7 + i) % 11) as f32 - 5.0).collect();
+                kv.write(0, s, &k, &v);
+                kv.write(1, s, &v, &k);
+            }
+            let mut back = KvCache::new(&c, len + 5);
+            back.append_slots(&[100, 101, 102]).expect("slots");
+            let first = back
+                .append_rows(
+                    &positions,
+                    |l, h| kv.key_rows(l, h, len),
+                    |l, h| kv.values(l, h, len).to_vec(),
+                )
+                .expect("rows");
+            assert_eq!(first, 3);
+            assert_eq!(&back.positions()[3..], kv.positions());
+            for l in 0..2 {
+                for h in 0..c.n_head_kv {
+                    for s in 0..len {
+                        assert_eq!(back.key(l, h, first + s), kv.key(l, h, s), "len {len}");
+                    }
+                    assert_eq!(
+                        &back.values(l, h, first + len)[first * hd..],
+                        kv.values(l, h, len)
+                    );
+                }
+            }
+            // A wrong row count is refused, nothing appended.
+            let before = back.len();
+            let e = back.append_rows(
+                &positions,
+                |_, _| Vec::new(),
+                |l, h| kv.values(l, h, len).to_vec(),
+            );
+            assert!(matches!(e, Err(ModelError::StoredLayout { .. })), "{e:?}");
+            assert_eq!(back.len(), before);
         }
     }
 

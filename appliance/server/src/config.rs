@@ -65,6 +65,16 @@ pub struct RawConfig {
     pub tls: RawTls,
     #[serde(default)]
     pub storage: RawStorage,
+    #[serde(default)]
+    pub gpu: RawGpu,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawGpu {
+    /// `auto` (the default): decode on the first GPU when one is found and passes the start-up
+    /// check; `off`: generation stays on the CPU.
+    pub serving: Option<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -187,6 +197,8 @@ pub struct Config {
     /// Free space kept for the catalog and indexes; `None`: `storage::default_reserve`.
     pub storage_reserve_bytes: Option<u64>,
     pub tls: crate::tls::TlsSetting,
+    /// `[gpu] serving = "auto"`: decode on a GPU when one is usable.
+    pub gpu_serving: bool,
 }
 
 /// Prefix cache budget when the file says nothing: the system prompt and chat template of
@@ -306,6 +318,16 @@ impl RawConfig {
             .unwrap_or(engram_fusion::DEFAULT_COPY_BIAS);
         engram_fusion::check_copy_bias(copy_bias)
             .map_err(|e| ServerError::config("answers.copy_bias", e))?;
+        let gpu_serving = match self.gpu.serving.as_deref() {
+            None | Some("auto") => true,
+            Some("off") => false,
+            Some(other) => {
+                return Err(ServerError::config(
+                    "gpu.serving",
+                    format!("`{other}` is neither \"auto\" nor \"off\""),
+                ))
+            }
+        };
         let l = &self.limits;
         let positive = |key: &str, v: Option<usize>, default: usize| -> Result<usize> {
             match v {
@@ -410,6 +432,7 @@ impl RawConfig {
             auth_cache_secs: self.auth.cache_secs.unwrap_or(DEFAULT_AUTH_CACHE_SECS),
             max_query_bytes,
             storage_reserve_bytes: self.storage.reserve_mib.map(|m| m << 20),
+            gpu_serving,
         })
     }
 }
@@ -437,6 +460,16 @@ mod tests {
         assert_eq!(c.policy, DEFAULT_POLICY);
         assert_eq!(c.copy_bias, engram_fusion::DEFAULT_COPY_BIAS);
         assert!(c.llm.ends_with(DEFAULT_LLM));
+    }
+
+    #[test]
+    fn gpu_serving_is_auto_off_or_refused_by_name() {
+        let serving = |text: &str| RawConfig::parse(text).unwrap().validate();
+        assert!(serving("").unwrap().gpu_serving);
+        assert!(serving("[gpu]\nserving = \"auto\"\n").unwrap().gpu_serving);
+        assert!(!serving("[gpu]\nserving = \"off\"\n").unwrap().gpu_serving);
+        let e = serving("[gpu]\nserving = \"on\"\n").unwrap_err();
+        assert!(e.to_string().contains("gpu.serving"), "{e}");
     }
 
     #[test]

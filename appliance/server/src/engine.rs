@@ -26,7 +26,9 @@ use engram_fusion::{
 };
 use engram_grammar::{Constrained, Grammar, TokenTrie};
 use engram_kvstore::{DramTier, KvDtype, KvStore, NvmeTier};
-use engram_model::{KvCache, Logits, Model, Sampler, SamplingParams, Sequence};
+use engram_model::{Logits, Model, Sampler, SamplingParams};
+
+use crate::decode::{Decoder, SeqKv};
 use engram_tokenizer::{ChatTemplate, Detokenizer, Message, Tokenizer};
 use tokio::sync::mpsc;
 
@@ -64,6 +66,10 @@ pub struct EngineOptions {
     pub queue_depth: usize,
     /// Sequences decoded together at most (the profile's `batch_size`).
     pub max_batch: usize,
+    /// Decode on a GPU when one is found and passes the check (`[gpu] serving = "auto"`).
+    pub gpu: bool,
+    /// Where compiled GPU kernels are kept between starts.
+    pub kernel_cache: Option<PathBuf>,
 }
 
 /// The prompt of a job.
@@ -184,6 +190,8 @@ pub struct EngineInfo {
     /// The stored chunk KV was computed for another model or frame (or there is no record of
     /// which): every chunk's KV should be computed again in the background.
     pub kv_model_changed: bool,
+    /// Where generation runs.
+    pub serving: crate::decode::Serving,
 }
 
 /// A cheap, cloneable handle to the engine thread.
@@ -345,7 +353,9 @@ pub async fn collect_logprobs(
 }
 
 struct Engine {
-    model: Model,
+    model: Arc<Model>,
+    /// Where sequences decode (the CPU, or a GPU).
+    decoder: Decoder,
     tokenizer: Tokenizer,
     template: Option<ChatTemplate>,
     store: ChunkStore,
@@ -371,7 +381,7 @@ pub fn sampling_error(e: engram_model::ModelError) -> ApiError {
 /// A job in the decode batch: its own cache, sampler and output state.
 struct Active<'t> {
     job: Job,
-    kv: KvCache,
+    kv: SeqKv,
     sampler: Sampler,
     /// Prompt and generated tokens (the repetition penalty looks at them).
     history: Vec<u32>,
@@ -414,7 +424,22 @@ enum Advance {
 
 impl Engine {
     fn load(opts: &EngineOptions, metrics: Arc<Metrics>) -> Result<Engine> {
-        let model = Model::load(&opts.llm, opts.threads)?;
+        let model = Arc::new(Model::load(&opts.llm, opts.threads)?);
+        let decoder = Decoder::open(
+            &model,
+            opts.gpu,
+            opts.max_batch,
+            model.config().context_length,
+            opts.kernel_cache.as_deref(),
+        );
+        match &decoder.serving.reason {
+            None => tracing::info!(
+                device = %decoder.serving.device,
+                placement = decoder.serving.placement.as_deref().unwrap_or(""),
+                "generation decodes on the GPU"
+            ),
+            Some(r) => tracing::info!(reason = %r, "generation runs on the CPU"),
+        }
         let meta = model.gguf().metadata();
         let tokenizer = Tokenizer::from_gguf(meta)?;
         let template = ChatTemplate::from_gguf(meta)?;
@@ -429,6 +454,7 @@ impl Engine {
         Ok(Engine {
             prefixes: PrefixCache::new(opts.prefix_cache_mib << 20),
             model,
+            decoder,
             tokenizer,
             template,
             store,
@@ -473,6 +499,7 @@ impl Engine {
             vocab_size: self.model.config().vocab_size,
             kv_tiers,
             kv_model_changed: false,
+            serving: self.decoder.serving.clone(),
         }
     }
 
@@ -601,17 +628,13 @@ impl Engine {
         }
         let tokens: Vec<[u32; 1]> = batch.iter().map(|a| [a.pending]).collect();
         let positions: Vec<[i32; 1]> = batch.iter().map(|a| [a.position]).collect();
-        let mut seqs: Vec<Sequence<'_>> = batch
+        let mut seqs: Vec<(&[u32], &[i32], &mut SeqKv)> = batch
             .iter_mut()
             .zip(tokens.iter().zip(&positions))
-            .map(|(a, (t, p))| Sequence {
-                tokens: t,
-                positions: p,
-                kv: &mut a.kv,
-            })
+            .map(|(a, (t, p))| (&t[..], &p[..], &mut a.kv))
             .collect();
         let t = Instant::now();
-        let result = self.model.forward_batch(&mut seqs, Logits::Last);
+        let result = self.decoder.step(&self.model, &mut seqs, Logits::Last);
         drop(seqs);
         let n = batch.len();
         self.metrics.batch_size.observe(n as f64);
@@ -783,14 +806,21 @@ impl Engine {
     /// Keeps a finished chat's KV (prompt and answer) in the prefix cache, so the next turn of
     /// the conversation, which starts with this one, prefills only what is new. Only exact KV
     /// is kept: a RAG prompt's fused chunks are approximate.
-    fn keep_conversation(&self, prompt: &Prompt, kv: &KvCache, history: &[u32]) {
+    fn keep_conversation(&self, prompt: &Prompt, kv: &SeqKv, history: &[u32]) {
         if matches!(prompt, Prompt::Rag { .. }) {
             return;
         }
+        let kv = match self.decoder.host_cache(kv) {
+            Ok(kv) => kv,
+            Err(e) => {
+                tracing::warn!("conversation KV not kept: {e}");
+                return;
+            }
+        };
         // The cache holds the prompt and every answer token fed back (all but the last).
         let n = kv.len().min(history.len());
         let mut own = self.model.new_cache(n);
-        match own.append_from(kv, 0..n) {
+        match own.append_from(&kv, 0..n) {
             Ok(_) => self.prefixes.insert(&history[..n], own),
             Err(e) => tracing::warn!("conversation KV not kept: {e}"),
         }
@@ -964,6 +994,11 @@ impl Engine {
                 between: &mut between,
             }),
         )?;
+        let capacity = kv.capacity();
+        let kv = self
+            .decoder
+            .place(kv, capacity)
+            .map_err(|e| ApiError::internal(format!("moving the prompt's KV to the GPU: {e}")))?;
         let cached = done.stats.prefix_cached_tokens;
         let prefix = prompt.prefix.len();
         self.metrics

@@ -1,7 +1,9 @@
 //! The GPUs `engramd` finds at start, for `/readyz`, `/metrics` and the log. With the `cuda`
 //! feature the CUDA driver is probed (a missing library is a reason, never a crash); without it
-//! the NVIDIA device files are only counted. Generation runs on the CPU either way in this
-//! version: `serving` says so, so nobody mistakes a detected GPU for one in use.
+//! the NVIDIA device files are only counted. Whether generation then uses a GPU is the
+//! engine's decision (`crate::decode`): `serving` says where it runs, `placement` where the
+//! layers are and `serving_reason` why it stays on the CPU, so nobody mistakes a detected GPU
+//! for one in use.
 
 use serde::Serialize;
 
@@ -24,8 +26,12 @@ pub struct GpuStatus {
     pub devices: Vec<GpuDevice>,
     /// Why no GPU is available, when none is.
     pub reason: Option<String>,
-    /// Where generation runs: `cpu` (the daemon does not serve from the GPU yet).
-    pub serving: &'static str,
+    /// Where generation runs: `cpu`, or the GPU decode runs on (`cuda:0`).
+    pub serving: String,
+    /// Where the model's layers run, when generation uses a GPU.
+    pub placement: Option<String>,
+    /// Why generation runs on the CPU, when it does.
+    pub serving_reason: Option<String>,
     /// `/dev/nvidiaN` files present (what the hardware profile counts).
     pub device_files: usize,
 }
@@ -38,9 +44,18 @@ impl GpuStatus {
             available: !devices.is_empty(),
             devices,
             reason,
-            serving: "cpu",
+            serving: "cpu".into(),
+            placement: None,
+            serving_reason: None,
             device_files,
         }
+    }
+
+    /// Records where the engine serves from.
+    pub fn set_serving(&mut self, s: &crate::decode::Serving) {
+        self.serving = s.device.clone();
+        self.placement = s.placement.clone();
+        self.serving_reason = s.reason.clone();
     }
 
     /// The one log line at start.
@@ -53,13 +68,13 @@ impl GpuStatus {
                     compute_capability = %d.compute_capability,
                     total_mib = d.total_bytes >> 20,
                     free_mib = d.free_bytes >> 20,
-                    "GPU found; generation stays on the CPU in this version"
+                    "GPU found"
                 );
             }
         } else {
             tracing::info!(
                 reason = self.reason.as_deref().unwrap_or("unknown"),
-                "no GPU in use: generation runs on the CPU"
+                "no GPU usable"
             );
         }
     }

@@ -14,6 +14,7 @@ mod auth;
 pub mod backup;
 mod config;
 pub mod console;
+mod decode;
 mod engine;
 mod error;
 pub mod gpu;

@@ -59,7 +59,7 @@ impl Daemon {
             disk_free_gib = machine.disk_free_bytes.map(|b| b >> 30),
             "machine detected"
         );
-        let gpu = Arc::new(crate::gpu::GpuStatus::detect(machine.gpus));
+        let mut gpu = crate::gpu::GpuStatus::detect(machine.gpus);
         gpu.log();
         let chosen = profile::choose(&profiles, &machine, config.profile.as_deref())?;
         for r in &chosen.reasons {
@@ -174,12 +174,16 @@ impl Daemon {
                 copy_bias: config.copy_bias,
                 queue_depth,
                 max_batch,
+                gpu: config.gpu_serving,
+                kernel_cache: Some(config.data_dir.join("cache/cuda")),
             },
             metrics.clone(),
             kv_rx,
             kv_done_tx,
         )?;
         tracing::info!(model = %engine.info.model_id, threads, queue_depth, max_batch, "engine ready");
+        gpu.set_serving(&engine.info.serving);
+        let gpu = Arc::new(gpu);
         if engine.info.kv_model_changed {
             // Every indexed document's chunk KV again, in the background (the engine computes
             // it when no question waits); until then a question computes what it needs.

@@ -617,9 +617,15 @@ fn readyz_and_metrics() {
     let r = s.call("GET", "/readyz", Some(&s.search_only), None);
     assert_eq!(r.status, 200, "{}", r.text());
     assert_eq!(r.json()["ready"], true);
-    // The GPUs found at start, or why none is usable; generation runs on the CPU.
+    // The GPUs found at start, or why none is usable; generation runs on the CPU here (no
+    // GPU, or a build without `cuda`), saying why.
     let gpu = &r.json()["gpu"];
     assert_eq!(gpu["serving"], "cpu", "{gpu}");
+    assert!(gpu["placement"].is_null(), "{gpu}");
+    assert!(
+        !gpu["serving_reason"].as_str().unwrap_or("").is_empty(),
+        "{gpu}"
+    );
     assert!(
         gpu["available"].is_boolean() && gpu["devices"].is_array(),
         "{gpu}"

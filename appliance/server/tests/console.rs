@@ -661,6 +661,20 @@ fn chinese_for_accept_language_zh_cn() {
     let zh = [("Accept-Language", "zh-CN")];
     let r = request("GET", "/console/", &s.cookie, &zh, None);
     assert!(r.body.contains("仪表盘"), "dashboard in Chinese");
+    // Where generation runs (the CPU here), in either language.
+    assert!(r.body.contains("生成运行于</dt><dd>CPU"), "{}", r.body);
+    let en = request(
+        "GET",
+        "/console/",
+        &s.cookie,
+        &[("Accept-Language", "en")],
+        None,
+    );
+    assert!(
+        en.body.contains("Generation runs on</dt><dd>CPU"),
+        "{}",
+        en.body
+    );
     // The switch's cookie wins over the header.
     let sw = request("GET", "/console/lang/en?back=%2Fconsole%2F", "", &[], None);
     let lang = sw.cookie("engram_lang").unwrap();

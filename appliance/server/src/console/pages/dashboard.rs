@@ -55,6 +55,10 @@ pub struct DashboardPage {
     pub c: Chrome,
     pub cores: usize,
     pub gpus: usize,
+    /// Where generation runs: `cpu`, or the GPU and its placement.
+    pub generation: String,
+    /// Why it runs on the CPU, when it does and GPUs were found.
+    pub generation_reason: String,
     pub cpu: String,
     pub memory_used: String,
     pub memory_total: String,
@@ -204,6 +208,15 @@ pub async fn page(
             .with_flash(q.ok.as_deref()),
         cores: f.machine.cores,
         gpus: f.machine.gpus,
+        generation: match &s.engine.info.serving.placement {
+            Some(p) => format!("{}: {p}", s.engine.info.serving.device),
+            None => s.engine.info.serving.device.to_uppercase(),
+        },
+        generation_reason: if f.machine.gpus > 0 {
+            s.engine.info.serving.reason.clone().unwrap_or_default()
+        } else {
+            String::new()
+        },
         cpu: format!("{:.0} %", last.cpu_percent),
         memory_used: bytes(now.memory_used),
         memory_total: bytes(memory_total),
