@@ -224,6 +224,11 @@ def test_parameters(model):
     assert len(best.choices) == 2 and best.usage.completion_tokens > 0, best
     echoed = client.completions.create(model=model, prompt="Once upon a time", max_tokens=6, temperature=0, echo=True)
     assert echoed.choices[0].text.startswith("Once upon a time"), echoed
+    # echo with logprobs and max_tokens=0: the prompt scored, as evaluation harnesses ask.
+    scored = client.completions.create(model=model, prompt="Once upon a time", max_tokens=0, echo=True, logprobs=1)
+    lp = scored.choices[0].logprobs
+    assert "".join(lp.tokens) == "Once upon a time" and lp.token_logprobs[0] is None, lp
+    assert all(x <= 0 for x in lp.token_logprobs[1:]) and scored.usage.completion_tokens == 0, scored
     refused = {
         "n": {"n": 17},
         "top_logprobs": {"logprobs": True, "top_logprobs": 21},

@@ -38,10 +38,10 @@ use crate::metrics::Metrics;
 
 /// Seconds a client told "queue full" should wait: about one short answer on a small CPU.
 pub const RETRY_AFTER_S: u64 = 2;
-/// Events a job can send beyond one per generated token (the detokenizer's tail, the summary,
-/// an error): a job's channel holds all of its events, so the engine never waits on a slow
-/// reader (the memory is bounded by `max_tokens`).
-const EXTRA_EVENTS: usize = 4;
+/// Events a job can send beyond one per generated token (the prompt's log probabilities, the
+/// detokenizer's tail, the summary, an error): a job's channel holds all of its events, so the
+/// engine never waits on a slow reader (the memory is bounded by `max_tokens`).
+const EXTRA_EVENTS: usize = 5;
 /// Prompt tokens prefilled between two decode steps of the running batch: about half a second
 /// on 2 cores with the default model, the longest pause a running stream sees when a long
 /// prompt joins.
@@ -146,6 +146,11 @@ pub struct Sampling {
     /// `Some(n)`: send each generated token's log probability and its `n` most likely
     /// alternatives ([`Event::Logprobs`]).
     pub logprobs: Option<usize>,
+    /// `Some(n)` (a [`Prompt::Text`] only): first send the prompt's tokens, each with its log
+    /// probability given the tokens before it and its `n` most likely alternatives, in one
+    /// [`Event::Logprobs`] (OpenAI's `echo` with `logprobs`). The first token has none: its
+    /// `logprob` is NaN and its `top` empty. A BOS the engine added is not one of them.
+    pub prompt_logprobs: Option<usize>,
 }
 
 impl Sampling {
@@ -161,6 +166,7 @@ impl Sampling {
             frequency_penalty: 0.0,
             logit_bias: Vec::new(),
             logprobs: None,
+            prompt_logprobs: None,
         }
     }
 }
@@ -597,6 +603,11 @@ impl Engine {
         self.metrics.record_kv(&now, &self.last_kv.borrow());
         *self.last_kv.borrow_mut() = now;
         match admitted {
+            // Only the prompt was asked for (`echo` with `max_tokens` 0).
+            Ok(a) if a.max_tokens == 0 => {
+                self.finish(a, "length");
+                None
+            }
             Ok(mut a) => match self.advance(&mut a) {
                 Advance::Continue => Some(a),
                 Advance::Finished(reason) => {
@@ -752,6 +763,74 @@ impl Engine {
                 .filter(|(_, l)| l.is_finite())
                 .collect(),
         }
+    }
+
+    /// Prefills a text prompt's `tokens` into `kv` with every position's logits, in pieces
+    /// (decode steps of the running batch between them, as `between` runs them), scoring each
+    /// prompt token after the first as [`Sampling::prompt_logprobs`] says (`top` alternatives;
+    /// an added BOS is left out). No prefix cache: its KV would not give the logits.
+    fn prefill_scored(
+        &self,
+        text: &str,
+        tokens: &[u32],
+        top: usize,
+        kv: &mut engram_model::KvCache,
+        between: &mut dyn FnMut(),
+    ) -> std::result::Result<(engram_fusion::Prefilled, Vec<TokenLogprob>), ApiError> {
+        let started = Instant::now();
+        let added_bos = tokens.len()
+            == self
+                .tokenizer
+                .encode(text, true)
+                .map_err(|e| ApiError::invalid("prompt", e.to_string()))?
+                .len()
+                + 1;
+        let first = usize::from(added_bos);
+        let vocab = self.model.config().vocab_size;
+        let mut entries = Vec::with_capacity(tokens.len() - first);
+        if let Some(&t) = tokens.get(first) {
+            entries.push(TokenLogprob {
+                bytes: self.tokenizer.token_piece(t).to_vec(),
+                logprob: f32::NAN,
+                top: Vec::new(),
+            });
+        }
+        let mut last = Vec::new();
+        for (i, piece) in tokens.chunks(INTERLEAVE_PIECE).enumerate() {
+            if i > 0 {
+                between();
+            }
+            let at = i * INTERLEAVE_PIECE;
+            let positions: Vec<i32> = (at..at + piece.len()).map(|p| p as i32).collect();
+            let logits = self
+                .model
+                .forward(piece, &positions, kv, Logits::All)
+                .map_err(ApiError::internal)?;
+            for (j, row) in logits.chunks_exact(vocab).enumerate() {
+                // Row `at + j` predicts token `at + j + 1`.
+                match tokens.get(at + j + 1) {
+                    Some(&next) if at + j >= first => entries.push(self.logprob(row, next, top)),
+                    Some(_) => {}
+                    None => last = row.to_vec(),
+                }
+            }
+        }
+        let stats = engram_fusion::FuseStats {
+            policy: Policy::Full.name(),
+            prompt_tokens: tokens.len(),
+            suffix_tokens: tokens.len(),
+            suffix_time: started.elapsed(),
+            total_time: started.elapsed(),
+            ..Default::default()
+        };
+        Ok((
+            engram_fusion::Prefilled {
+                logits: last,
+                next_position: tokens.len() as i32,
+                stats,
+            },
+            entries,
+        ))
     }
 
     /// Sends a finished sequence's last text and its summary.
@@ -982,18 +1061,27 @@ impl Engine {
                 self.step(batch);
             }
         };
-        let done = fused_prefill_interleaved(
-            &self.model,
-            &self.store,
-            Some(&self.prefixes),
-            &prompt,
-            policy,
-            &mut kv,
-            Some(Interleave {
-                piece: INTERLEAVE_PIECE,
-                between: &mut between,
-            }),
-        )?;
+        let done = match (&job.prompt, job.sampling.prompt_logprobs) {
+            (Prompt::Text { text }, Some(top)) => {
+                let (done, entries) =
+                    self.prefill_scored(text, &prompt.tokens(), top, &mut kv, &mut between)?;
+                // Room for it: the channel holds every event of the job.
+                let _ = job.events.try_send(Event::Logprobs(entries));
+                done
+            }
+            _ => fused_prefill_interleaved(
+                &self.model,
+                &self.store,
+                Some(&self.prefixes),
+                &prompt,
+                policy,
+                &mut kv,
+                Some(Interleave {
+                    piece: INTERLEAVE_PIECE,
+                    between: &mut between,
+                }),
+            )?,
+        };
         let capacity = kv.capacity();
         let kv = self
             .decoder

@@ -1703,7 +1703,6 @@ fn openai_text_completions() {
     assert_eq!(complete(json!({"model": "davinci-002"})).status, 404);
     // Combinations that cannot be honoured.
     for (param, extra) in [
-        ("echo", json!({"echo": true, "logprobs": 1})),
         ("best_of", json!({"n": 3, "best_of": 2})),
         ("best_of", json!({"best_of": 2, "stream": true})),
     ] {
@@ -1711,6 +1710,131 @@ fn openai_text_completions() {
         assert_eq!(r.status, 400, "{param}: {}", r.text());
         assert!(r.text().contains(&format!("`{param}`")), "{}", r.text());
     }
+}
+
+/// `echo` with `logprobs`: the prompt's own tokens scored (what evaluation harnesses ask with
+/// `max_tokens: 0`), the first token without a log probability, the rest as the model gives
+/// them: a greedy continuation, echoed back as prompt, scores as it did when generated.
+#[test]
+fn openai_echo_scores_the_prompt() {
+    let s = server();
+    let call = |body: Value| {
+        let r = s.call("POST", "/v1/completions", Some(&s.only_a), Some(body));
+        assert_eq!(r.status, 200, "{}", r.text());
+        r
+    };
+    let prompt = "The capital of France is";
+    let gen =
+        call(json!({"prompt": prompt, "max_tokens": 5, "temperature": 0, "logprobs": 0})).json();
+    let cont = gen["choices"][0]["text"].as_str().unwrap().to_owned();
+    let gen_lps = gen["choices"][0]["logprobs"].clone();
+    let whole = format!("{prompt}{cont}");
+    let v = call(json!({"prompt": whole, "max_tokens": 0, "echo": true, "logprobs": 2})).json();
+    let c = &v["choices"][0];
+    assert_eq!(c["text"], whole.as_str(), "{v}");
+    assert_eq!(c["finish_reason"], "length", "{v}");
+    assert_eq!(v["usage"]["completion_tokens"], 0, "{v}");
+    let lp = &c["logprobs"];
+    let tokens: Vec<&str> = lp["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_str().unwrap())
+        .collect();
+    assert_eq!(tokens.concat(), whole, "the prompt's tokens, no BOS: {lp}");
+    assert!(
+        lp["token_logprobs"][0].is_null() && lp["top_logprobs"][0].is_null(),
+        "{lp}"
+    );
+    let offsets: Vec<u64> = lp["text_offset"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|o| o.as_u64().unwrap())
+        .collect();
+    assert_eq!(offsets[0], 0);
+    assert!(offsets.windows(2).all(|w| w[0] <= w[1]), "{offsets:?}");
+    for (t, top) in lp["token_logprobs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .zip(lp["top_logprobs"].as_array().unwrap())
+        .skip(1)
+    {
+        let t = t.as_f64().unwrap();
+        assert!(t <= 0.0, "{lp}");
+        // The best alternative is at least as likely as the token written.
+        let best = top
+            .as_object()
+            .unwrap()
+            .values()
+            .map(|l| l.as_f64().unwrap())
+            .fold(f64::NEG_INFINITY, f64::max);
+        assert!(best >= t - 1e-4, "{top} vs {t}");
+    }
+    // The continuation's tokens (the text splits into the same ones), scored as prompt, score
+    // as they did when generated.
+    let gen_tokens = gen_lps["tokens"].as_array().unwrap();
+    let k = gen_tokens.len();
+    assert_eq!(
+        &lp["tokens"].as_array().unwrap()[tokens.len() - k..],
+        gen_tokens.as_slice()
+    );
+    let scored = &lp["token_logprobs"].as_array().unwrap()[tokens.len() - k..];
+    for (a, b) in scored
+        .iter()
+        .zip(gen_lps["token_logprobs"].as_array().unwrap())
+    {
+        let (a, b) = (a.as_f64().unwrap(), b.as_f64().unwrap());
+        assert!(
+            (a - b).abs() < 0.05,
+            "prefill {a} vs decode {b}: {lp} {gen_lps}"
+        );
+    }
+    // With generation after the prompt: the prompt's entries, then the generated ones, the
+    // same streamed.
+    let body = json!({"prompt": prompt, "max_tokens": 3, "temperature": 0, "echo": true,
+        "logprobs": 1});
+    let v = call(body.clone()).json();
+    let entries = v["choices"][0]["logprobs"]["tokens"]
+        .as_array()
+        .unwrap()
+        .clone();
+    let text = v["choices"][0]["text"].as_str().unwrap().to_owned();
+    assert!(text.starts_with(prompt), "{v}");
+    let generated = v["usage"]["completion_tokens"].as_u64().unwrap() as usize;
+    let prompt_entries = entries.len() - generated;
+    let joined: String = entries[..prompt_entries]
+        .iter()
+        .map(|t| t.as_str().unwrap())
+        .collect();
+    assert_eq!(joined, prompt, "{v}");
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let objects = sse_objects(&call(streamed).text());
+    let all: Vec<Value> = objects
+        .iter()
+        .flat_map(|o| {
+            o["choices"][0]["logprobs"]["tokens"]
+                .as_array()
+                .cloned()
+                .unwrap_or_default()
+        })
+        .collect();
+    assert_eq!(all, entries);
+    let streamed_text: String = objects
+        .iter()
+        .filter_map(|o| o["choices"][0]["text"].as_str())
+        .collect();
+    assert_eq!(streamed_text, text);
+    // `max_tokens: 0` without `echo` stays refused.
+    let r = s.call(
+        "POST",
+        "/v1/completions",
+        Some(&s.only_a),
+        Some(json!({"prompt": prompt, "max_tokens": 0})),
+    );
+    assert_eq!(r.status, 400, "{}", r.text());
 }
 
 /// The `data:` objects of an SSE body, without `[DONE]`.

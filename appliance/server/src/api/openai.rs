@@ -495,10 +495,15 @@ fn text_logprobs(tokens: &[TokenLogprob], offset: &mut usize) -> serde_json::Val
         "top_logprobs": tokens
             .iter()
             .map(|t| {
+                // An echoed prompt's first token: no log probability, no alternatives.
+                if t.logprob.is_nan() {
+                    return serde_json::Value::Null;
+                }
                 t.top
                     .iter()
                     .map(|(b, l)| (text(b), serde_json::json!(l)))
                     .collect::<serde_json::Map<_, _>>()
+                    .into()
             })
             .collect::<Vec<_>>(),
         "text_offset": offsets,
@@ -726,6 +731,7 @@ pub async fn chat(
             frequency_penalty: shaping.frequency_penalty,
             logit_bias: shaping.logit_bias,
             logprobs,
+            prompt_logprobs: None,
         },
         policy,
         shaping.n,
@@ -1094,7 +1100,9 @@ pub struct CompletionRequest {
     /// 0 to 5: each token's log probability and that many most likely alternatives
     /// (`choices[].logprobs`: `tokens`, `token_logprobs`, `top_logprobs`, `text_offset`).
     pub logprobs: Option<u32>,
-    /// True: each choice's text starts with the prompt (not with `logprobs`).
+    /// True: each choice's text starts with the prompt; with `logprobs`, so do the entries
+    /// (each prompt token's log probability given the ones before it; the first's is null),
+    /// and `max_tokens` may be 0 (the prompt alone, as scoring harnesses ask).
     pub echo: Option<bool>,
     /// Only null or empty.
     pub suffix: Option<String>,
@@ -1155,12 +1163,6 @@ pub async fn completions(
         return no("logprobs", "must be in 0..=5");
     }
     let echo = b.echo == Some(true);
-    if echo && b.logprobs.is_some() {
-        return no(
-            "echo",
-            "not with logprobs (the prompt's own log probabilities are not computed)",
-        );
-    }
     if b.suffix.as_deref().is_some_and(|x| !x.is_empty()) {
         return no("suffix", "insertion (a suffix) is not implemented");
     }
@@ -1182,9 +1184,15 @@ pub async fn completions(
     }
     let max_tokens = b.max_tokens.unwrap_or(16);
     let temperature = b.temperature.unwrap_or(1.0);
-    check_generation(&s, max_tokens, temperature)?;
-    // `text_offset` counts from the prompt's start, as OpenAI's does.
-    let prompt_chars = text.chars().count();
+    // With `echo`, 0 asks for the prompt alone (its log probabilities, say).
+    check_generation(
+        &s,
+        if echo { max_tokens.max(1) } else { max_tokens },
+        temperature,
+    )?;
+    // `text_offset` counts from the prompt's start, as OpenAI's does; with `echo` the
+    // entries start with the prompt's own tokens.
+    let prompt_chars = if echo { 0 } else { text.chars().count() };
     let echoed = echo.then(|| text.clone());
     // Ranking candidates needs each token's log probability.
     let job_logprobs = b
@@ -1207,6 +1215,7 @@ pub async fn completions(
             frequency_penalty: shaping.frequency_penalty,
             logit_bias: shaping.logit_bias,
             logprobs: job_logprobs,
+            prompt_logprobs: b.logprobs.filter(|_| echo).map(|n| n as usize),
         },
         None,
         best_of,
@@ -1273,9 +1282,9 @@ pub async fn completions(
         .into_response())
 }
 
-/// The `n` best of `candidates` by their tokens' mean log probability (OpenAI's `best_of`),
-/// best first; all of them, in order, when there are no more than `n`. A candidate with no
-/// token ranks last.
+/// The `n` best of `candidates` by their generated tokens' mean log probability (OpenAI's
+/// `best_of`; an echoed prompt's entries, first in the list, do not count), best first; all of
+/// them, in order, when there are no more than `n`. A candidate with no token ranks last.
 fn best_choices(
     mut candidates: Vec<(String, crate::engine::Summary, Vec<TokenLogprob>)>,
     n: usize,
@@ -1283,14 +1292,15 @@ fn best_choices(
     if candidates.len() <= n {
         return candidates;
     }
-    let mean = |lps: &[TokenLogprob]| {
+    let mean = |c: &(String, crate::engine::Summary, Vec<TokenLogprob>)| {
+        let lps = &c.2[c.2.len().saturating_sub(c.1.generated_tokens)..];
         if lps.is_empty() {
             f32::NEG_INFINITY
         } else {
             lps.iter().map(|l| l.logprob).sum::<f32>() / lps.len() as f32
         }
     };
-    candidates.sort_by(|a, b| mean(&b.2).total_cmp(&mean(&a.2)));
+    candidates.sort_by(|a, b| mean(b).total_cmp(&mean(a)));
     candidates.truncate(n);
     candidates
 }
