@@ -1,10 +1,12 @@
 //! Where the engine's sequences decode: on the CPU, or (feature `cuda`) on a GPU.
 //!
-//! Every prompt is prefilled on the CPU, fused or in full, by the same code either way (the
-//! chunk KV it loads lives in DRAM and on NVMe, and fusion's selection and placement run
-//! there). With a GPU, the finished cache is then uploaded once ([`GpuModel::upload_cache`]) and
-//! the sequence decodes on the GPU, batched with the others ([`GpuModel::forward_batch`]);
-//! a finished conversation's cache is read back for the prefix cache. The layers go where the
+//! A fused prompt is prefilled on the CPU by the same code either way (the chunk KV it loads
+//! lives in DRAM and on NVMe, and fusion's selection, placement and recompute run there). With a
+//! GPU, the finished cache is then uploaded once ([`GpuModel::upload_cache`]) and the sequence
+//! decodes on the GPU, batched with the others ([`GpuModel::forward_batch`]). A prompt
+//! prefilled in full (a chat, a text completion, a question whose fusion is off) runs on the GPU
+//! from the start ([`Decoder::prefill`]): what the prefix cache holds is uploaded and the rest
+//! prefilled there. A finished conversation's cache is read back for the prefix cache. The layers go where the
 //! placement planner puts them for the device's free memory and the profile's batch (all of
 //! them when they fit, else the first N, as llama.cpp's `-ngl`).
 //!
@@ -116,6 +118,40 @@ impl Decoder {
         Ok(SeqKv::Cpu(kv))
     }
 
+    /// Whether sequences decode on a GPU.
+    #[cfg(feature = "cuda")]
+    pub fn on_gpu(&self) -> bool {
+        self.gpu.is_some()
+    }
+
+    /// Prefills `tokens` at positions `start..` after what `kv` holds (the first `start`
+    /// slots, e.g. a prefix cache hit) where decode runs: on the GPU in pieces of
+    /// [`GPU_PREFILL_PIECE`] tokens (the CPU decoder runs nothing: the engine prefills on the
+    /// CPU itself). Returns the cache, now for up to `capacity` slots, and the last position's
+    /// logits.
+    #[cfg(feature = "cuda")]
+    pub fn prefill(
+        &self,
+        kv: &KvCache,
+        tokens: &[u32],
+        start: usize,
+        capacity: usize,
+    ) -> Result<(SeqKv, Vec<f32>), ModelError> {
+        let gpu = self
+            .gpu
+            .as_ref()
+            .ok_or_else(|| ModelError::Gpu("prefill on the GPU without one".into()))?;
+        let mut gpu = gpu.borrow_mut();
+        let mut cache = gpu.upload_cache(kv, capacity)?;
+        let mut logits = Vec::new();
+        for (i, piece) in tokens.chunks(GPU_PREFILL_PIECE).enumerate() {
+            let at = start + i * GPU_PREFILL_PIECE;
+            let positions: Vec<i32> = (at..at + piece.len()).map(|p| p as i32).collect();
+            logits = gpu.forward(piece, &positions, &mut cache, Logits::Last)?;
+        }
+        Ok((SeqKv::Gpu(cache), logits))
+    }
+
     /// One forward pass of every sequence (`tokens`, `positions`, its cache), all placed by
     /// this decoder; the logits asked for, sequence after sequence.
     pub fn step(
@@ -168,6 +204,10 @@ fn mixed() -> ModelError {
     ModelError::Gpu("a decode batch mixes CPU and GPU caches".into())
 }
 
+/// Prompt tokens one GPU prefill call runs (the activations the placement reserves room for).
+#[cfg(feature = "cuda")]
+pub const GPU_PREFILL_PIECE: usize = 512;
+
 /// Tokens of the check prompt ([`GpuModel::check_serving`]) and decode steps after it.
 #[cfg(feature = "cuda")]
 const CHECK_PROMPT: usize = 24;
@@ -193,7 +233,8 @@ fn open_gpu(
     }
     let dev = Device::open(0, kernel_cache).map_err(|e| format!("opening cuda:0: {e}"))?;
     let mut req = PlacementRequest::for_model(model, context, sequences.max(1));
-    req.scratch_bytes = GpuModel::scratch_estimate(model, sequences.max(1), context);
+    let rows = sequences.max(GPU_PREFILL_PIECE);
+    req.scratch_bytes = GpuModel::scratch_estimate(model, rows, context);
     let (free, _) = dev.memory().map_err(|e| e.to_string())?;
     let plan = Placement::plan(&req, &[PlacementDevice::new("cuda:0", free)]);
     let n_gpu = plan.n_gpu_layers();

@@ -765,6 +765,62 @@ impl Engine {
         }
     }
 
+    /// Prefills `prompt` in full on the GPU: the prefix cache's part of its prefix copied into
+    /// `kv` (empty, for the job's capacity) and uploaded, the rest run there; a prefix the cache
+    /// did not hold is read back and kept for the next request.
+    #[cfg(feature = "cuda")]
+    fn prefill_on_gpu(
+        &self,
+        prompt: &engram_fusion::FusedPrompt,
+        mut kv: engram_model::KvCache,
+    ) -> std::result::Result<(SeqKv, engram_fusion::Prefilled), ApiError> {
+        let started = Instant::now();
+        let tokens = prompt.tokens();
+        let hit = self.prefixes.lookup(&prompt.prefix);
+        let cached = hit.as_ref().map_or(0, |h| h.len);
+        if let Some(h) = &hit {
+            kv.append_from(&h.entry.kv, 0..h.len)
+                .map_err(ApiError::internal)?;
+        }
+        let capacity = kv.capacity();
+        let (seq, logits) = self
+            .decoder
+            .prefill(&kv, &tokens[cached..], cached, capacity)
+            .map_err(|e| ApiError::internal(format!("prefill on the GPU: {e}")))?;
+        let prefix = prompt.prefix.len();
+        if cached < prefix {
+            match self.decoder.host_cache(&seq) {
+                Ok(all) => {
+                    let mut own = self.model.new_cache(prefix);
+                    match own.append_from(&all, 0..prefix) {
+                        Ok(_) => self.prefixes.insert(&prompt.prefix, own),
+                        Err(e) => tracing::warn!("prefix KV not kept: {e}"),
+                    }
+                }
+                Err(e) => tracing::warn!("prefix KV not read back: {e}"),
+            }
+        }
+        let stats = engram_fusion::FuseStats {
+            policy: Policy::Full.name(),
+            prompt_tokens: tokens.len(),
+            prefix_tokens: prefix,
+            prefix_cached_tokens: cached,
+            chunk_tokens: prompt.chunk_tokens(),
+            recomputed_chunk_tokens: prompt.chunk_tokens(),
+            suffix_tokens: prompt.suffix.len(),
+            total_time: started.elapsed(),
+            ..Default::default()
+        };
+        Ok((
+            seq,
+            engram_fusion::Prefilled {
+                logits,
+                next_position: tokens.len() as i32,
+                stats,
+            },
+        ))
+    }
+
     /// Prefills a text prompt's `tokens` into `kv` with every position's logits, in pieces
     /// (decode steps of the running batch between them, as `between` runs them), scoring each
     /// prompt token after the first as [`Sampling::prompt_logprobs`] says (`top` alternatives;
@@ -1061,32 +1117,40 @@ impl Engine {
                 self.step(batch);
             }
         };
-        let done = match (&job.prompt, job.sampling.prompt_logprobs) {
+        let capacity = kv.capacity();
+        let place = |kv| {
+            self.decoder
+                .place(kv, capacity)
+                .map_err(|e| ApiError::internal(format!("moving the prompt's KV to the GPU: {e}")))
+        };
+        let (kv, done) = match (&job.prompt, job.sampling.prompt_logprobs) {
             (Prompt::Text { text }, Some(top)) => {
                 let (done, entries) =
                     self.prefill_scored(text, &prompt.tokens(), top, &mut kv, &mut between)?;
                 // Room for it: the channel holds every event of the job.
                 let _ = job.events.try_send(Event::Logprobs(entries));
-                done
+                (place(kv)?, done)
             }
-            _ => fused_prefill_interleaved(
-                &self.model,
-                &self.store,
-                Some(&self.prefixes),
-                &prompt,
-                policy,
-                &mut kv,
-                Some(Interleave {
-                    piece: INTERLEAVE_PIECE,
-                    between: &mut between,
-                }),
-            )?,
+            #[cfg(feature = "cuda")]
+            _ if policy == Policy::Full && self.decoder.on_gpu() => {
+                self.prefill_on_gpu(&prompt, kv)?
+            }
+            _ => {
+                let done = fused_prefill_interleaved(
+                    &self.model,
+                    &self.store,
+                    Some(&self.prefixes),
+                    &prompt,
+                    policy,
+                    &mut kv,
+                    Some(Interleave {
+                        piece: INTERLEAVE_PIECE,
+                        between: &mut between,
+                    }),
+                )?;
+                (place(kv)?, done)
+            }
         };
-        let capacity = kv.capacity();
-        let kv = self
-            .decoder
-            .place(kv, capacity)
-            .map_err(|e| ApiError::internal(format!("moving the prompt's KV to the GPU: {e}")))?;
         let cached = done.stats.prefix_cached_tokens;
         let prefix = prompt.prefix.len();
         self.metrics
