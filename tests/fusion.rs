@@ -7,12 +7,12 @@ use std::path::Path;
 use std::sync::{Arc, OnceLock};
 
 use engram_fusion::{
-    chunk_tokens, fused_prefill, fused_prefill_interleaved, kl_divergence, rag_frame, rag_prompt,
-    ChunkStore, FidelityGate, FusedPrompt, Interleave, Policy, PrefixCache, Source, DEFAULT_POLICY,
-    DEFAULT_SYSTEM,
+    chunk_tokens, fused_prefill, fused_prefill_interleaved, fused_prefill_on, kl_divergence,
+    rag_frame, rag_prompt, ChunkStore, FidelityGate, FusedPrompt, Interleave, Policy, PrefixCache,
+    Runner, Source, DEFAULT_POLICY, DEFAULT_SYSTEM,
 };
 use engram_kvstore::{DramTier, IoMode, KvDtype, KvStore, NvmeOptions, NvmeTier};
-use engram_model::{argmax, Logits, Model};
+use engram_model::{argmax, Blend, KvCache, Logits, Model};
 use engram_tokenizer::{ChatTemplate, Tokenizer};
 
 use crate::common::{default_llm, engram_bin, models_dir, temp_dir};
@@ -179,6 +179,115 @@ fn a_query_observer_ends_the_pass_at_its_layer() {
 /// forward pass computes there, in every layer.
 /// Chunked prefill: another sequence's decode steps run between the prompt's pieces, and
 /// neither the prompt's logits nor the other sequence's are changed by it.
+/// A [`Runner`] on the CPU that behaves as a GPU one does: at its first call it copies the
+/// cache as it is then (the GPU's upload) and works on its own copy from then on.
+struct CopyingRunner<'m> {
+    model: &'m Model,
+    own: Option<KvCache>,
+    calls: usize,
+}
+
+impl CopyingRunner<'_> {
+    fn own(&mut self, kv: &KvCache) -> &mut KvCache {
+        self.calls += 1;
+        self.own.get_or_insert_with(|| kv.clone())
+    }
+}
+
+impl Runner for CopyingRunner<'_> {
+    fn append(
+        &mut self,
+        kv: &KvCache,
+        tokens: &[u32],
+        positions: &[i32],
+        logits: Logits,
+    ) -> engram_model::Result<Vec<f32>> {
+        let model = self.model;
+        let own = self.own(kv);
+        model.forward(tokens, positions, own, logits)
+    }
+
+    fn recompute(
+        &mut self,
+        kv: &KvCache,
+        tokens: &[u32],
+        positions: &[i32],
+        overwrite: &[usize],
+        logits: Logits,
+    ) -> engram_model::Result<Vec<f32>> {
+        let model = self.model;
+        let own = self.own(kv);
+        let n = tokens.len();
+        let mut keep_all = |_: &[f32]| (0..n).collect::<Vec<usize>>();
+        let blend = Blend {
+            check_layer: 0,
+            select: &mut keep_all,
+        };
+        Ok(model
+            .forward_blend(tokens, positions, overwrite, own, blend, logits)?
+            .0)
+    }
+}
+
+/// The forward passes after placement on another device (a [`Runner`] that takes the placed
+/// cache over at its first call, as `engramd`'s GPU runner does) give the CPU route's logits
+/// and leave the whole prompt in the runner's cache; `full` and `deviation` never call it.
+#[test]
+fn a_runner_takes_over_the_placed_cache_and_gives_the_same_logits() {
+    let l = llm();
+    let store = dram_store(l);
+    let p = prompt(l, "When was the Eiffel Tower completed?");
+    for policy in [
+        Policy::Boundary(4),
+        Policy::Reuse,
+        Policy::Query(0.05),
+        Policy::Full,
+        Policy::Deviation(0.1),
+    ] {
+        let plain = run(l, &store, &p, policy);
+        let mut runner = CopyingRunner {
+            model: &l.model,
+            own: None,
+            calls: 0,
+        };
+        let mut kv = l.model.new_cache(p.len() + 8);
+        let got = fused_prefill_on(
+            &l.model,
+            &store,
+            None,
+            &p,
+            policy,
+            &mut kv,
+            None,
+            Some(&mut runner),
+        )
+        .expect("fused prefill on a runner");
+        assert_eq!(argmax(&got.logits), argmax(&plain.logits), "{policy}");
+        let d = max_diff(&got.logits, &plain.logits);
+        assert!(d < TOL_SAME_LOGITS, "{policy}: logits differ by {d}");
+        assert_eq!(got.next_position, plain.next_position, "{policy}");
+        match policy {
+            Policy::Full | Policy::Deviation(_) => {
+                assert_eq!(runner.calls, 0, "{policy}");
+                assert_eq!(
+                    kv.len(),
+                    p.len(),
+                    "{policy}: the CPU cache holds the prompt"
+                );
+            }
+            _ => {
+                assert!(runner.calls >= 1, "{policy}");
+                let own = runner.own.as_ref().expect("taken over");
+                assert_eq!(own.len(), p.len(), "{policy}: the runner holds the prompt");
+                assert!(
+                    kv.len() < p.len(),
+                    "{policy}: the CPU cache is left as placed"
+                );
+            }
+        }
+    }
+}
+
 #[test]
 fn interleaved_prefill_gives_the_same_logits_and_runs_the_pauses() {
     let l = llm();

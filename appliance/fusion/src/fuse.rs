@@ -235,6 +235,51 @@ pub fn fused_prefill_interleaved(
     kv: &mut KvCache,
     interleave: Option<Interleave<'_>>,
 ) -> Result<Prefilled> {
+    fused_prefill_on(model, store, prefixes, prompt, policy, kv, interleave, None)
+}
+
+/// Another device that runs a fused prefill's forward passes after the stored chunks are placed
+/// (`boundary`'s and `query`'s recompute, `reuse`'s and their question). At its first call it
+/// takes over `kv` as it is then (the prefix and the placed chunks) and keeps what it computes
+/// itself: `kv` is not updated. `full` and `deviation` (whose layer check is CPU code) do not use
+/// it; the prefix is prefilled on the CPU (the prefix cache serves it after the first time).
+pub trait Runner {
+    /// Appends `tokens` at `positions` after what the runner holds (or `kv`, at its first call);
+    /// returns the logits asked for.
+    fn append(
+        &mut self,
+        kv: &KvCache,
+        tokens: &[u32],
+        positions: &[i32],
+        logits: Logits,
+    ) -> engram_model::Result<Vec<f32>>;
+
+    /// `Model::forward_blend` keeping every row: the first `overwrite.len()` tokens get fresh
+    /// keys and values in the slots `overwrite` names (stored chunk tokens recomputed), the rest
+    /// are appended; masking by position.
+    fn recompute(
+        &mut self,
+        kv: &KvCache,
+        tokens: &[u32],
+        positions: &[i32],
+        overwrite: &[usize],
+        logits: Logits,
+    ) -> engram_model::Result<Vec<f32>>;
+}
+
+/// [`fused_prefill_interleaved`] with the forward passes after placement on `runner` when one
+/// is given (see [`Runner`]); with `None`, on the CPU into `kv`.
+#[allow(clippy::too_many_arguments)]
+pub fn fused_prefill_on(
+    model: &Model,
+    store: &ChunkStore,
+    prefixes: Option<&PrefixCache>,
+    prompt: &FusedPrompt,
+    policy: Policy,
+    kv: &mut KvCache,
+    interleave: Option<Interleave<'_>>,
+    mut runner: Option<&mut dyn Runner>,
+) -> Result<Prefilled> {
     let start = Instant::now();
     let mut pauses = match interleave {
         Some(i) => Pauses {
@@ -358,16 +403,29 @@ pub fn fused_prefill_interleaved(
                     positions.extend((at..at + s).map(|p| p as i32));
                 }
                 stats.recomputed_chunk_tokens = tokens.len();
-                pauses.prefill(model, &tokens, &positions, kv, Logits::None)?;
+                match runner.as_deref_mut() {
+                    Some(r) => {
+                        r.append(kv, &tokens, &positions, Logits::None)?;
+                    }
+                    None => {
+                        pauses.prefill(model, &tokens, &positions, kv, Logits::None)?;
+                    }
+                }
                 stats.recompute_time = pauses.own(t, spent);
                 let t = Instant::now();
-                let logits = model.forward(&prompt.suffix, &suffix_pos, kv, Logits::Last)?;
+                let logits = match runner {
+                    Some(r) => r.append(kv, &prompt.suffix, &suffix_pos, Logits::Last)?,
+                    None => model.forward(&prompt.suffix, &suffix_pos, kv, Logits::Last)?,
+                };
                 stats.suffix_time = t.elapsed();
                 logits
             }
             Policy::Reuse => {
                 let t = Instant::now();
-                let logits = model.forward(&prompt.suffix, &suffix_pos, kv, Logits::Last)?;
+                let logits = match runner {
+                    Some(r) => r.append(kv, &prompt.suffix, &suffix_pos, Logits::Last)?,
+                    None => model.forward(&prompt.suffix, &suffix_pos, kv, Logits::Last)?,
+                };
                 stats.suffix_time = t.elapsed();
                 logits
             }
@@ -456,17 +514,24 @@ pub fn fused_prefill_interleaved(
                 positions.extend_from_slice(&suffix_pos);
                 let n_rows = tokens.len();
                 let mut keep_all = |_: &[f32]| (0..n_rows).collect::<Vec<usize>>();
-                let (logits, _) = model.forward_blend(
-                    &tokens,
-                    &positions,
-                    &overwrite,
-                    kv,
-                    Blend {
-                        check_layer: 0,
-                        select: &mut keep_all,
-                    },
-                    Logits::Last,
-                )?;
+                let logits = match runner {
+                    Some(r) => r.recompute(kv, &tokens, &positions, &overwrite, Logits::Last)?,
+                    None => {
+                        model
+                            .forward_blend(
+                                &tokens,
+                                &positions,
+                                &overwrite,
+                                kv,
+                                Blend {
+                                    check_layer: 0,
+                                    select: &mut keep_all,
+                                },
+                                Logits::Last,
+                            )?
+                            .0
+                    }
+                };
                 stats.recomputed_chunk_tokens = rows.len();
                 stats.recompute_time = pauses.own(t, spent);
                 logits

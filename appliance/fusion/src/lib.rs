@@ -33,7 +33,8 @@ pub use copy::{check_copy_bias, ends_number, CopyBias, DEFAULT_COPY_BIAS, MAX_CO
 pub use dedup::{retain_distinct, REDUNDANT_SHARE};
 pub use error::{FusionError, Result};
 pub use fuse::{
-    fused_prefill, fused_prefill_interleaved, FuseStats, FusedPrompt, Interleave, Prefilled,
+    fused_prefill, fused_prefill_interleaved, fused_prefill_on, FuseStats, FusedPrompt, Interleave,
+    Prefilled, Runner,
 };
 pub use gate::{
     greedy, kl_divergence, recorded_gate, FidelityGate, GateLimits, GateReport, GATE_MAX_KL,

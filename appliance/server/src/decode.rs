@@ -1,10 +1,11 @@
 //! Where the engine's sequences decode: on the CPU, or (feature `cuda`) on a GPU.
 //!
-//! A fused prompt is prefilled on the CPU by the same code either way (the chunk KV it loads
-//! lives in DRAM and on NVMe, and fusion's selection, placement and recompute run there). With a
-//! GPU, the finished cache is then uploaded once ([`GpuModel::upload_cache`]) and the sequence
-//! decodes on the GPU, batched with the others ([`GpuModel::forward_batch`]). A prompt
-//! prefilled in full (a chat, a text completion, a question whose fusion is off) runs on the GPU
+//! A fused prompt is assembled on the CPU by the same code either way (the chunk KV it loads
+//! lives in DRAM and on NVMe, and fusion's selection and placement run there). With a GPU, the
+//! cache is uploaded once ([`GpuModel::upload_cache`]) and the sequence
+//! decodes on the GPU, batched with the others ([`GpuModel::forward_batch`]); fusion's
+//! forward passes after placement (the recompute and the question) run on the GPU too
+//! ([`GpuRunner`], uploading the placed cache at its first call). A prompt prefilled in full (a chat, a text completion, a question whose fusion is off) runs on the GPU
 //! from the start ([`Decoder::prefill`]): what the prefix cache holds is uploaded and the rest
 //! prefilled there. A finished conversation's cache is read back for the prefix cache. The layers go where the
 //! placement planner puts them for the device's free memory and the profile's batch (all of
@@ -196,6 +197,86 @@ impl Decoder {
                 None => Err(mixed()),
             },
         }
+    }
+}
+
+/// A fused prefill's forward passes after placement on the GPU ([`engram_fusion::Runner`]):
+/// the placed cache uploaded at the first call, the recompute and the question run there.
+#[cfg(feature = "cuda")]
+pub struct GpuRunner<'d> {
+    gpu: &'d std::cell::RefCell<engram_model::GpuModel>,
+    capacity: usize,
+    cache: Option<engram_model::GpuCache>,
+}
+
+#[cfg(feature = "cuda")]
+impl<'d> GpuRunner<'d> {
+    /// A runner for a cache of up to `capacity` slots, when sequences decode on a GPU.
+    pub fn new(decoder: &'d Decoder, capacity: usize) -> Option<GpuRunner<'d>> {
+        decoder.gpu.as_ref().map(|gpu| GpuRunner {
+            gpu,
+            capacity,
+            cache: None,
+        })
+    }
+
+    /// The cache the runner filled, if it ran.
+    pub fn into_cache(self) -> Option<SeqKv> {
+        self.cache.map(SeqKv::Gpu)
+    }
+
+    fn cache(
+        &mut self,
+        gpu: &engram_model::GpuModel,
+        kv: &KvCache,
+    ) -> Result<&mut engram_model::GpuCache, ModelError> {
+        if self.cache.is_none() {
+            self.cache = Some(gpu.upload_cache(kv, self.capacity)?);
+        }
+        Ok(self.cache.as_mut().expect("uploaded above"))
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl engram_fusion::Runner for GpuRunner<'_> {
+    fn append(
+        &mut self,
+        kv: &KvCache,
+        tokens: &[u32],
+        positions: &[i32],
+        logits: Logits,
+    ) -> Result<Vec<f32>, ModelError> {
+        let gpu_cell = self.gpu;
+        let mut gpu = gpu_cell.borrow_mut();
+        let cache = self.cache(&gpu, kv)?;
+        let pieces = tokens.len().div_ceil(GPU_PREFILL_PIECE);
+        let mut out = Vec::new();
+        for (i, (t, p)) in tokens
+            .chunks(GPU_PREFILL_PIECE)
+            .zip(positions.chunks(GPU_PREFILL_PIECE))
+            .enumerate()
+        {
+            let want = match logits {
+                Logits::Last if i + 1 < pieces => Logits::None,
+                l => l,
+            };
+            out.extend(gpu.forward(t, p, cache, want)?);
+        }
+        Ok(out)
+    }
+
+    fn recompute(
+        &mut self,
+        kv: &KvCache,
+        tokens: &[u32],
+        positions: &[i32],
+        overwrite: &[usize],
+        logits: Logits,
+    ) -> Result<Vec<f32>, ModelError> {
+        let gpu_cell = self.gpu;
+        let mut gpu = gpu_cell.borrow_mut();
+        let cache = self.cache(&gpu, kv)?;
+        gpu.forward_fused(tokens, positions, overwrite, cache, logits)
     }
 }
 

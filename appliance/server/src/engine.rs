@@ -1135,6 +1135,29 @@ impl Engine {
             _ if policy == Policy::Full && self.decoder.on_gpu() => {
                 self.prefill_on_gpu(&prompt, kv)?
             }
+            #[cfg(feature = "cuda")]
+            _ if self.decoder.on_gpu() => {
+                let mut runner = crate::decode::GpuRunner::new(&self.decoder, capacity)
+                    .expect("decoding on a GPU");
+                let done = engram_fusion::fused_prefill_on(
+                    &self.model,
+                    &self.store,
+                    Some(&self.prefixes),
+                    &prompt,
+                    policy,
+                    &mut kv,
+                    Some(Interleave {
+                        piece: INTERLEAVE_PIECE,
+                        between: &mut between,
+                    }),
+                    Some(&mut runner),
+                )?;
+                match runner.into_cache() {
+                    Some(seq) => (seq, done),
+                    // A policy the runner does not serve (`deviation`): computed on the CPU.
+                    None => (place(kv)?, done),
+                }
+            }
             _ => {
                 let done = fused_prefill_interleaved(
                     &self.model,
