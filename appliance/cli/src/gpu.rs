@@ -558,6 +558,11 @@ mod imp {
             }
             // The way engramd serves: CPU prefill, the cache uploaded, batched decode, the
             // cache read back (what the daemon checks before it serves from this device).
+            if gpu.n_gpu_layers() == cfg.n_layer {
+                let (gpu_back, ok) = fused_check(gpu, c.seed)?;
+                gpu = gpu_back;
+                failed |= !ok;
+            }
             let serving = gpu.check_serving(&prompts[0], decode.max(2));
             failed |= serving.is_err();
             println!(
@@ -576,6 +581,74 @@ mod imp {
             bail!("the GPU path disagrees with the CPU path (see the lines above)");
         }
         Ok(())
+    }
+
+    /// Fused prefill as `engramd` runs it on a GPU (`engram_fusion::GpuRunner`: the placed
+    /// cache uploaded, the recompute and the question run there) against the CPU route, for
+    /// `boundary:4`, `reuse` and `query:0.05` over a prompt of three stored chunks: prints each
+    /// policy's comparison and returns the GPU model and whether all agree (each side's top
+    /// token among the other's top 3, the top 5s sharing 3).
+    fn fused_check(gpu: GpuModel, seed: u64) -> Result<(GpuModel, bool)> {
+        use engram_fusion::{fused_prefill, fused_prefill_on, ChunkStore, FusedPrompt, Policy};
+        let model = gpu.model().clone();
+        let v = model.config().vocab_size;
+        let frame = pseudo_tokens(12, v, seed + 300);
+        let prompt = FusedPrompt {
+            prefix: frame.clone(),
+            chunks: (0..3)
+                .map(|i| pseudo_tokens(48 + 17 * i, v, seed + 301 + i as u64))
+                .collect(),
+            suffix: pseudo_tokens(12, v, seed + 310),
+        };
+        let store = ChunkStore::new(
+            Arc::new(engram_kvstore::KvStore::new(
+                Some(engram_kvstore::DramTier::new(64 << 20)),
+                None,
+            )),
+            &model,
+            frame,
+            engram_kvstore::KvDtype::F16,
+        );
+        let gpu = std::cell::RefCell::new(gpu);
+        let mut ok = true;
+        for policy in [Policy::Boundary(4), Policy::Reuse, Policy::Query(0.05)] {
+            let mut kv = model.new_cache(prompt.len() + 1);
+            let cpu = fused_prefill(&model, &store, None, &prompt, policy, &mut kv)?;
+            let mut kv = model.new_cache(prompt.len() + 1);
+            let mut runner = engram_fusion::GpuRunner::new(&gpu, prompt.len() + 1);
+            let on_gpu = fused_prefill_on(
+                &model,
+                &store,
+                None,
+                &prompt,
+                policy,
+                &mut kv,
+                None,
+                Some(&mut runner),
+            )?;
+            let held = runner.into_cache().map_or(0, |c| c.len());
+            let (mine, theirs) = (top(&on_gpu.logits, 5), top(&cpu.logits, 5));
+            let shared = mine.iter().filter(|i| theirs.contains(i)).count();
+            let pass = theirs[..3].contains(&mine[0])
+                && mine[..3].contains(&theirs[0])
+                && shared >= 3
+                && held == prompt.len();
+            ok &= pass;
+            println!(
+                "{}",
+                json!({
+                    "test": "fused_prefill_on_gpu",
+                    "policy": policy.to_string(),
+                    "pass": pass,
+                    "argmax_equal": mine[0] == theirs[0],
+                    "top5_shared": shared,
+                    "kl_vs_cpu": kl(&cpu.logits, &on_gpu.logits),
+                    "gpu_cache_slots": held,
+                    "prompt_tokens": prompt.len(),
+                })
+            );
+        }
+        Ok((gpu.into_inner(), ok))
     }
 
     /// Decodes `c.batch` sequences of different lengths together (one batched call per step)

@@ -17,6 +17,8 @@ mod dedup;
 mod error;
 mod fuse;
 mod gate;
+#[cfg(feature = "cuda")]
+mod gpu;
 mod policy;
 mod prefix;
 mod prompt;
@@ -40,6 +42,8 @@ pub use gate::{
     greedy, kl_divergence, recorded_gate, FidelityGate, GateLimits, GateReport, GATE_MAX_KL,
     GATE_MIN_AGREEMENT, GATE_TOKENS,
 };
+#[cfg(feature = "cuda")]
+pub use gpu::{GpuRunner, GPU_PREFILL_PIECE};
 pub use policy::{Policy, CHECK_LAYER, DEFAULT_POLICY};
 pub use prefix::{PrefixCache, PrefixEntry, PrefixHit, BLOCK};
 pub use prompt::{

@@ -5,7 +5,7 @@
 //! cache is uploaded once ([`GpuModel::upload_cache`]) and the sequence
 //! decodes on the GPU, batched with the others ([`GpuModel::forward_batch`]); fusion's
 //! forward passes after placement (the recompute and the question) run on the GPU too
-//! ([`GpuRunner`], uploading the placed cache at its first call). A prompt prefilled in full (a chat, a text completion, a question whose fusion is off) runs on the GPU
+//! ([`engram_fusion::GpuRunner`], uploading the placed cache at its first call). A prompt prefilled in full (a chat, a text completion, a question whose fusion is off) runs on the GPU
 //! from the start ([`Decoder::prefill`]): what the prefix cache holds is uploaded and the rest
 //! prefilled there. A finished conversation's cache is read back for the prefix cache. The layers go where the
 //! placement planner puts them for the device's free memory and the profile's batch (all of
@@ -125,9 +125,22 @@ impl Decoder {
         self.gpu.is_some()
     }
 
+    /// A runner of fused prefill's passes after placement on the GPU, for a cache of up to
+    /// `capacity` slots: when sequences decode on a GPU that holds every layer (recomputing
+    /// stored slots in place needs them all there).
+    #[cfg(feature = "cuda")]
+    pub fn runner(&self, capacity: usize) -> Option<engram_fusion::GpuRunner<'_>> {
+        let gpu = self.gpu.as_ref()?;
+        let whole = {
+            let g = gpu.borrow();
+            g.n_gpu_layers() == g.model().config().n_layer
+        };
+        whole.then(|| engram_fusion::GpuRunner::new(gpu, capacity))
+    }
+
     /// Prefills `tokens` at positions `start..` after what `kv` holds (the first `start`
     /// slots, e.g. a prefix cache hit) where decode runs: on the GPU in pieces of
-    /// [`GPU_PREFILL_PIECE`] tokens (the CPU decoder runs nothing: the engine prefills on the
+    /// [`engram_fusion::GPU_PREFILL_PIECE`] tokens (the CPU decoder runs nothing: the engine prefills on the
     /// CPU itself). Returns the cache, now for up to `capacity` slots, and the last position's
     /// logits.
     #[cfg(feature = "cuda")]
@@ -145,8 +158,8 @@ impl Decoder {
         let mut gpu = gpu.borrow_mut();
         let mut cache = gpu.upload_cache(kv, capacity)?;
         let mut logits = Vec::new();
-        for (i, piece) in tokens.chunks(GPU_PREFILL_PIECE).enumerate() {
-            let at = start + i * GPU_PREFILL_PIECE;
+        for (i, piece) in tokens.chunks(engram_fusion::GPU_PREFILL_PIECE).enumerate() {
+            let at = start + i * engram_fusion::GPU_PREFILL_PIECE;
             let positions: Vec<i32> = (at..at + piece.len()).map(|p| p as i32).collect();
             logits = gpu.forward(piece, &positions, &mut cache, Logits::Last)?;
         }
@@ -200,94 +213,10 @@ impl Decoder {
     }
 }
 
-/// A fused prefill's forward passes after placement on the GPU ([`engram_fusion::Runner`]):
-/// the placed cache uploaded at the first call, the recompute and the question run there.
-#[cfg(feature = "cuda")]
-pub struct GpuRunner<'d> {
-    gpu: &'d std::cell::RefCell<engram_model::GpuModel>,
-    capacity: usize,
-    cache: Option<engram_model::GpuCache>,
-}
-
-#[cfg(feature = "cuda")]
-impl<'d> GpuRunner<'d> {
-    /// A runner for a cache of up to `capacity` slots, when sequences decode on a GPU.
-    pub fn new(decoder: &'d Decoder, capacity: usize) -> Option<GpuRunner<'d>> {
-        decoder.gpu.as_ref().map(|gpu| GpuRunner {
-            gpu,
-            capacity,
-            cache: None,
-        })
-    }
-
-    /// The cache the runner filled, if it ran.
-    pub fn into_cache(self) -> Option<SeqKv> {
-        self.cache.map(SeqKv::Gpu)
-    }
-
-    fn cache(
-        &mut self,
-        gpu: &engram_model::GpuModel,
-        kv: &KvCache,
-    ) -> Result<&mut engram_model::GpuCache, ModelError> {
-        if self.cache.is_none() {
-            self.cache = Some(gpu.upload_cache(kv, self.capacity)?);
-        }
-        Ok(self.cache.as_mut().expect("uploaded above"))
-    }
-}
-
-#[cfg(feature = "cuda")]
-impl engram_fusion::Runner for GpuRunner<'_> {
-    fn append(
-        &mut self,
-        kv: &KvCache,
-        tokens: &[u32],
-        positions: &[i32],
-        logits: Logits,
-    ) -> Result<Vec<f32>, ModelError> {
-        let gpu_cell = self.gpu;
-        let mut gpu = gpu_cell.borrow_mut();
-        let cache = self.cache(&gpu, kv)?;
-        let pieces = tokens.len().div_ceil(GPU_PREFILL_PIECE);
-        let mut out = Vec::new();
-        for (i, (t, p)) in tokens
-            .chunks(GPU_PREFILL_PIECE)
-            .zip(positions.chunks(GPU_PREFILL_PIECE))
-            .enumerate()
-        {
-            let want = match logits {
-                Logits::Last if i + 1 < pieces => Logits::None,
-                l => l,
-            };
-            out.extend(gpu.forward(t, p, cache, want)?);
-        }
-        Ok(out)
-    }
-
-    fn recompute(
-        &mut self,
-        kv: &KvCache,
-        tokens: &[u32],
-        positions: &[i32],
-        overwrite: &[usize],
-        logits: Logits,
-    ) -> Result<Vec<f32>, ModelError> {
-        let gpu_cell = self.gpu;
-        let mut gpu = gpu_cell.borrow_mut();
-        let cache = self.cache(&gpu, kv)?;
-        gpu.forward_fused(tokens, positions, overwrite, cache, logits)
-    }
-}
-
 #[cfg(feature = "cuda")]
 fn mixed() -> ModelError {
     ModelError::Gpu("a decode batch mixes CPU and GPU caches".into())
 }
-
-/// Prompt tokens one GPU prefill call runs (the activations the placement reserves room for).
-#[cfg(feature = "cuda")]
-pub const GPU_PREFILL_PIECE: usize = 512;
 
 /// Tokens of the check prompt ([`GpuModel::check_serving`]) and decode steps after it.
 #[cfg(feature = "cuda")]
@@ -314,7 +243,7 @@ fn open_gpu(
     }
     let dev = Device::open(0, kernel_cache).map_err(|e| format!("opening cuda:0: {e}"))?;
     let mut req = PlacementRequest::for_model(model, context, sequences.max(1));
-    let rows = sequences.max(GPU_PREFILL_PIECE);
+    let rows = sequences.max(engram_fusion::GPU_PREFILL_PIECE);
     req.scratch_bytes = GpuModel::scratch_estimate(model, rows, context);
     let (free, _) = dev.memory().map_err(|e| e.to_string())?;
     let plan = Placement::plan(&req, &[PlacementDevice::new("cuda:0", free)]);

@@ -1136,9 +1136,8 @@ impl Engine {
                 self.prefill_on_gpu(&prompt, kv)?
             }
             #[cfg(feature = "cuda")]
-            _ if self.decoder.on_gpu() => {
-                let mut runner = crate::decode::GpuRunner::new(&self.decoder, capacity)
-                    .expect("decoding on a GPU");
+            _ if self.decoder.runner(capacity).is_some() => {
+                let mut runner = self.decoder.runner(capacity).expect("checked above");
                 let done = engram_fusion::fused_prefill_on(
                     &self.model,
                     &self.store,
@@ -1153,7 +1152,7 @@ impl Engine {
                     Some(&mut runner),
                 )?;
                 match runner.into_cache() {
-                    Some(seq) => (seq, done),
+                    Some(cache) => (SeqKv::Gpu(cache), done),
                     // A policy the runner does not serve (`deviation`): computed on the CPU.
                     None => (place(kv)?, done),
                 }
