@@ -480,9 +480,8 @@ impl GpuModel {
     /// `prompt` prefilled on the CPU, its cache uploaded ([`GpuModel::upload_cache`]) to two
     /// sequences decoded together ([`GpuModel::forward_batch`]) for `steps` tokens, fed the
     /// CPU's greedy tokens, and the cache read back ([`GpuModel::download_cache`]). Passes when
-    /// at every step both sequences' logits match the CPU's as a broken kernel's or a
-    /// misplaced cache's would not (each side's top token among the other's top 3, the top 5s
-    /// sharing 3) and the read-back cache holds the CPU cache's positions. Returns the largest
+    /// at every step both sequences' logits agree with the CPU's ([`same_top`]) and the
+    /// read-back cache holds the CPU cache's positions. Returns the largest
     /// absolute logit difference over the top 5, or why it failed.
     pub fn check_serving(&mut self, prompt: &[u32], steps: usize) -> Result<f32> {
         let model = self.model.clone();
@@ -510,9 +509,7 @@ impl GpuModel {
             want = model.forward(&token, &pos, &mut cpu, Logits::Last)?;
             for (seq, row) in got.chunks_exact(v).enumerate() {
                 let (mine, theirs) = (top_ids(row, 5), top_ids(&want, 5));
-                let shared = mine.iter().filter(|i| theirs.contains(i)).count();
-                if !theirs[..3].contains(&mine[0]) || !mine[..3].contains(&theirs[0]) || shared < 3
-                {
+                if !same_top(row, &want) {
                     return Err(ModelError::Gpu(format!(
                         "step {step}, sequence {seq}: GPU top 5 {mine:?}, CPU top 5 {theirs:?}"
                     )));
@@ -1405,6 +1402,15 @@ fn check_overwrite(
 
 fn upload_opt(dev: &Device, v: &Option<Vec<f32>>) -> Result<Option<Buffer>> {
     v.as_ref().map(|v| dev.upload(v).map_err(gpu)).transpose()
+}
+
+/// Whether the GPU's logits `got` agree with the CPU's `want` as rounding allows and a broken
+/// kernel or a misplaced cache would not: each side's top token among the other's top 3, and
+/// their top 5s sharing at least 3 tokens.
+pub fn same_top(got: &[f32], want: &[f32]) -> bool {
+    let (mine, theirs) = (top_ids(got, 5), top_ids(want, 5));
+    let shared = mine.iter().filter(|i| theirs.contains(i)).count();
+    theirs[..3].contains(&mine[0]) && mine[..3].contains(&theirs[0]) && shared >= 3
 }
 
 /// The indices of the `k` largest values, largest first.

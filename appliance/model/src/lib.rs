@@ -36,7 +36,7 @@ pub use generate::{
     PREFILL_CHUNK,
 };
 #[cfg(feature = "cuda")]
-pub use gpu::{GpuCache, GpuModel, HostKv, LayerTimes};
+pub use gpu::{same_top, GpuCache, GpuModel, HostKv, LayerTimes};
 pub use kv::KvCache;
 pub use model::{Blend, LayerObserver, Logits, Model, QueryObserver, Sequence};
 pub use ops::Rope;

@@ -138,11 +138,10 @@ impl Decoder {
         whole.then(|| engram_fusion::GpuRunner::new(gpu, capacity))
     }
 
-    /// Prefills `tokens` at positions `start..` after what `kv` holds (the first `start`
-    /// slots, e.g. a prefix cache hit) where decode runs: on the GPU in pieces of
-    /// [`engram_fusion::GPU_PREFILL_PIECE`] tokens (the CPU decoder runs nothing: the engine prefills on the
-    /// CPU itself). Returns the cache, now for up to `capacity` slots, and the last position's
-    /// logits.
+    /// Prefills `tokens` at positions `start..` on the GPU after what `kv` holds (the first
+    /// `start` slots, e.g. a prefix cache hit), in pieces of
+    /// [`engram_fusion::GPU_PREFILL_PIECE`] tokens. Returns the cache, now for up to `capacity`
+    /// slots, and the last position's logits.
     #[cfg(feature = "cuda")]
     pub fn prefill(
         &self,
@@ -151,18 +150,16 @@ impl Decoder {
         start: usize,
         capacity: usize,
     ) -> Result<(SeqKv, Vec<f32>), ModelError> {
+        use engram_fusion::Runner;
         let gpu = self
             .gpu
             .as_ref()
             .ok_or_else(|| ModelError::Gpu("prefill on the GPU without one".into()))?;
-        let mut gpu = gpu.borrow_mut();
-        let mut cache = gpu.upload_cache(kv, capacity)?;
-        let mut logits = Vec::new();
-        for (i, piece) in tokens.chunks(engram_fusion::GPU_PREFILL_PIECE).enumerate() {
-            let at = start + i * engram_fusion::GPU_PREFILL_PIECE;
-            let positions: Vec<i32> = (at..at + piece.len()).map(|p| p as i32).collect();
-            logits = gpu.forward(piece, &positions, &mut cache, Logits::Last)?;
-        }
+        // The runner's append: `kv` uploaded, then the tokens in pieces.
+        let mut runner = engram_fusion::GpuRunner::new(gpu, capacity);
+        let positions: Vec<i32> = (start..start + tokens.len()).map(|p| p as i32).collect();
+        let logits = runner.append(kv, tokens, &positions, Logits::Last)?;
+        let cache = runner.into_cache().expect("uploaded by append");
         Ok((SeqKv::Gpu(cache), logits))
     }
 

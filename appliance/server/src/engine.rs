@@ -21,8 +21,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use engram_fusion::{
-    chunk_tokens, fused_prefill_interleaved, no_answer, rag_frame, rag_prompt, ChunkStore,
-    CopyBias, FusedPrompt, GateLimits, Interleave, OutputText, Policy, PrefixCache, DEFAULT_SYSTEM,
+    chunk_tokens, fused_prefill_on, no_answer, rag_frame, rag_prompt, ChunkStore, CopyBias,
+    FusedPrompt, GateLimits, Interleave, OutputText, Policy, PrefixCache, DEFAULT_SYSTEM,
 };
 use engram_grammar::{Constrained, Grammar, TokenTrie};
 use engram_kvstore::{DramTier, KvDtype, KvStore, NvmeTier};
@@ -1135,30 +1135,15 @@ impl Engine {
             _ if policy == Policy::Full && self.decoder.on_gpu() => {
                 self.prefill_on_gpu(&prompt, kv)?
             }
-            #[cfg(feature = "cuda")]
-            _ if self.decoder.runner(capacity).is_some() => {
-                let mut runner = self.decoder.runner(capacity).expect("checked above");
-                let done = engram_fusion::fused_prefill_on(
-                    &self.model,
-                    &self.store,
-                    Some(&self.prefixes),
-                    &prompt,
-                    policy,
-                    &mut kv,
-                    Some(Interleave {
-                        piece: INTERLEAVE_PIECE,
-                        between: &mut between,
-                    }),
-                    Some(&mut runner),
-                )?;
-                match runner.into_cache() {
-                    Some(cache) => (SeqKv::Gpu(cache), done),
-                    // A policy the runner does not serve (`deviation`): computed on the CPU.
-                    None => (place(kv)?, done),
-                }
-            }
             _ => {
-                let done = fused_prefill_interleaved(
+                // With every layer on a GPU, fusion's passes after placement run there.
+                #[cfg(feature = "cuda")]
+                let mut runner = self.decoder.runner(capacity);
+                #[cfg(feature = "cuda")]
+                let on = runner.as_mut().map(|r| r as &mut dyn engram_fusion::Runner);
+                #[cfg(not(feature = "cuda"))]
+                let on = None;
+                let done = fused_prefill_on(
                     &self.model,
                     &self.store,
                     Some(&self.prefixes),
@@ -1169,8 +1154,19 @@ impl Engine {
                         piece: INTERLEAVE_PIECE,
                         between: &mut between,
                     }),
+                    on,
                 )?;
-                (place(kv)?, done)
+                // The runner's cache, if it ran; else (no GPU runner, or a policy it does not
+                // serve: `deviation`) the CPU's.
+                #[cfg(feature = "cuda")]
+                let on_gpu = runner.and_then(|r| r.into_cache()).map(SeqKv::Gpu);
+                #[cfg(not(feature = "cuda"))]
+                let on_gpu: Option<SeqKv> = None;
+                let seq = match on_gpu {
+                    Some(seq) => seq,
+                    None => place(kv)?,
+                };
+                (seq, done)
             }
         };
         let cached = done.stats.prefix_cached_tokens;
