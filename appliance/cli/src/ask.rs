@@ -227,12 +227,14 @@ pub fn ask(a: AskArgs) -> Result<()> {
         .iter()
         .map(|h| chunk_tokens(&llm.tokenizer, &h.text))
         .collect::<engram_tokenizer::Result<_>>()?;
+    let evidence = engram_fusion::evidence(&a.question, hits.iter().map(|h| h.text.as_str()));
     let prompt = rag_prompt(
         &llm.tokenizer,
         llm.template.as_ref(),
         DEFAULT_SYSTEM,
         chunks,
         &a.question,
+        evidence.as_deref(),
     )?;
     let stdout = std::io::stdout();
     let json = a.json;

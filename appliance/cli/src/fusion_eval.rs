@@ -212,6 +212,7 @@ pub fn run(a: FusionArgs) -> Result<()> {
             .iter()
             .map(|t| chunk_tokens(tokenizer, t))
             .collect::<engram_tokenizer::Result<_>>()?;
+        let evidence = engram_fusion::evidence(&ex.question, texts.iter().map(String::as_str));
         let prompt = rag_prompt_with(
             layout,
             tokenizer,
@@ -219,6 +220,7 @@ pub fn run(a: FusionArgs) -> Result<()> {
             DEFAULT_SYSTEM,
             chunk_ids.clone(),
             &ex.question,
+            evidence.as_deref(),
         )?;
         if prompt.len() + a.answer_tokens + 1 > model.config().context_length {
             eprintln!(

@@ -367,6 +367,7 @@ pub fn run(a: QaArgs) -> Result<()> {
             .iter()
             .map(|p| chunk_tokens(&llm.tokenizer, p))
             .collect::<engram_tokenizer::Result<_>>()?;
+        let evidence = engram_fusion::evidence(&item.question, passages.iter().map(String::as_str));
         let prompts = layouts
             .iter()
             .map(|l| {
@@ -377,6 +378,7 @@ pub fn run(a: QaArgs) -> Result<()> {
                     DEFAULT_SYSTEM,
                     chunks.clone(),
                     &item.question,
+                    evidence.as_deref(),
                 )
             })
             .collect::<engram_tokenizer::Result<Vec<_>>>()?;

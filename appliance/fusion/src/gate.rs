@@ -141,7 +141,15 @@ impl FidelityGate {
             // Rotate the passage order so each question sees its passage in another slot.
             let mut order = chunks.clone();
             order.rotate_left(i);
-            let prompt = rag_prompt(tokenizer, template, DEFAULT_SYSTEM, order, q)?;
+            let evidence = crate::evidence(q, PASSAGES.iter().copied());
+            let prompt = rag_prompt(
+                tokenizer,
+                template,
+                DEFAULT_SYSTEM,
+                order,
+                q,
+                evidence.as_deref(),
+            )?;
             let cap = prompt.len() + GATE_TOKENS + 1;
             let mut kv_full = model.new_cache(cap);
             let full = fused_prefill(model, &store, None, &prompt, Policy::Full, &mut kv_full)?;

@@ -15,6 +15,7 @@ mod chunks;
 mod copy;
 mod dedup;
 mod error;
+mod evidence;
 mod fuse;
 mod gate;
 #[cfg(feature = "cuda")]
@@ -34,6 +35,7 @@ pub use chunks::{
 pub use copy::{check_copy_bias, ends_number, CopyBias, DEFAULT_COPY_BIAS, MAX_COPY_BIAS};
 pub use dedup::{retain_distinct, REDUNDANT_SHARE};
 pub use error::{FusionError, Result};
+pub use evidence::{evidence, MAX_EVIDENCE_CHARS};
 pub use fuse::{
     fused_prefill, fused_prefill_interleaved, fused_prefill_on, FuseStats, FusedPrompt, Interleave,
     Prefilled, Runner,
@@ -48,6 +50,6 @@ pub use policy::{Policy, CHECK_LAYER, DEFAULT_POLICY};
 pub use prefix::{PrefixCache, PrefixEntry, PrefixHit, BLOCK};
 pub use prompt::{
     chunk_text, chunk_tokens, han_share, is_chinese, rag_frame, rag_prefix_frame, rag_prompt,
-    rag_prompt_with, Layout, DEFAULT_LAYOUT, DEFAULT_SYSTEM, FRAME_CONTEXT, LAYOUTS,
-    QUESTION_INSTRUCTION,
+    rag_prompt_with, Layout, DEFAULT_LAYOUT, DEFAULT_SYSTEM, EVIDENCE, EVIDENCE_ZH, FRAME_CONTEXT,
+    LAYOUTS, QUESTION_INSTRUCTION,
 };

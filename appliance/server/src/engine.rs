@@ -1089,12 +1089,15 @@ impl Engine {
                     .map(|p| chunk_tokens(&self.tokenizer, p))
                     .collect::<engram_tokenizer::Result<Vec<_>>>()
                     .map_err(|e| ApiError::invalid("passages", e.to_string()))?;
+                let evidence =
+                    engram_fusion::evidence(question, passages.iter().map(String::as_str));
                 let p = rag_prompt(
                     &self.tokenizer,
                     self.template.as_ref(),
                     DEFAULT_SYSTEM,
                     chunks,
                     question,
+                    evidence.as_deref(),
                 )
                 .map_err(|e| ApiError::invalid("question", e.to_string()))?;
                 (p, policy, off)
