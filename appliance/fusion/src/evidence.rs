@@ -118,12 +118,13 @@ fn stem(word: &str) -> String {
     }
     let mut w = word;
     for ending in ["ing", "ed", "es", "s"] {
-        if w.len() > ending.len() + 2 && w.is_char_boundary(w.len() - ending.len()) {
-            if let Some(rest) = w.strip_suffix(ending) {
-                if !(ending == "s" && rest.ends_with('s')) {
-                    w = rest;
-                    break;
-                }
+        if w.len() <= ending.len() + 2 {
+            continue;
+        }
+        if let Some(rest) = w.strip_suffix(ending) {
+            if !(ending == "s" && rest.ends_with('s')) {
+                w = rest;
+                break;
             }
         }
     }

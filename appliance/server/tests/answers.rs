@@ -106,6 +106,9 @@ fn the_sample_corpus_is_answered_from_its_passages() {
         ("Which class is train travel booked in?", "second"),
         ("For trips of what distance are flights allowed?", "600"),
         ("How much are hotel costs reimbursed per night?", "150"),
+        ("标准工作周是多少小时？", "38"),
+        ("行程超过多少公里可以乘坐飞机？", "600"),
+        ("酒店费用每晚最多报销多少？", "150"),
     ] {
         let r = ask(addr, &key, question);
         let answer = r["answer"].as_str().unwrap();
@@ -113,24 +116,9 @@ fn the_sample_corpus_is_answered_from_its_passages() {
             answer.to_lowercase().contains(fact),
             "{question} -> {answer:?}"
         );
-        // Not the question again, and cited from the handbook.
-        assert!(
-            !answer
-                .to_lowercase()
-                .contains(&question.to_lowercase()[..20]),
-            "{answer:?}"
-        );
-        assert_eq!(r["citations"][0]["collection"], "handbook", "{r}");
-    }
-
-    for (question, fact) in [
-        ("标准工作周是多少小时？", "38"),
-        ("行程超过多少公里可以乘坐飞机？", "600"),
-        ("酒店费用每晚最多报销多少？", "150"),
-    ] {
-        let r = ask(addr, &key, question);
-        let answer = r["answer"].as_str().unwrap();
-        assert!(answer.contains(fact), "{question} -> {answer:?}");
+        // Not the question again (its first 20 characters), and cited from the handbook.
+        let start: String = question.to_lowercase().chars().take(20).collect();
+        assert!(!answer.to_lowercase().contains(&start), "{answer:?}");
         assert_eq!(r["citations"][0]["collection"], "handbook", "{r}");
     }
 
