@@ -53,18 +53,12 @@ const PASSAGES: [&str; 3] = [
 ];
 
 fn prompt(l: &Llm, question: &str) -> FusedPrompt {
-    let chunks = PASSAGES
-        .iter()
-        .map(|p| chunk_tokens(&l.tokenizer, p).expect("tokenize"))
-        .collect();
-    let evidence = engram_fusion::evidence(question, PASSAGES);
     rag_prompt(
         &l.tokenizer,
         l.template.as_ref(),
         DEFAULT_SYSTEM,
-        chunks,
+        &PASSAGES,
         question,
-        evidence.as_deref(),
     )
     .expect("prompt")
 }
@@ -562,17 +556,19 @@ fn the_default_prompt_opens_with_the_frame_so_its_first_chunk_is_exact() {
     // rounding (keys are stored before RoPE in f16 and rotated again when placed): measured
     // KL 0.005, max logit difference 0.76, against KL 0.075 and 2.9 without the frame.
     let chunk = chunk_tokens(&l.tokenizer, PASSAGES[2]).expect("tokens");
-    let p = rag_prompt(
+    // No evidence sentence (`grounded-noev`, otherwise the default layout): a suffix that
+    // repeats the chunk's sentence amplifies the placed keys' rounding (KL 0.0095 with it) and
+    // this test is about the chunk.
+    let p = engram_fusion::rag_prompt_with(
+        engram_fusion::Layout::named("grounded-noev").expect("layout"),
         &l.tokenizer,
         l.template.as_ref(),
         DEFAULT_SYSTEM,
-        vec![chunk.clone()],
+        &PASSAGES[2..],
         "When was the Eiffel Tower completed?",
-        // No evidence sentence: a suffix that repeats the chunk's sentence amplifies the
-        // placed keys' rounding (KL 0.0095 with it) and this test is about the chunk.
-        None,
     )
     .expect("prompt");
+    assert_eq!(p.chunks, std::slice::from_ref(&chunk));
     assert_eq!(p.prefix, store.frame(), "the prefix is not the frame");
     store.ensure(&l.model, &chunk).expect("precompute");
     let full = run(l, &store, &p, Policy::Full);
@@ -590,9 +586,8 @@ fn the_default_prompt_opens_with_the_frame_so_its_first_chunk_is_exact() {
         &l.tokenizer,
         l.template.as_ref(),
         DEFAULT_SYSTEM,
-        vec![chunk],
+        &PASSAGES[2..],
         "When was the Eiffel Tower completed?",
-        None,
     )
     .expect("prompt");
     assert_ne!(plain.prefix, store.frame());

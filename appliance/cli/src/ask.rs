@@ -223,18 +223,13 @@ pub fn ask(a: AskArgs) -> Result<()> {
         }
     }
 
-    let chunks: Vec<Vec<u32>> = hits
-        .iter()
-        .map(|h| chunk_tokens(&llm.tokenizer, &h.text))
-        .collect::<engram_tokenizer::Result<_>>()?;
-    let evidence = engram_fusion::evidence(&a.question, hits.iter().map(|h| h.text.as_str()));
+    let passages: Vec<&str> = hits.iter().map(|h| h.text.as_str()).collect();
     let prompt = rag_prompt(
         &llm.tokenizer,
         llm.template.as_ref(),
         DEFAULT_SYSTEM,
-        chunks,
+        &passages,
         &a.question,
-        evidence.as_deref(),
     )?;
     let stdout = std::io::stdout();
     let json = a.json;

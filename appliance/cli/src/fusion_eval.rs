@@ -14,9 +14,9 @@ use std::time::Duration;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use engram_fusion::{
-    bos_frame, chunk_tokens, fused_prefill, kl_divergence, rag_frame, rag_prefix_frame,
-    rag_prompt_with, retain_distinct, ChunkStore, FuseStats, Layout, OutputText, Policy,
-    PrefixCache, DEFAULT_LAYOUT, DEFAULT_SYSTEM,
+    bos_frame, fused_prefill, kl_divergence, rag_frame, rag_prefix_frame, rag_prompt_with,
+    retain_distinct, ChunkStore, FuseStats, Layout, OutputText, Policy, PrefixCache,
+    DEFAULT_LAYOUT, DEFAULT_SYSTEM,
 };
 use engram_kvstore::{DramTier, IoMode, KvDtype, KvStore, NvmeOptions, NvmeTier};
 use engram_model::{argmax, top_k, Logits};
@@ -208,19 +208,13 @@ pub fn run(a: FusionArgs) -> Result<()> {
         if a.passages == "distinct" {
             retain_distinct(&mut texts, String::as_str);
         }
-        let chunk_ids: Vec<Vec<u32>> = texts
-            .iter()
-            .map(|t| chunk_tokens(tokenizer, t))
-            .collect::<engram_tokenizer::Result<_>>()?;
-        let evidence = engram_fusion::evidence(&ex.question, texts.iter().map(String::as_str));
         let prompt = rag_prompt_with(
             layout,
             tokenizer,
             loaded.template.as_ref(),
             DEFAULT_SYSTEM,
-            chunk_ids.clone(),
+            &texts,
             &ex.question,
-            evidence.as_deref(),
         )?;
         if prompt.len() + a.answer_tokens + 1 > model.config().context_length {
             eprintln!(
@@ -235,7 +229,7 @@ pub fn run(a: FusionArgs) -> Result<()> {
         }
         passages_kept.push(texts.len() as f64);
         // Ingestion: every chunk's KV computed and stored (not part of TTFT).
-        for c in &chunk_ids {
+        for c in &prompt.chunks {
             chunks.ensure(model, c)?;
         }
         let mut kv = model.new_cache(prompt.len() + a.answer_tokens + 1);
@@ -336,7 +330,7 @@ pub fn run(a: FusionArgs) -> Result<()> {
                 );
             }
         }
-        for c in &chunk_ids {
+        for c in &prompt.chunks {
             chunks.store().remove(&chunks.key(c))?;
         }
         eprintln!(

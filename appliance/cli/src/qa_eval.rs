@@ -14,8 +14,8 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use engram_fusion::{
-    chunk_tokens, no_answer, not_answered, rag_prompt_with, relevant, retain_distinct, Layout,
-    Policy, DEFAULT_COPY_BIAS, DEFAULT_LAYOUT, DEFAULT_POLICY, DEFAULT_SYSTEM,
+    no_answer, not_answered, rag_prompt_with, relevant, retain_distinct, Layout, Policy,
+    DEFAULT_COPY_BIAS, DEFAULT_LAYOUT, DEFAULT_POLICY, DEFAULT_SYSTEM,
 };
 use engram_kb::{NewDocument, SearchRequest};
 use engram_kvstore::{DramTier, KvDtype, KvStore};
@@ -363,11 +363,6 @@ pub fn run(a: QaArgs) -> Result<()> {
         // gets the same passages).
         let mut passages: Vec<String> = hits.iter().map(|h| h.text.clone()).collect();
         retain_distinct(&mut passages, String::as_str);
-        let chunks: Vec<Vec<u32>> = passages
-            .iter()
-            .map(|p| chunk_tokens(&llm.tokenizer, p))
-            .collect::<engram_tokenizer::Result<_>>()?;
-        let evidence = engram_fusion::evidence(&item.question, passages.iter().map(String::as_str));
         let prompts = layouts
             .iter()
             .map(|l| {
@@ -376,9 +371,8 @@ pub fn run(a: QaArgs) -> Result<()> {
                     &llm.tokenizer,
                     llm.template.as_ref(),
                     DEFAULT_SYSTEM,
-                    chunks.clone(),
+                    &passages,
                     &item.question,
-                    evidence.as_deref(),
                 )
             })
             .collect::<engram_tokenizer::Result<Vec<_>>>()?;
@@ -389,8 +383,8 @@ pub fn run(a: QaArgs) -> Result<()> {
         }
         if grounded {
             // As after ingestion: the chunks' KV is stored before the question (not part of
-            // TTFT).
-            for c in &chunks {
+            // TTFT). Every layout holds the same chunks.
+            for c in &prompts[0].chunks {
                 store.ensure(&llm.model, c)?;
             }
         }

@@ -12,7 +12,7 @@ use crate::chunks::ChunkStore;
 use crate::error::Result;
 use crate::fuse::fused_prefill;
 use crate::policy::Policy;
-use crate::prompt::{chunk_tokens, rag_prompt, DEFAULT_SYSTEM};
+use crate::prompt::{rag_prompt, DEFAULT_SYSTEM};
 
 /// Largest mean KL divergence (nats) of the next-token distribution, full vs fused, at the
 /// last prompt position of the built-in prompts. The gate is a smoke test that tells working
@@ -132,24 +132,12 @@ impl FidelityGate {
             frame,
             KvDtype::F16,
         );
-        let chunks: Vec<Vec<u32>> = PASSAGES
-            .iter()
-            .map(|p| chunk_tokens(tokenizer, p))
-            .collect::<engram_tokenizer::Result<_>>()?;
         let (mut max_kl, mut sum_kl, mut agree, mut total) = (0.0f64, 0.0f64, 0usize, 0usize);
         for (i, q) in QUESTIONS.iter().enumerate() {
             // Rotate the passage order so each question sees its passage in another slot.
-            let mut order = chunks.clone();
+            let mut order = PASSAGES;
             order.rotate_left(i);
-            let evidence = crate::evidence(q, PASSAGES.iter().copied());
-            let prompt = rag_prompt(
-                tokenizer,
-                template,
-                DEFAULT_SYSTEM,
-                order,
-                q,
-                evidence.as_deref(),
-            )?;
+            let prompt = rag_prompt(tokenizer, template, DEFAULT_SYSTEM, &order, q)?;
             let cap = prompt.len() + GATE_TOKENS + 1;
             let mut kv_full = model.new_cache(cap);
             let full = fused_prefill(model, &store, None, &prompt, Policy::Full, &mut kv_full)?;

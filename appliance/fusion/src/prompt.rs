@@ -79,9 +79,8 @@ pub fn rag_prefix_frame(
         tokenizer,
         template,
         DEFAULT_SYSTEM,
-        Vec::new(),
+        &[] as &[&str],
         "",
-        None,
     )?
     .prefix)
 }
@@ -238,40 +237,43 @@ pub fn han_share(text: &str) -> f64 {
     han as f64 / letters.max(1) as f64
 }
 
-/// Builds the fused prompt in the default layout (see [`rag_prompt_with`]).
-pub fn rag_prompt(
+/// Builds the fused prompt of `passages` (retrieved, in rank order, best first) in the default
+/// layout (see [`rag_prompt_with`]).
+pub fn rag_prompt<P: AsRef<str>>(
     tokenizer: &Tokenizer,
     template: Option<&ChatTemplate>,
     system: &str,
-    chunks: Vec<Vec<u32>>,
+    passages: &[P],
     question: &str,
-    evidence: Option<&str>,
 ) -> engram_tokenizer::Result<FusedPrompt> {
     rag_prompt_with(
         DEFAULT_LAYOUT,
         tokenizer,
         template,
         system,
-        chunks,
+        passages,
         question,
-        evidence,
     )
 }
 
 /// Builds the fused prompt: `template` applied to a system message and a user message made of
-/// the question (when the layout says so), "Passages:", the chunks, the `evidence` sentence
-/// (when the layout has a label for it; see [`crate::evidence`]), the instruction and the
-/// question, with the generation prompt and the layout's seed. Without a template, a plain
-/// "Passages: ... Answer:" layout is used.
-pub fn rag_prompt_with(
+/// the question (when the layout says so), "Passages:", the chunks of `passages` (retrieved, in
+/// rank order; tokenized as at ingestion, [`chunk_tokens`], so their stored KV is found), the
+/// evidence sentence (when the layout has a label for it; see [`crate::evidence`]), the
+/// instruction and the question, with the generation prompt and the layout's seed. Without a
+/// template, a plain "Passages: ... Answer:" layout is used.
+pub fn rag_prompt_with<P: AsRef<str>>(
     layout: Layout,
     tokenizer: &Tokenizer,
     template: Option<&ChatTemplate>,
     system: &str,
-    mut chunks: Vec<Vec<u32>>,
+    passages: &[P],
     question: &str,
-    evidence: Option<&str>,
 ) -> engram_tokenizer::Result<FusedPrompt> {
+    let mut chunks = passages
+        .iter()
+        .map(|p| chunk_tokens(tokenizer, p.as_ref()))
+        .collect::<engram_tokenizer::Result<Vec<_>>>()?;
     if layout.best_last {
         chunks.reverse();
     }
@@ -282,8 +284,14 @@ pub fn rag_prompt_with(
     } else {
         (layout.instruction, layout.seed, layout.evidence)
     };
-    let evidence = match evidence.map(str::trim) {
-        Some(e) if !label.is_empty() && !e.is_empty() => format!("{label}{e}\n\n"),
+    // Chosen only where the layout shows it: ties go to the better-ranked passage.
+    let evidence = if label.is_empty() {
+        None
+    } else {
+        crate::evidence(question, passages.iter().map(AsRef::as_ref))
+    };
+    let evidence = match evidence.as_deref().map(str::trim) {
+        Some(e) if !e.is_empty() => format!("{label}{e}\n\n"),
         _ => String::new(),
     };
     let before = match (layout.question_first, zh) {

@@ -1084,22 +1084,14 @@ impl Engine {
         let (prompt, policy, fusion_disabled) = match &job.prompt {
             Prompt::Rag { question, passages } => {
                 let (policy, off) = self.gated(job.policy.unwrap_or(self.opts.policy))?;
-                let chunks = passages
-                    .iter()
-                    .map(|p| chunk_tokens(&self.tokenizer, p))
-                    .collect::<engram_tokenizer::Result<Vec<_>>>()
-                    .map_err(|e| ApiError::invalid("passages", e.to_string()))?;
-                let evidence =
-                    engram_fusion::evidence(question, passages.iter().map(String::as_str));
                 let p = rag_prompt(
                     &self.tokenizer,
                     self.template.as_ref(),
                     DEFAULT_SYSTEM,
-                    chunks,
+                    passages,
                     question,
-                    evidence.as_deref(),
                 )
-                .map_err(|e| ApiError::invalid("question", e.to_string()))?;
+                .map_err(|e| ApiError::invalid("passages", e.to_string()))?;
                 (p, policy, off)
             }
             Prompt::Chat { messages } => (self.chat_prompt(messages)?, Policy::Full, None),
