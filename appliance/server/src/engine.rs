@@ -1091,7 +1091,7 @@ impl Engine {
                     passages,
                     question,
                 )
-                .map_err(|e| ApiError::invalid("passages", e.to_string()))?;
+                .map_err(|e| ApiError::invalid("question", e.to_string()))?;
                 (p, policy, off)
             }
             Prompt::Chat { messages } => (self.chat_prompt(messages)?, Policy::Full, None),
