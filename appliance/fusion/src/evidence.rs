@@ -17,6 +17,17 @@ pub const MAX_EVIDENCE_CHARS: usize = 400;
 /// of neighbouring Han characters. Ties go to the better-ranked passage, then the earlier
 /// sentence. `None` when no sentence shares a term.
 pub fn evidence<'a>(question: &str, passages: impl IntoIterator<Item = &'a str>) -> Option<String> {
+    evidence_within(question, passages, MAX_EVIDENCE_CHARS)
+}
+
+/// [`evidence`], at most `max_chars` long: a longer sentence gives its run of clauses (cut
+/// after "，,：:;；") of at most `max_chars` that holds the most of the question's terms (ties:
+/// the shorter, then the earlier), and a clause still longer is cut at the limit.
+pub fn evidence_within<'a>(
+    question: &str,
+    passages: impl IntoIterator<Item = &'a str>,
+    max_chars: usize,
+) -> Option<String> {
     let wanted = terms(question);
     if wanted.is_empty() {
         return None;
@@ -31,15 +42,48 @@ pub fn evidence<'a>(question: &str, passages: impl IntoIterator<Item = &'a str>)
     }
     let n = sentences.len() as f64;
     let idf = |t: &str| ((n + 1.0) / (df.get(t).copied().unwrap_or(0) as f64 + 0.5)).ln();
+    let score =
+        |have: &HashSet<String>| -> f64 { have.intersection(&wanted).map(|t| idf(t)).sum() };
     let mut best: Option<(f64, usize)> = None;
     for (i, have) in found.iter().enumerate() {
-        let score: f64 = have.intersection(&wanted).map(|t| idf(t)).sum();
+        let score = score(have);
         // Strictly greater: the first of equals (better-ranked passage, earlier sentence) stays.
         if score > 0.0 && best.is_none_or(|(b, _)| score > b) {
             best = Some((score, i));
         }
     }
-    best.map(|(_, i)| sentences[i].to_owned())
+    let sentence = sentences[best?.1];
+    if sentence.chars().count() <= max_chars {
+        return Some(sentence.to_owned());
+    }
+    // The best run of clauses that fits.
+    let clauses = split_after(sentence, |c, _| {
+        matches!(c, '，' | ',' | '：' | ':' | ';' | '；')
+    });
+    let start_of = |c: &str| c.as_ptr() as usize - sentence.as_ptr() as usize;
+    let mut pick: Option<(f64, usize, &str)> = None;
+    for i in 0..clauses.len() {
+        for j in i..clauses.len() {
+            let run = &sentence[start_of(clauses[i])..start_of(clauses[j]) + clauses[j].len()];
+            let len = run.chars().count();
+            if len > max_chars && j > i {
+                break;
+            }
+            let run = match run.char_indices().nth(max_chars) {
+                Some((cut, _)) => &run[..cut],
+                None => run,
+            };
+            let s = score(&terms(run));
+            let better = match pick {
+                None => true,
+                Some((b, l, _)) => s > b || (s == b && len < l),
+            };
+            if better {
+                pick = Some((s, len, run));
+            }
+        }
+    }
+    pick.map(|(_, _, run)| run.trim().to_owned())
 }
 
 /// The sentences of `text`, trimmed: split after "。！？；;!?", after a "." followed by white
@@ -161,6 +205,26 @@ mod tests {
             ev("When do carried-over days expire?"),
             "carried-over days expire on 31 March."
         );
+    }
+
+    #[test]
+    fn a_shorter_limit_keeps_the_clauses_with_the_questions_terms() {
+        let ev = |q, max| evidence_within(q, [HANDBOOK, TRAVEL], max).unwrap();
+        // Fits: the whole sentence.
+        assert_eq!(
+            ev("How many hours is the standard working week?", 60),
+            "The standard working week is 38 hours."
+        );
+        // "Train travel is booked in second class; flights are allowed for trips of more than
+        // 600 kilometres." is cut at ";" already; with 50 characters the claims sentence keeps
+        // its receipt clause.
+        let receipt = ev("Which items need a receipt?", 50);
+        assert_eq!(receipt, "with a receipt for every item above 25 euros.");
+        assert!(receipt.chars().count() <= 50);
+        // One clause longer than the limit is cut at it.
+        let endless = "leave ".repeat(300);
+        let e = evidence_within("Where is leave requested?", [endless.as_str()], 40).unwrap();
+        assert_eq!(e.chars().count(), 40);
     }
 
     #[test]

@@ -35,7 +35,7 @@ pub use chunks::{
 pub use copy::{check_copy_bias, ends_number, CopyBias, DEFAULT_COPY_BIAS, MAX_COPY_BIAS};
 pub use dedup::{retain_distinct, REDUNDANT_SHARE};
 pub use error::{FusionError, Result};
-pub use evidence::{evidence, MAX_EVIDENCE_CHARS};
+pub use evidence::{evidence, evidence_within, MAX_EVIDENCE_CHARS};
 pub use fuse::{
     fused_prefill, fused_prefill_interleaved, fused_prefill_on, FuseStats, FusedPrompt, Interleave,
     Prefilled, Runner,

@@ -3,6 +3,7 @@
 
 use engram_tokenizer::{ChatTemplate, Message, Tokenizer};
 
+use crate::evidence::MAX_EVIDENCE_CHARS;
 use crate::fuse::FusedPrompt;
 
 /// System prompt of question answering over passages.
@@ -122,6 +123,8 @@ pub struct Layout {
     /// passages and [`Self::instruction`]; empty: no evidence.
     pub evidence: &'static str,
     pub evidence_zh: &'static str,
+    /// Longest evidence, in characters ([`crate::evidence_within`]).
+    pub evidence_max_chars: usize,
 }
 
 /// [`QUESTION_INSTRUCTION`] for a question in Chinese.
@@ -141,13 +144,30 @@ pub const QUESTION_INSTRUCTION_ZH: &str =
 /// `grounded` repeats the evidence sentence after the passages; `grounded-noev` is the same
 /// without it, the default until docs/bench/2026-11-29-evidence.md (F1 +0.032 on XQuAD-en,
 /// +0.054 on XQuAD-zh, +0.024 on CMRC2018), and `grounded-en-label` introduces it in English
-/// for Chinese questions too (XQuAD-zh F1 0.165 against 0.169).
+/// for Chinese questions too (XQuAD-zh F1 0.165 against 0.169). `grounded-clause` cuts the
+/// evidence to its best clauses within [`SHORT_EVIDENCE_CHARS`] and `grounded-short` also
+/// shortens the instruction ([`SHORT_INSTRUCTION`]), for fewer fresh tokens after the passages:
+/// on MuSiQue (40 questions) `grounded-short` recomputes 3.1 % of the prompt against 4.3 % at
+/// the same fidelity, and on XQuAD-en (60) both answer a little worse than the default (F1
+/// -0.028 and -0.015, neither significant; docs/bench/2026-12-02-fresh-tokens.md).
 pub const LAYOUTS: &[Layout] = &[
     GROUNDED,
     Layout {
         name: "grounded-noev",
         evidence: "",
         evidence_zh: "",
+        ..GROUNDED
+    },
+    Layout {
+        name: "grounded-clause",
+        evidence_max_chars: SHORT_EVIDENCE_CHARS,
+        ..GROUNDED
+    },
+    Layout {
+        name: "grounded-short",
+        instruction: SHORT_INSTRUCTION,
+        instruction_zh: SHORT_INSTRUCTION,
+        evidence_max_chars: SHORT_EVIDENCE_CHARS,
         ..GROUNDED
     },
     Layout {
@@ -177,6 +197,7 @@ pub const LAYOUTS: &[Layout] = &[
         frame_in_prompt: true,
         evidence: "",
         evidence_zh: "",
+        evidence_max_chars: MAX_EVIDENCE_CHARS,
     },
     Layout {
         name: "v1",
@@ -189,6 +210,7 @@ pub const LAYOUTS: &[Layout] = &[
         frame_in_prompt: false,
         evidence: "",
         evidence_zh: "",
+        evidence_max_chars: MAX_EVIDENCE_CHARS,
     },
 ];
 
@@ -204,7 +226,15 @@ const GROUNDED: Layout = Layout {
     frame_in_prompt: true,
     evidence: EVIDENCE,
     evidence_zh: EVIDENCE_ZH,
+    evidence_max_chars: MAX_EVIDENCE_CHARS,
 };
+
+/// `grounded-short`'s instruction: [`QUESTION_INSTRUCTION`] in 16 tokens rather than 27.
+pub const SHORT_INSTRUCTION: &str =
+    "Answer in at most 5 words. Do not repeat the question.\nQuestion: ";
+
+/// `grounded-clause`'s and `grounded-short`'s longest evidence: about 25 tokens of English.
+pub const SHORT_EVIDENCE_CHARS: usize = 100;
 
 /// What the evidence sentence is introduced by.
 pub const EVIDENCE: &str = "Most relevant sentence: ";
@@ -288,7 +318,11 @@ pub fn rag_prompt_with<P: AsRef<str>>(
     let evidence = if label.is_empty() {
         None
     } else {
-        crate::evidence(question, passages.iter().map(AsRef::as_ref))
+        crate::evidence_within(
+            question,
+            passages.iter().map(AsRef::as_ref),
+            layout.evidence_max_chars,
+        )
     };
     let evidence = match evidence.as_deref().map(str::trim) {
         Some(e) if !e.is_empty() => format!("{label}{e}\n\n"),
