@@ -21,8 +21,9 @@ pub fn evidence<'a>(question: &str, passages: impl IntoIterator<Item = &'a str>)
 }
 
 /// [`evidence`], at most `max_chars` long: a longer sentence gives its run of clauses (cut
-/// after "，,：:;；") of at most `max_chars` that holds the most of the question's terms (ties:
-/// the shorter, then the earlier), and a clause still longer is cut at the limit.
+/// as [`sentences`] cuts one, after "，,：:") of at most `max_chars` that holds the most of the
+/// question's terms (ties: the shorter, then the earlier), and a clause still longer is cut at
+/// the limit.
 pub fn evidence_within<'a>(
     question: &str,
     passages: impl IntoIterator<Item = &'a str>,
@@ -57,9 +58,7 @@ pub fn evidence_within<'a>(
         return Some(sentence.to_owned());
     }
     // The best run of clauses that fits.
-    let clauses = split_after(sentence, |c, _| {
-        matches!(c, '，' | ',' | '：' | ':' | ';' | '；')
-    });
+    let clauses = split_after(sentence, |c, _| ends_clause(c));
     let start_of = |c: &str| c.as_ptr() as usize - sentence.as_ptr() as usize;
     let mut pick: Option<(f64, usize, &str)> = None;
     for i in 0..clauses.len() {
@@ -69,10 +68,7 @@ pub fn evidence_within<'a>(
             if len > max_chars && j > i {
                 break;
             }
-            let run = match run.char_indices().nth(max_chars) {
-                Some((cut, _)) => &run[..cut],
-                None => run,
-            };
+            let run = cut_chars(run, max_chars);
             let s = score(&terms(run));
             let better = match pick {
                 None => true,
@@ -99,15 +95,23 @@ fn sentences(text: &str) -> Vec<&str> {
             out.push(s);
             continue;
         }
-        for clause in split_after(s, |c, _| matches!(c, '，' | ',' | '：' | ':')) {
-            let end = clause
-                .char_indices()
-                .nth(MAX_EVIDENCE_CHARS)
-                .map_or(clause.len(), |(i, _)| i);
-            out.push(&clause[..end]);
+        for clause in split_after(s, |c, _| ends_clause(c)) {
+            out.push(cut_chars(clause, MAX_EVIDENCE_CHARS));
         }
     }
     out
+}
+
+/// Whether a clause of a sentence ends after `c`.
+fn ends_clause(c: char) -> bool {
+    matches!(c, '，' | ',' | '：' | ':')
+}
+
+/// `text`'s first `max` characters.
+fn cut_chars(text: &str, max: usize) -> &str {
+    text.char_indices()
+        .nth(max)
+        .map_or(text, |(i, _)| &text[..i])
 }
 
 /// `text` cut after each character `ends(c, next)` accepts, pieces trimmed, empty ones left out.
