@@ -599,6 +599,40 @@ fn the_default_prompt_opens_with_the_frame_so_its_first_chunk_is_exact() {
 }
 
 #[test]
+fn every_framed_layout_opens_with_its_own_frame() {
+    let l = llm();
+    let question = "When was the Eiffel Tower completed?";
+    for layout in engram_fusion::LAYOUTS {
+        if !layout.frame_in_prompt || layout.question_first {
+            continue;
+        }
+        let p = engram_fusion::rag_prompt_with(
+            *layout,
+            &l.tokenizer,
+            l.template.as_ref(),
+            DEFAULT_SYSTEM,
+            &PASSAGES[2..],
+            question,
+        )
+        .expect("prompt");
+        let frame = engram_fusion::rag_frame_for(*layout, &l.tokenizer, l.template.as_ref())
+            .expect("frame");
+        assert_eq!(
+            p.prefix, frame,
+            "{}: the prefix is not its frame",
+            layout.name
+        );
+        // A preamble is part of the exact prefix, never of the fresh tokens after the passages.
+        if !layout.preamble.is_empty() {
+            let default = rag_frame(&l.tokenizer, l.template.as_ref()).expect("frame");
+            assert!(frame.len() > default.len(), "{}", layout.name);
+            let suffix = l.tokenizer.decode(&p.suffix, false);
+            assert!(!suffix.contains(layout.preamble.trim()), "{}", layout.name);
+        }
+    }
+}
+
+#[test]
 fn prefix_cache_serves_exact_prefixes() {
     let l = llm();
     let store = dram_store(l);

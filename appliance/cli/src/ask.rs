@@ -10,9 +10,9 @@ use std::time::Instant;
 use anyhow::{Context, Result};
 use clap::Args;
 use engram_fusion::{
-    chunk_tokens, fused_prefill, no_answer, rag_frame, rag_prompt, relevant, retain_distinct,
-    ChunkStore, CopyBias, GateLimits, OutputText, Policy, DEFAULT_COPY_BIAS, DEFAULT_POLICY,
-    DEFAULT_SYSTEM,
+    chunk_tokens, fused_prefill, no_answer, rag_frame_for, rag_prompt, relevant, retain_distinct,
+    ChunkStore, CopyBias, GateLimits, Layout, OutputText, Policy, DEFAULT_COPY_BIAS,
+    DEFAULT_LAYOUT, DEFAULT_POLICY, DEFAULT_SYSTEM,
 };
 use engram_kb::{KnowledgeBase, SearchRequest};
 use engram_kvstore::{DramTier, IoMode, KvDtype, KvStore, NvmeOptions, NvmeTier};
@@ -131,7 +131,17 @@ impl Llm {
     /// The chunk store for this model; records its fingerprint next to the NVMe tier, as the
     /// daemon does, so that KV stored here is not taken for another model's at its next start.
     pub fn chunk_store(&self, store: KvStore, dtype: KvDtype) -> Result<ChunkStore> {
-        let frame = rag_frame(&self.tokenizer, self.template.as_ref())?;
+        self.chunk_store_for(DEFAULT_LAYOUT, store, dtype)
+    }
+
+    /// [`Self::chunk_store`] with chunks computed in `layout`'s frame ([`rag_frame_for`]).
+    pub fn chunk_store_for(
+        &self,
+        layout: Layout,
+        store: KvStore,
+        dtype: KvDtype,
+    ) -> Result<ChunkStore> {
+        let frame = rag_frame_for(layout, &self.tokenizer, self.template.as_ref())?;
         let store = ChunkStore::new(Arc::new(store), &self.model, frame, dtype);
         if let Err(e) = store.record_fingerprint() {
             eprintln!("warning: cannot record the chunk KV model next to the NVMe tier: {e}");

@@ -14,7 +14,7 @@ use std::time::Duration;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use engram_fusion::{
-    bos_frame, fused_prefill, kl_divergence, rag_frame, rag_prefix_frame, rag_prompt_with,
+    bos_frame, fused_prefill, kl_divergence, rag_frame_for, rag_prefix_frame, rag_prompt_with,
     retain_distinct, ChunkStore, FuseStats, Layout, OutputText, Policy, PrefixCache,
     DEFAULT_LAYOUT, DEFAULT_SYSTEM,
 };
@@ -56,8 +56,9 @@ pub struct FusionArgs {
     /// Stored element type.
     #[arg(long, default_value = "f16", value_parser = ["f16", "int8"])]
     kv_dtype: String,
-    /// Frame chunks are computed in: `context` (the RAG prompt's prefix and a neutral passage,
-    /// the default), `prefix` (the prefix alone), `bos` (the model's BOS token) or `none`.
+    /// Frame chunks are computed in: `context` (the layout's RAG prompt prefix and the neutral
+    /// passages, the default), `prefix` (the default layout's prefix alone), `bos` (the model's
+    /// BOS token) or `none`.
     #[arg(long, default_value = "context", value_parser = ["context", "prefix", "bos", "none"])]
     frame: String,
     /// Prompt layout (`engram eval qa --layouts` lists them): the default, `grounded`, opens
@@ -159,7 +160,7 @@ pub fn run(a: FusionArgs) -> Result<()> {
     let (model, tokenizer) = (&loaded.model, &loaded.tokenizer);
     let dtype = KvDtype::parse(&a.kv_dtype)?;
     let frame = match a.frame.as_str() {
-        "context" => rag_frame(tokenizer, loaded.template.as_ref())?,
+        "context" => rag_frame_for(layout, tokenizer, loaded.template.as_ref())?,
         "prefix" => rag_prefix_frame(tokenizer, loaded.template.as_ref())?,
         "bos" => bos_frame(tokenizer.bos_id()),
         _ => Vec::new(),

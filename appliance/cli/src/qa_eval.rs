@@ -329,8 +329,11 @@ pub fn run(a: QaArgs) -> Result<()> {
     );
 
     let llm = Llm::load(&kb_args)?;
-    // The chunk KV lives in DRAM for the run: computed at its first use, reused after.
-    let store = llm.chunk_store(
+    // The chunk KV lives in DRAM for the run: computed at its first use, reused after, in the
+    // first layout's frame (the others' first chunks are exact only where their prefix is the
+    // same).
+    let store = llm.chunk_store_for(
+        layouts[0],
         KvStore::new(Some(DramTier::new(4 << 30)), None),
         KvDtype::F16,
     )?;

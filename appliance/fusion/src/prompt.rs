@@ -61,7 +61,17 @@ pub fn rag_frame(
     tokenizer: &Tokenizer,
     template: Option<&ChatTemplate>,
 ) -> engram_tokenizer::Result<Vec<u32>> {
-    let mut frame = rag_prefix_frame(tokenizer, template)?;
+    rag_frame_for(DEFAULT_LAYOUT, tokenizer, template)
+}
+
+/// [`rag_frame`] for the prompts of `layout`: its prefix (with its [`Layout::preamble`]) and
+/// the neutral passages, so that a layout's first chunk is exact as the default's is.
+pub fn rag_frame_for(
+    layout: Layout,
+    tokenizer: &Tokenizer,
+    template: Option<&ChatTemplate>,
+) -> engram_tokenizer::Result<Vec<u32>> {
+    let mut frame = prefix_frame_for(layout, tokenizer, template)?;
     extend_with_frame_context(tokenizer, &mut frame)?;
     Ok(frame)
 }
@@ -71,9 +81,19 @@ pub fn rag_prefix_frame(
     tokenizer: &Tokenizer,
     template: Option<&ChatTemplate>,
 ) -> engram_tokenizer::Result<Vec<u32>> {
+    prefix_frame_for(DEFAULT_LAYOUT, tokenizer, template)
+}
+
+/// `layout`'s prefix without the question or the neutral passages.
+fn prefix_frame_for(
+    layout: Layout,
+    tokenizer: &Tokenizer,
+    template: Option<&ChatTemplate>,
+) -> engram_tokenizer::Result<Vec<u32>> {
     let layout = Layout {
         frame_in_prompt: false,
-        ..DEFAULT_LAYOUT
+        question_first: false,
+        ..layout
     };
     Ok(rag_prompt_with(
         layout,
@@ -103,6 +123,9 @@ pub struct Layout {
     pub name: &'static str,
     /// The question also goes before the passages (read with the question in mind).
     pub question_first: bool,
+    /// Before the passages (and the question, when it goes first): part of the exact prefix,
+    /// so an instruction here costs no fresh tokens after the passages.
+    pub preamble: &'static str,
     /// Between the passages and the question.
     pub instruction: &'static str,
     /// The start of the assistant's turn, part of the prompt (the answer follows it).
@@ -150,6 +173,11 @@ pub const QUESTION_INSTRUCTION_ZH: &str =
 /// on MuSiQue (40 questions) `grounded-short` recomputes 3.1 % of the prompt against 4.3 % at
 /// the same fidelity, and on XQuAD-en (60) both answer a little worse than the default (F1
 /// -0.028 and -0.015, neither significant; docs/bench/2026-12-02-fresh-tokens.md).
+/// `grounded-first` moves the instruction before the passages ([`Layout::preamble`], part of the
+/// exact prefix and of its frame, [`rag_frame_for`]), leaving only "Question: " and the question
+/// after them: on MuSiQue (40 questions) it recomputes 3.3 % of the prompt against 4.3 % (19.8x
+/// against 16.4x) at no better fidelity, and on XQuAD-en (60) it answers worse (F1 0.179 against
+/// 0.240; docs/bench/2026-12-02-instruction-first.md).
 pub const LAYOUTS: &[Layout] = &[
     GROUNDED,
     Layout {
@@ -171,6 +199,13 @@ pub const LAYOUTS: &[Layout] = &[
         ..GROUNDED
     },
     Layout {
+        name: "grounded-first",
+        preamble: FIRST_INSTRUCTION,
+        instruction: "Question: ",
+        instruction_zh: "Question: ",
+        ..GROUNDED
+    },
+    Layout {
         name: "grounded-en-label",
         evidence_zh: EVIDENCE,
         ..GROUNDED
@@ -189,6 +224,7 @@ pub const LAYOUTS: &[Layout] = &[
     Layout {
         name: "question-first",
         question_first: true,
+        preamble: "",
         instruction: "Answer the question using only the passages above. Answer in a few words. If they do not contain the answer, say \"I don't know\".\nQuestion: ",
         seed: "Answer:",
         instruction_zh: "只根据上面的段落回答问题，用几个字回答。如果段落中没有答案，就说\"我不知道\"。\n问题：",
@@ -202,6 +238,7 @@ pub const LAYOUTS: &[Layout] = &[
     Layout {
         name: "v1",
         question_first: false,
+        preamble: "",
         instruction: QUESTION_INSTRUCTION,
         seed: "",
         instruction_zh: QUESTION_INSTRUCTION,
@@ -218,6 +255,7 @@ pub const LAYOUTS: &[Layout] = &[
 const GROUNDED: Layout = Layout {
     name: "grounded",
     question_first: false,
+    preamble: "",
     instruction: QUESTION_INSTRUCTION,
     seed: "Answer:",
     instruction_zh: QUESTION_INSTRUCTION,
@@ -232,6 +270,10 @@ const GROUNDED: Layout = Layout {
 /// `grounded-short`'s instruction: [`QUESTION_INSTRUCTION`] in 16 tokens rather than 27.
 pub const SHORT_INSTRUCTION: &str =
     "Answer in at most 5 words. Do not repeat the question.\nQuestion: ";
+
+/// `grounded-first`'s instruction, before the passages: [`QUESTION_INSTRUCTION`]'s words
+/// without its "Question: ", which stays after the passages.
+pub const FIRST_INSTRUCTION: &str = "Answer the question directly based on the given passages. Do NOT repeat the question. The answer should be within 5 words.\n\n";
 
 /// `grounded-clause`'s and `grounded-short`'s longest evidence: about 25 tokens of English.
 pub const SHORT_EVIDENCE_CHARS: usize = 100;
@@ -333,7 +375,8 @@ pub fn rag_prompt_with<P: AsRef<str>>(
         (true, false) => format!("Question: {question}\n\n"),
         (true, true) => format!("问题：{question}\n\n"),
     };
-    let user = format!("{before}Passages:\n{MARKER}{evidence}{instruction}{question}");
+    let preamble = layout.preamble;
+    let user = format!("{preamble}{before}Passages:\n{MARKER}{evidence}{instruction}{question}");
     let rendered = match template {
         Some(t) => {
             let mut r = t.render(
