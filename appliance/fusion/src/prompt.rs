@@ -177,7 +177,8 @@ pub const QUESTION_INSTRUCTION_ZH: &str =
 /// exact prefix and of its frame, [`rag_frame_for`]), leaving only "Question: " and the question
 /// after them: on MuSiQue (40 questions) it recomputes 3.3 % of the prompt against 4.3 % (19.8x
 /// against 16.4x) at no better fidelity, and on XQuAD-en (60) it answers worse (F1 0.179 against
-/// 0.240; docs/bench/2026-12-02-instruction-first.md).
+/// 0.240; with full prefill 0.200 against 0.242, -0.041 [-0.105, +0.013];
+/// docs/bench/2026-12-02-instruction-first.md).
 pub const LAYOUTS: &[Layout] = &[
     GROUNDED,
     Layout {
