@@ -602,6 +602,7 @@ fn the_default_prompt_opens_with_the_frame_so_its_first_chunk_is_exact() {
 fn every_framed_layout_opens_with_its_own_frame() {
     let l = llm();
     let question = "When was the Eiffel Tower completed?";
+    let default = rag_frame(&l.tokenizer, l.template.as_ref()).expect("frame");
     for layout in engram_fusion::LAYOUTS {
         if !layout.frame_in_prompt || layout.question_first {
             continue;
@@ -624,7 +625,6 @@ fn every_framed_layout_opens_with_its_own_frame() {
         );
         // A preamble is part of the exact prefix, never of the fresh tokens after the passages.
         if !layout.preamble.is_empty() {
-            let default = rag_frame(&l.tokenizer, l.template.as_ref()).expect("frame");
             assert!(frame.len() > default.len(), "{}", layout.name);
             let suffix = l.tokenizer.decode(&p.suffix, false);
             assert!(!suffix.contains(layout.preamble.trim()), "{}", layout.name);

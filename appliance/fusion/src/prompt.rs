@@ -10,8 +10,16 @@ use crate::fuse::FusedPrompt;
 pub const DEFAULT_SYSTEM: &str =
     "You are a helpful assistant. Answer the question using only the given passages.";
 
+/// CacheBlend's MuSiQue instruction, shared by [`QUESTION_INSTRUCTION`] and
+/// [`FIRST_INSTRUCTION`] (a macro, since `concat!` takes literals only).
+macro_rules! short_answer_instruction {
+    () => {
+        "Answer the question directly based on the given passages. Do NOT repeat the question. The answer should be within 5 words."
+    };
+}
+
 /// What follows the passages: CacheBlend's MuSiQue instruction, then the question.
-pub const QUESTION_INSTRUCTION: &str = "Answer the question directly based on the given passages. Do NOT repeat the question. The answer should be within 5 words.\nQuestion: ";
+pub const QUESTION_INSTRUCTION: &str = concat!(short_answer_instruction!(), "\nQuestion: ");
 
 /// Where the chunks go in the rendered template (a string no user text contains).
 const MARKER: &str = "\u{1}ENGRAM-CHUNKS\u{1}";
@@ -274,7 +282,7 @@ pub const SHORT_INSTRUCTION: &str =
 
 /// `grounded-first`'s instruction, before the passages: [`QUESTION_INSTRUCTION`]'s words
 /// without its "Question: ", which stays after the passages.
-pub const FIRST_INSTRUCTION: &str = "Answer the question directly based on the given passages. Do NOT repeat the question. The answer should be within 5 words.\n\n";
+pub const FIRST_INSTRUCTION: &str = concat!(short_answer_instruction!(), "\n\n");
 
 /// `grounded-clause`'s and `grounded-short`'s longest evidence: about 25 tokens of English.
 pub const SHORT_EVIDENCE_CHARS: usize = 100;
