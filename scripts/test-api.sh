@@ -23,8 +23,9 @@ if [[ ! -f $STAMP ]]; then
     touch "$STAMP"
 fi
 
-cargo build --quiet --locked -p engram-server
-ENGRAMD=target/debug/engramd
+# The build scripts/test.sh's release tests and the .deb use: after them it compiles nothing.
+cargo build --quiet --locked --release -p engram-server -p engram-cli
+ENGRAMD=target/release/engramd
 export ENGRAM_MODELS_DIR="${ENGRAM_MODELS_DIR:-$PWD/models}"
 
 WORK=$(mktemp -d)

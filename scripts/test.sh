@@ -2,8 +2,8 @@
 # Runs everything CI runs, on a fresh machine too: fetches the default models (checked by
 # sha256), then format check, clippy with warnings as errors (also of the `cuda` feature's GPU
 # code), the CUDA kernels compiled by NVRTC (fetched from its wheel; no GPU needed), the whole
-# test suite against the real models and ../shared/golden, the API and console end-to-end
-# checks, a bounded run of the fault-injection suite (tests/faults), the .deb's checks
+# test suite (in release) against the real models and ../shared/golden, the API and console
+# end-to-end checks, a bounded run of the fault-injection suite (tests/faults), the .deb's checks
 # (tests/appliance/deb.sh) and the appliance's lifecycle on installed systems
 # (tests/appliance/run.sh: root, about 9 minutes, half of it building the media; the installer
 # ISO and the installed disk's boots run under QEMU's software emulation).
@@ -33,21 +33,19 @@ cargo clippy -p engram-cli -p engram-server --features engram-cli/cuda,engram-se
 # supported architecture: with NVRTC on the library path and required, in the same build (a
 # separate `cargo test -p engram-kernels-cuda` compiled its dependencies again, with other
 # features: about 150 s).
-stage "cargo test (the CUDA kernels through NVRTC among them)"
+# The tests run in release: the one build then also gives the release engramd and engram the
+# end-to-end checks, the fault injection, the .deb and the media use (after it, `cargo build
+# --release -p engram-server -p engram-cli` compiles nothing), where a debug test build came on
+# top of that release build (docs/bench/2026-12-02-ci-time.md). So the tests run what ships,
+# without debug builds' overflow checks and debug_assert!.
+stage "cargo test --release (the CUDA kernels through NVRTC among them)"
 nvrtc_lib="$(scripts/fetch-nvrtc.sh)"
 ENGRAM_REQUIRE_NVRTC=1 LD_LIBRARY_PATH="$nvrtc_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
-    cargo test --workspace --locked
+    cargo test --workspace --locked --release
 stage "API end to end"
 scripts/test-api.sh
 stage "console end to end"
 scripts/test-ui.sh
-# What follows builds in release: where the disk is short (a CI machine), the debug build the
-# steps above used goes first, so both never need room at once.
-free_gib=$(($(df --output=avail -k target | tail -1) / 1048576))
-if ((free_gib < 30)) && [[ -d target/debug ]]; then
-    echo "test: ${free_gib} GiB free: removing target/debug ($(du -sh target/debug | cut -f1)) before the release builds"
-    rm -rf target/debug
-fi
 stage "fault injection"
 tests/faults/run.sh --ci
 stage ".deb checks"
