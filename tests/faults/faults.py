@@ -615,12 +615,18 @@ def scenario_disk_full_kv(args, work):
                                                      "collections": ["v"], "max_tokens": 4},
                               timeout=300)
             answered += st == 200
+        # Whether the chunk KV stage ran at all: when it computed nothing, the tier never
+        # filled and the reserve check above says nothing (one CI run on 2026-12-02 saw that,
+        # 28 s for the scenario, which three runs here did not repeat). Reported, not checked yet.
+        computed = http.metric('engram_ingested_total{outcome="kv_computed"}')
+        present = http.metric('engram_ingested_total{outcome="kv_present"}')
         d.term()
         total = shutil.disk_usage(mnt).total
         check(lowest is not None and lowest >= 0.04 * total,
               f"the KV file system went down to {lowest} free bytes of {total}")
         check(answered == len(corpus.acked), f"{answered}/{len(corpus.acked)} answered")
         return {"scenario": "disk_full_kv", "kv_fs_bytes": total, "lowest_free_bytes": lowest,
+                "chunks_kv_computed": computed, "chunks_kv_present": present,
                 "answered": answered}
     finally:
         try:
