@@ -616,8 +616,8 @@ def scenario_disk_full_kv(args, work):
                               timeout=300)
             answered += st == 200
         # Whether the chunk KV stage ran at all: when it computed nothing, the tier never
-        # filled and the reserve check above says nothing (one CI run on 2026-12-02 saw that,
-        # 28 s for the scenario, which three runs here did not repeat). Reported, not checked yet.
+        # filled and the reserve check below says nothing. One CI run on 2026-12-02 saw that
+        # (28 s for the scenario); six runs after it did not. Reported, not checked yet.
         computed = http.metric('engram_ingested_total{outcome="kv_computed"}')
         present = http.metric('engram_ingested_total{outcome="kv_present"}')
         d.term()
