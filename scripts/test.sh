@@ -5,8 +5,9 @@
 # test suite (in release) against the real models and ../shared/golden, the API and console
 # end-to-end checks, a bounded run of the fault-injection suite (tests/faults), the .deb's checks
 # (tests/appliance/deb.sh) and the appliance's lifecycle on installed systems
-# (tests/appliance/run.sh: root, about 9 minutes, half of it building the media; the installer
-# ISO and the installed disk's boots run under QEMU's software emulation).
+# (tests/appliance/run.sh: root, 8 to 19 minutes on this project's 2-core machines, about half
+# of it building the media; the installer ISO and the installed disk's boots run under QEMU's
+# software emulation).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # Each stage prints the seconds since the start, so a CI log shows where the time goes (the CI
