@@ -8,8 +8,8 @@ use std::sync::{Arc, OnceLock};
 
 use engram_fusion::{
     chunk_tokens, fused_prefill, fused_prefill_interleaved, fused_prefill_on, kl_divergence,
-    rag_frame, rag_prompt, ChunkStore, FidelityGate, FusedPrompt, Interleave, Policy, PrefixCache,
-    Runner, Source, DEFAULT_POLICY, DEFAULT_SYSTEM,
+    rag_frame, rag_prompt, ChunkStore, Ensured, FidelityGate, FusedPrompt, Interleave, Policy,
+    PrefixCache, Runner, Source, DEFAULT_POLICY, DEFAULT_SYSTEM,
 };
 use engram_kvstore::{DramTier, IoMode, KvDtype, KvStore, NvmeOptions, NvmeTier};
 use engram_model::{argmax, Blend, KvCache, Logits, Model};
@@ -530,17 +530,23 @@ fn a_full_nvme_tier_degrades_to_recompute() {
     let p = prompt(l, "Where does the Rhine rise?");
     let done = run(l, &store, &p, DEFAULT_POLICY);
     assert_eq!(done.stats.chunks_computed, 3);
+    // Ingestion is told so, and the daemon counts it (`kv_failed`).
+    assert_eq!(
+        store.ensure(&l.model, &p.chunks[0]).expect("ensure"),
+        Ensured::NotStored
+    );
     assert_eq!(
         store
             .counters
             .put_failed
             .load(std::sync::atomic::Ordering::Relaxed),
-        3
+        4
     );
     // The answer equals what a store with room gives.
     let roomy = nvme_store(l, &temp_dir("fusion-roomy-tier"), 1 << 30);
     for c in &p.chunks {
-        assert!(roomy.ensure(&l.model, c).expect("ensure"));
+        assert_eq!(roomy.ensure(&l.model, c).expect("ensure"), Ensured::Stored);
+        assert_eq!(roomy.ensure(&l.model, c).expect("ensure"), Ensured::Present);
     }
     let stored = run(l, &roomy, &p, DEFAULT_POLICY);
     assert_eq!(stored.stats.chunks_from_nvme, 3);

@@ -11,7 +11,7 @@ use anyhow::{Context, Result};
 use clap::Args;
 use engram_fusion::{
     chunk_tokens, fused_prefill, no_answer, rag_frame_for, rag_prompt, relevant, retain_distinct,
-    ChunkStore, CopyBias, GateLimits, Layout, OutputText, Policy, DEFAULT_COPY_BIAS,
+    ChunkStore, CopyBias, Ensured, GateLimits, Layout, OutputText, Policy, DEFAULT_COPY_BIAS,
     DEFAULT_LAYOUT, DEFAULT_POLICY, DEFAULT_SYSTEM,
 };
 use engram_kb::{KnowledgeBase, SearchRequest};
@@ -166,10 +166,10 @@ pub fn precompute_docs(
     for &doc in docs {
         for chunk in kb.chunks(doc)? {
             let ids = chunk_tokens(&llm.tokenizer, &chunk.text)?;
-            if store.ensure(&llm.model, &ids)? {
-                computed += 1;
-            } else {
+            if store.ensure(&llm.model, &ids)? == Ensured::Present {
                 present += 1;
+            } else {
+                computed += 1;
             }
             progress(computed + present);
         }

@@ -49,6 +49,18 @@ pub struct ChunkCounters {
     pub put_failed: AtomicU64,
 }
 
+/// What [`ChunkStore::ensure`] did with a chunk.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Ensured {
+    /// A tier already held its KV.
+    Present,
+    /// Computed and kept by a tier.
+    Stored,
+    /// Computed, but no tier kept it (a full or failing disk): it is computed again when a
+    /// question needs it.
+    NotStored,
+}
+
 /// Why a stored blob was not used.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Reject {
@@ -285,18 +297,20 @@ impl ChunkStore {
         (bytes, stored)
     }
 
-    /// Ingestion: computes and stores the chunk's KV unless a tier already holds it. Returns
-    /// whether it was computed.
-    pub fn ensure(&self, model: &Model, tokens: &[u32]) -> Result<bool> {
+    /// Ingestion: computes and stores the chunk's KV unless a tier already holds it.
+    pub fn ensure(&self, model: &Model, tokens: &[u32]) -> Result<Ensured> {
         let key = self.key(tokens);
         let held = self.store.dram().is_some_and(|t| t.contains(&key))
             || self.store.nvme().is_some_and(|t| t.contains(&key));
         if held {
-            return Ok(false);
+            return Ok(Ensured::Present);
         }
         let kv = self.precompute(model, tokens)?;
-        self.put(&kv);
-        Ok(true)
+        Ok(if self.put(&kv) {
+            Ensured::Stored
+        } else {
+            Ensured::NotStored
+        })
     }
 
     /// Question time: every chunk's KV, from the tiers in one batch, verified; a chunk that is

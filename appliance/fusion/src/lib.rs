@@ -29,8 +29,8 @@ pub use answer::{
     OutputText, ANSWER_STOPS, COVERAGE_FLOOR, DENSE_FLOOR, TERM_COVERAGE_FLOOR,
 };
 pub use chunks::{
-    bos_frame, precompute, ChunkCounters, ChunkCounts, ChunkStore, FetchTimes, Fetched, Reject,
-    Source, FINGERPRINT_RECORD,
+    bos_frame, precompute, ChunkCounters, ChunkCounts, ChunkStore, Ensured, FetchTimes, Fetched,
+    Reject, Source, FINGERPRINT_RECORD,
 };
 pub use copy::{check_copy_bias, ends_number, CopyBias, DEFAULT_COPY_BIAS, MAX_COPY_BIAS};
 pub use dedup::{retain_distinct, REDUNDANT_SHARE};

@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 
 use engram_fusion::{
     chunk_tokens, fused_prefill_on, no_answer, rag_frame, rag_prompt, ChunkStore, CopyBias,
-    FusedPrompt, GateLimits, Interleave, OutputText, Policy, PrefixCache, DEFAULT_SYSTEM,
+    Ensured, FusedPrompt, GateLimits, Interleave, OutputText, Policy, PrefixCache, DEFAULT_SYSTEM,
 };
 use engram_grammar::{Constrained, Grammar, TokenTrie};
 use engram_kvstore::{DramTier, KvDtype, KvStore, NvmeTier};
@@ -962,8 +962,9 @@ impl Engine {
     }
 
     /// The chunk KV stage for one chunk: computes and stores its KV unless a tier holds it
-    /// (the key is the one a question over this chunk looks up). Failures are logged: the
-    /// chunk is then computed when a question first needs it.
+    /// (the key is the one a question over this chunk looks up). A failure, or KV no tier
+    /// kept, is logged and counted (`kv_failed`): the chunk is then computed when a question
+    /// first needs it.
     fn precompute(&self, text: &str) {
         let computed = chunk_tokens(&self.tokenizer, text)
             .map_err(|e| e.to_string())
@@ -972,14 +973,19 @@ impl Engine {
                     .ensure(&self.model, &ids)
                     .map_err(|e| e.to_string())
             });
-        match computed {
-            Ok(c) => self
-                .metrics
-                .ingested
-                .with_label_values(&[if c { "kv_computed" } else { "kv_present" }])
-                .inc(),
-            Err(e) => tracing::warn!("chunk KV precompute: {e}"),
-        }
+        let outcome = match computed {
+            Ok(Ensured::Stored) => "kv_computed",
+            Ok(Ensured::Present) => "kv_present",
+            Ok(Ensured::NotStored) => {
+                tracing::warn!("chunk KV precompute: no tier kept the chunk's KV");
+                "kv_failed"
+            }
+            Err(e) => {
+                tracing::warn!("chunk KV precompute: {e}");
+                "kv_failed"
+            }
+        };
+        self.metrics.ingested.with_label_values(&[outcome]).inc();
     }
 
     /// The policy to use after the fidelity gate (run once per policy, recorded next to the

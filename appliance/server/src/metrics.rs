@@ -53,7 +53,8 @@ pub struct Metrics {
     /// Documents accepted and not yet done (`documents`), chunks waiting for their KV
     /// (`chunk_kv`).
     pub ingest_pending: IntGaugeVec,
-    /// Ingestion outcomes: documents `done`, `failed`; chunk KV `kv_computed`, `kv_present`.
+    /// Ingestion outcomes: documents `done`, `failed`; chunk KV `kv_computed`, `kv_present`,
+    /// `kv_failed` (not stored: computed when a question first needs it).
     pub ingested: IntCounterVec,
     /// Chunks through each ingestion stage: `chunked` and `embedded` (by the preparer),
     /// `indexed` (added to the indexes).
@@ -162,7 +163,7 @@ impl Metrics {
         let ingested = IntCounterVec::new(
             Opts::new(
                 "engram_ingested_total",
-                "Ingestion outcomes: documents done or failed, chunk KV computed or present",
+                "Ingestion outcomes: documents done or failed; chunk KV computed, present or failed",
             ),
             &["outcome"],
         )
