@@ -25,6 +25,14 @@ const TOL_SAME_LOGITS: f32 = 0.25;
 /// KL divergence between two routes that differ only in the order of floating-point sums.
 const MAX_KL_SAME: f64 = 0.01;
 
+/// KL divergence between a prefill run whole and in pieces of 16 tokens: the attention of a
+/// small piece splits the cache into slices and merges them (more tasks than KV heads x query
+/// tiles), a different order of sums, which 30 layers amplify. Measured on the interleaved
+/// test's prompt (1,390 tokens) on an AVX-512 Xeon: 0.0016 (`full`) and 0.0057 (`boundary:8`)
+/// without AMX, 0.0106 (`full`) with it; 0.05 is still far below what wrong positions or
+/// stale KV give (several units of logit).
+const MAX_KL_PIECES: f64 = 0.05;
+
 struct Llm {
     model: Model,
     tokenizer: Tokenizer,
@@ -308,8 +316,25 @@ fn interleaved_prefill_gives_the_same_logits_and_runs_the_pauses() {
             }
             pauses += 1;
         };
-        let mut kv = l.model.new_cache(p.len() + 8);
         let piece = 16;
+        // The same pieces with nothing between them: the reference for what the pauses may
+        // change, which is nothing.
+        let mut kv = l.model.new_cache(p.len() + 8);
+        let mut nothing = || {};
+        let pieces = fused_prefill_interleaved(
+            &l.model,
+            &store,
+            None,
+            &p,
+            policy,
+            &mut kv,
+            Some(Interleave {
+                piece,
+                between: &mut nothing,
+            }),
+        )
+        .expect("prefill in pieces");
+        let mut kv = l.model.new_cache(p.len() + 8);
         let got = fused_prefill_interleaved(
             &l.model,
             &store,
@@ -332,12 +357,15 @@ fn interleaved_prefill_gives_the_same_logits_and_runs_the_pauses() {
             "{policy}: {pauses} pauses for {run_through} tokens in pieces of {piece}"
         );
         assert!(got.stats.interleaved_time > std::time::Duration::ZERO);
+        // Another sequence's decode steps between the pieces change no bit of the prefill.
+        assert!(
+            got.logits == pieces.logits,
+            "{policy}: the pauses changed the prefill's logits"
+        );
         // Smaller pieces change only the order of floating-point sums (how the attention
-        // tiles and splits its work), which 30 layers amplify to max logit differences of
-        // about 0.8 at 16-token pieces: measured KL 0.002, the same next token.
+        // splits its work): see MAX_KL_PIECES.
         let kl = kl_divergence(&plain.logits, &got.logits);
-        assert!(kl < MAX_KL_SAME, "{policy}: prompt KL {kl}");
-        assert_eq!(argmax(&got.logits), argmax(&plain.logits), "{policy}");
+        assert!(kl < MAX_KL_PIECES, "{policy}: prompt KL {kl}");
 
         let n = pauses.min(other.len());
         let mut alone_kv = l.model.new_cache(other.len());
