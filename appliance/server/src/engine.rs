@@ -86,6 +86,9 @@ pub enum Prompt {
     /// Text continued as it is (OpenAI's completions): no template; special tokens written
     /// in it are parsed, and BOS is added when the model wants it, as llama.cpp does.
     Text { text: String },
+    /// The model's token ids continued as they are (OpenAI's completions with a token
+    /// array, as scoring harnesses send): no template, no BOS added.
+    Tokens { ids: Vec<u32> },
 }
 
 /// One generation request.
@@ -146,7 +149,7 @@ pub struct Sampling {
     /// `Some(n)`: send each generated token's log probability and its `n` most likely
     /// alternatives ([`Event::Logprobs`]).
     pub logprobs: Option<usize>,
-    /// `Some(n)` (a [`Prompt::Text`] only): first send the prompt's tokens, each with its log
+    /// `Some(n)` (a [`Prompt::Text`] or [`Prompt::Tokens`] only): first send the prompt's tokens, each with its log
     /// probability given the tokens before it and its `n` most likely alternatives, in one
     /// [`Event::Logprobs`] (OpenAI's `echo` with `logprobs`). The first token has none: its
     /// `logprob` is NaN and its `top` empty. A BOS the engine added is not one of them.
@@ -206,6 +209,8 @@ pub struct EngineHandle {
     tx: mpsc::Sender<Job>,
     depth: usize,
     metrics: Arc<Metrics>,
+    /// The model's tokenizer, for text the API builds from token ids.
+    tokenizer: Arc<Tokenizer>,
     pub info: Arc<EngineInfo>,
 }
 
@@ -243,7 +248,7 @@ impl EngineHandle {
                             "model or frame changed: chunk KV will be recomputed in the background"
                         );
                     }
-                    let _ = ready_tx.send(Ok(info));
+                    let _ = ready_tx.send(Ok((info, engine.tokenizer.clone())));
                     engine.run(rx, kv_work, kv_done);
                 }
                 Err(e) => {
@@ -251,7 +256,7 @@ impl EngineHandle {
                 }
             })
             .map_err(|e| ServerError::io("spawning", "engram-engine thread", e))?;
-        let info = ready_rx.recv().map_err(|_| ServerError::Profile {
+        let (info, tokenizer) = ready_rx.recv().map_err(|_| ServerError::Profile {
             reason: "the engine thread died while loading".into(),
         })??;
         Ok((
@@ -259,10 +264,17 @@ impl EngineHandle {
                 tx,
                 depth,
                 metrics,
+                tokenizer: Arc::new(tokenizer),
                 info: Arc::new(info),
             },
             join,
         ))
+    }
+
+    /// The text of the model's token ids, special tokens written out (as a token prompt
+    /// echoes); an id outside the vocabulary gives nothing.
+    pub fn decode(&self, ids: &[u32]) -> String {
+        self.tokenizer.decode(ids, false)
     }
 
     /// Queues a job; 429 `overloaded` when the queue is full. Returns the job's events.
@@ -821,26 +833,29 @@ impl Engine {
         ))
     }
 
-    /// Prefills a text prompt's `tokens` into `kv` with every position's logits, in pieces
-    /// (decode steps of the running batch between them, as `between` runs them), scoring each
-    /// prompt token after the first as [`Sampling::prompt_logprobs`] says (`top` alternatives;
-    /// an added BOS is left out). No prefix cache: its KV would not give the logits.
+    /// Whether [`text_prompt`](Self::text_prompt) added a BOS to `text`'s `tokens`.
+    fn added_bos(&self, text: &str, tokens: &[u32]) -> std::result::Result<bool, ApiError> {
+        let plain = self
+            .tokenizer
+            .encode(text, true)
+            .map_err(|e| ApiError::invalid("prompt", e.to_string()))?;
+        Ok(tokens.len() == plain.len() + 1)
+    }
+
+    /// Prefills a text or token prompt's `tokens` into `kv` with every position's logits, in
+    /// pieces (decode steps of the running batch between them, as `between` runs them),
+    /// scoring each prompt token after the first as [`Sampling::prompt_logprobs`] says (`top`
+    /// alternatives; a BOS the engine added, `added_bos`, is left out). No prefix cache: its
+    /// KV would not give the logits.
     fn prefill_scored(
         &self,
-        text: &str,
+        added_bos: bool,
         tokens: &[u32],
         top: usize,
         kv: &mut engram_model::KvCache,
         between: &mut dyn FnMut(),
     ) -> std::result::Result<(engram_fusion::Prefilled, Vec<TokenLogprob>), ApiError> {
         let started = Instant::now();
-        let added_bos = tokens.len()
-            == self
-                .tokenizer
-                .encode(text, true)
-                .map_err(|e| ApiError::invalid("prompt", e.to_string()))?
-                .len()
-                + 1;
         let first = usize::from(added_bos);
         let vocab = self.model.config().vocab_size;
         let mut entries = Vec::with_capacity(tokens.len() - first);
@@ -1067,6 +1082,25 @@ impl Engine {
         })
     }
 
+    /// A token prompt as it is, every id checked against the vocabulary.
+    fn token_prompt(&self, ids: &[u32]) -> std::result::Result<FusedPrompt, ApiError> {
+        let vocab = self.model.config().vocab_size;
+        if let Some(bad) = ids.iter().find(|&&t| t as usize >= vocab) {
+            return Err(ApiError::invalid(
+                "prompt",
+                format!("token id {bad} is outside the model's vocabulary (0..{vocab})"),
+            ));
+        }
+        let Some((&last, prefix)) = ids.split_last() else {
+            return Err(ApiError::invalid("prompt", "the prompt is empty"));
+        };
+        Ok(FusedPrompt {
+            prefix: prefix.to_vec(),
+            chunks: Vec::new(),
+            suffix: vec![last],
+        })
+    }
+
     /// Builds a job's prompt and prefills it, running decode steps of `batch` between the
     /// pieces of a long prefill.
     fn start<'t>(
@@ -1102,6 +1136,7 @@ impl Engine {
             }
             Prompt::Chat { messages } => (self.chat_prompt(messages)?, Policy::Full, None),
             Prompt::Text { text } => (self.text_prompt(text, "prompt")?, Policy::Full, None),
+            Prompt::Tokens { ids } => (self.token_prompt(ids)?, Policy::Full, None),
         };
         let context = self.model.config().context_length;
         if prompt.len() >= context {
@@ -1125,9 +1160,14 @@ impl Engine {
                 .map_err(|e| ApiError::internal(format!("moving the prompt's KV to the GPU: {e}")))
         };
         let (kv, done) = match (&job.prompt, job.sampling.prompt_logprobs) {
-            (Prompt::Text { text }, Some(top)) => {
+            (Prompt::Text { .. } | Prompt::Tokens { .. }, Some(top)) => {
+                let tokens = prompt.tokens();
+                let added_bos = match &job.prompt {
+                    Prompt::Text { text } => self.added_bos(text, &tokens)?,
+                    _ => false,
+                };
                 let (done, entries) =
-                    self.prefill_scored(text, &prompt.tokens(), top, &mut kv, &mut between)?;
+                    self.prefill_scored(added_bos, &tokens, top, &mut kv, &mut between)?;
                 // Room for it: the channel holds every event of the job.
                 let _ = job.events.try_send(Event::Logprobs(entries));
                 (place(kv)?, done)

@@ -1689,7 +1689,11 @@ fn openai_text_completions() {
         ("suffix", json!("end")),
         ("logit_bias", json!({"-1": -100})),
         ("frequency_penalty", json!(2.01)),
-        ("prompt", json!([1, 2, 3])),
+        ("prompt", json!([-1, 2])),
+        ("prompt", json!([[1, 2], {"a": 1}])),
+        ("prompt", json!([])),
+        ("prompt", json!([49152])),
+        ("prompt", json!(7)),
         ("functions", json!([])),
     ] {
         let r = complete(json!({ param: value }));
@@ -1835,6 +1839,130 @@ fn openai_echo_scores_the_prompt() {
         Some(json!({"prompt": prompt, "max_tokens": 0})),
     );
     assert_eq!(r.status, 400, "{}", r.text());
+}
+
+/// A token array prompt is the served model's ids taken as they are, and a batch of prompts
+/// gets `n` choices each, numbered prompt by prompt: what lm-evaluation-harness's
+/// `local-completions` sends by default (a batch of token arrays, `echo` with `logprobs` and
+/// one token to score a continuation).
+#[test]
+fn openai_token_prompts_and_batches() {
+    let s = server();
+    let file =
+        engram_gguf::GgufFile::open(common::models_dir().join("SmolLM2-135M-Instruct.Q4_1.gguf"))
+            .expect("the default model opens");
+    let tok = engram_tokenizer::Tokenizer::from_gguf(file.metadata()).expect("its tokenizer");
+    let call = |body: Value| {
+        let r = s.call("POST", "/v1/completions", Some(&s.only_a), Some(body));
+        assert_eq!(r.status, 200, "{}", r.text());
+        r.json()
+    };
+    let texts = ["The capital of France is", "One, two, three,"];
+    // The ids the engine would run for each text (BOS where the model adds one).
+    let ids: Vec<Vec<u32>> = texts
+        .iter()
+        .map(|t| tok.encode_prompt(t).unwrap())
+        .collect();
+    let greedy = json!({"max_tokens": 6, "temperature": 0});
+    let with = |prompt: Value| {
+        let mut b = greedy.clone();
+        b["prompt"] = prompt;
+        b
+    };
+    let by_text: Vec<Value> = texts.iter().map(|t| call(with(json!(t)))).collect();
+    // One token array: the same text and usage as its text.
+    let one = call(with(json!(ids[0])));
+    assert_eq!(
+        one["choices"][0]["text"], by_text[0]["choices"][0]["text"],
+        "{one}"
+    );
+    assert_eq!(one["usage"], by_text[0]["usage"], "{one}");
+    // A batch, of token arrays and of strings: choice `i` answers prompt `i`, usage sums them.
+    for batch in [json!(ids), json!(texts)] {
+        let v = call(with(batch));
+        let choices = v["choices"].as_array().unwrap();
+        assert_eq!(choices.len(), 2, "{v}");
+        for (i, c) in choices.iter().enumerate() {
+            assert_eq!(c["index"], i, "{v}");
+            assert_eq!(c["text"], by_text[i]["choices"][0]["text"], "{v}");
+        }
+        for field in ["prompt_tokens", "completion_tokens"] {
+            let sum: u64 = by_text
+                .iter()
+                .map(|b| b["usage"][field].as_u64().unwrap())
+                .sum();
+            assert_eq!(v["usage"][field], sum, "{field}: {v}");
+        }
+    }
+    // `n` choices each, numbered prompt by prompt, sampled; streamed the same way.
+    let mut sampled = with(json!(ids));
+    sampled["n"] = json!(2);
+    sampled["temperature"] = json!(1.0);
+    sampled["seed"] = json!(3);
+    let v = call(sampled.clone());
+    let got: Vec<&str> = v["choices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["text"].as_str().unwrap())
+        .collect();
+    assert_eq!(got.len(), 4, "{v}");
+    let alone = call({
+        let mut b = sampled.clone();
+        b["prompt"] = json!(ids[1]);
+        b
+    });
+    assert_eq!(got[2], alone["choices"][0]["text"], "{v} {alone}");
+    assert_eq!(got[3], alone["choices"][1]["text"], "{v} {alone}");
+    sampled["stream"] = json!(true);
+    let r = s.call("POST", "/v1/completions", Some(&s.only_a), Some(sampled));
+    assert_eq!(r.status, 200, "{}", r.text());
+    let mut streamed = vec![String::new(); 4];
+    for o in sse_objects(&r.text()) {
+        let c = &o["choices"][0];
+        streamed[c["index"].as_u64().unwrap() as usize].push_str(c["text"].as_str().unwrap());
+    }
+    assert_eq!(streamed, got);
+    // Scoring as the harness does: a batch of one token array (context and continuation),
+    // `echo`, `logprobs: 1`, one token. Every sent id is an entry, the first without a log
+    // probability; the ids after the text's own match its echo's scores.
+    let v = call(
+        json!({"prompt": [ids[0]], "max_tokens": 1, "temperature": 0, "echo": true,
+        "logprobs": 1}),
+    );
+    let c = &v["choices"][0];
+    let lp = &c["logprobs"];
+    let entries = lp["tokens"].as_array().unwrap();
+    assert_eq!(entries.len(), ids[0].len() + 1, "{v}");
+    assert!(lp["token_logprobs"][0].is_null(), "{lp}");
+    let joined: String = entries.iter().map(|t| t.as_str().unwrap()).collect();
+    assert_eq!(joined, c["text"], "{v}");
+    let text_echo = call(
+        json!({"prompt": texts[0], "max_tokens": 1, "temperature": 0,
+        "echo": true, "logprobs": 1}),
+    );
+    let text_lps = text_echo["choices"][0]["logprobs"]["token_logprobs"]
+        .as_array()
+        .unwrap()
+        .clone();
+    // The text's echo leaves out a BOS the engine added; the token prompt sent it.
+    let skip = entries.len() - text_lps.len();
+    for (a, b) in lp["token_logprobs"].as_array().unwrap()[skip + 1..]
+        .iter()
+        .zip(&text_lps[1..])
+    {
+        let (a, b) = (a.as_f64().unwrap(), b.as_f64().unwrap());
+        assert!((a - b).abs() < 1e-4, "{a} vs {b}: {v} {text_echo}");
+    }
+    // Too many candidates in one request: refused, naming the prompt.
+    let r = s.call(
+        "POST",
+        "/v1/completions",
+        Some(&s.only_a),
+        Some(json!({"prompt": vec![ids[0].clone(); 5], "n": 16, "max_tokens": 1})),
+    );
+    assert_eq!(r.status, 400, "{}", r.text());
+    assert!(r.text().contains("`prompt`"), "{}", r.text());
 }
 
 /// The `data:` objects of an SSE body, without `[DONE]`.

@@ -884,8 +884,15 @@ fn completion(
 /// job's completion tokens; `cached_tokens`: prompt tokens whose KV came from the prefix cache
 /// (the system prompt, an earlier turn of the conversation) for the first choice.
 fn usage_of(sums: &[crate::engine::Summary]) -> serde_json::Value {
-    let prompt = sums.first().map_or(0, |s| s.prompt_tokens);
-    let cached = sums.first().map_or(0, |s| s.cached_tokens);
+    usage_of_batch(sums, sums.len())
+}
+
+/// [`usage_of`] for a batch of prompts, `per_prompt` jobs each (`sums` prompt by prompt):
+/// each prompt counted once.
+fn usage_of_batch(sums: &[crate::engine::Summary], per_prompt: usize) -> serde_json::Value {
+    let firsts = || sums.iter().step_by(per_prompt.max(1));
+    let prompt: usize = firsts().map(|s| s.prompt_tokens).sum();
+    let cached: usize = firsts().map(|s| s.cached_tokens).sum();
     let completion: usize = sums.iter().map(|s| s.generated_tokens).sum();
     serde_json::json!({
         "prompt_tokens": prompt,
@@ -940,7 +947,15 @@ fn chunks(
         Vec::new()
     };
     let cites = cites.map(|c| serde_json::to_value(c).expect("json"));
-    stream::iter(roles).chain(generation_events(rxs, include_usage, chunk, cites, formats))
+    let per_prompt = rxs.len();
+    stream::iter(roles).chain(generation_events(
+        rxs,
+        per_prompt,
+        include_usage,
+        chunk,
+        cites,
+        formats,
+    ))
 }
 
 /// The events of streamed generations, one per choice (`rxs[i]` is choice `i`), as they come:
@@ -948,10 +963,11 @@ fn chunks(
 /// log probabilities in the choice's `logprobs`), then `chunk(i, None, Some(finish_reason))`
 /// (with `citations` when given, and the log probabilities of tokens whose text never went
 /// out); once every choice has finished, with `include_usage` a chunk with no choices and the
-/// `usage` of them all, then `[DONE]`. An error ends the stream with its body and `[DONE]`
+/// `usage` of them all (`per_prompt` choices to a prompt), then `[DONE]`. An error ends the stream with its body and `[DONE]`
 /// (the other choices' jobs are cancelled as their receivers drop).
 fn generation_events(
     rxs: Vec<tokio::sync::mpsc::Receiver<Event>>,
+    per_prompt: usize,
     include_usage: bool,
     chunk: impl Fn(usize, Option<&str>, Option<&str>) -> serde_json::Value + Send + 'static,
     citations: Option<serde_json::Value>,
@@ -1025,7 +1041,7 @@ fn generation_events(
                     let mut usage = (st.chunk)(0, None, None);
                     usage["choices"] = serde_json::json!([]);
                     let sums: Vec<_> = st.finished.drain(..).flatten().collect();
-                    usage["usage"] = usage_of(&sums);
+                    usage["usage"] = usage_of_batch(&sums, per_prompt);
                     events.push(data(&usage));
                 }
                 events
@@ -1078,7 +1094,9 @@ async fn collect_choices(
 pub struct CompletionRequest {
     /// `engram`, the served model's id, or absent.
     pub model: Option<String>,
-    /// The text to continue: a string, or an array of one string.
+    /// What to continue: a string, an array of token ids (the served model's, used as they
+    /// are, no BOS added), or a batch: an array of strings or of token id arrays (choices
+    /// are numbered prompt by prompt, `n` each).
     #[schema(value_type = Object)]
     pub prompt: serde_json::Value,
     /// Default 16, as at OpenAI.
@@ -1167,18 +1185,25 @@ pub async fn completions(
         return no("suffix", "insertion (a suffix) is not implemented");
     }
     check_model(b.model.as_deref(), &model_ids(&s)[..2])?;
-    let text = match &b.prompt {
-        serde_json::Value::String(t) => t.clone(),
-        serde_json::Value::Array(a) if a.len() == 1 && a[0].is_string() => {
-            a[0].as_str().unwrap_or_default().to_owned()
-        }
-        _ => {
-            return no(
-                "prompt",
-                "expected a string (token arrays and batches are not supported)",
-            )
-        }
-    };
+    let prompts = completion_prompts(&b.prompt)?;
+    if prompts.len() * best_of > MAX_BATCH_CANDIDATES {
+        return no(
+            "prompt",
+            &format!(
+                "{} prompts of {best_of} candidates each: at most {MAX_BATCH_CANDIDATES} in one request",
+                prompts.len()
+            ),
+        );
+    }
+    // Each prompt's text: what `echo` puts first and what `text_offset` counts from.
+    let texts: Vec<String> = prompts
+        .iter()
+        .map(|p| match p {
+            Prompt::Text { text } => text.clone(),
+            Prompt::Tokens { ids } => s.engine.decode(ids),
+            _ => unreachable!("completion_prompts makes text and token prompts only"),
+        })
+        .collect();
     if let Some(u) = &b.user {
         tracing::info!(key = %caller.key_id, end_user = %u, "completion");
     }
@@ -1192,64 +1217,75 @@ pub async fn completions(
     )?;
     // `text_offset` counts from the prompt's start, as OpenAI's does; with `echo` the
     // entries start with the prompt's own tokens.
-    let prompt_chars = if echo { 0 } else { text.chars().count() };
-    let echoed = echo.then(|| text.clone());
+    let prompt_chars: Vec<usize> = texts
+        .iter()
+        .map(|t| if echo { 0 } else { t.chars().count() })
+        .collect();
+    let echoed: Option<Vec<String>> = echo.then_some(texts);
     // Ranking candidates needs each token's log probability.
     let job_logprobs = b
         .logprobs
         .map(|n| n as usize)
         .or((best_of > n).then_some(0));
-    let rxs = submit_choices(
-        &s,
-        "chat",
-        Prompt::Text { text },
-        max_tokens,
-        crate::engine::Sampling {
-            temperature,
-            top_p: b.top_p.unwrap_or(1.0),
-            seed: b.seed.unwrap_or(0),
-            stops: stop_strings(b.stop.as_ref())?,
-            grammar: None,
-            copy_bias: None,
-            presence_penalty: shaping.presence_penalty,
-            frequency_penalty: shaping.frequency_penalty,
-            logit_bias: shaping.logit_bias,
-            logprobs: job_logprobs,
-            prompt_logprobs: b.logprobs.filter(|_| echo).map(|n| n as usize),
-        },
-        None,
-        best_of,
-    )?;
+    let sampling = crate::engine::Sampling {
+        temperature,
+        top_p: b.top_p.unwrap_or(1.0),
+        seed: b.seed.unwrap_or(0),
+        stops: stop_strings(b.stop.as_ref())?,
+        grammar: None,
+        copy_bias: None,
+        presence_penalty: shaping.presence_penalty,
+        frequency_penalty: shaping.frequency_penalty,
+        logit_bias: shaping.logit_bias,
+        logprobs: job_logprobs,
+        prompt_logprobs: b.logprobs.filter(|_| echo).map(|n| n as usize),
+    };
+    // Prompt by prompt, `best_of` candidates each: candidate `i` of prompt `p` is `rxs[p *
+    // best_of + i]`. An error drops the receivers made, which cancels their jobs.
+    let mut rxs = Vec::with_capacity(prompts.len() * best_of);
+    for prompt in prompts {
+        rxs.extend(submit_choices(
+            &s,
+            "chat",
+            prompt,
+            max_tokens,
+            sampling.clone(),
+            None,
+            best_of,
+        )?);
+    }
     let id = format!("cmpl-{:016x}", rand::random::<u64>());
     let created = unix_now();
     let model = b.model.unwrap_or_else(|| s.engine.info.model_id.clone());
     if !b.stream {
-        let results = collect_choices(rxs).await?;
+        let mut results = collect_choices(rxs).await?;
         let sums: Vec<_> = results.iter().map(|(_, sum, _)| sum.clone()).collect();
-        let choices = best_choices(results, n)
-            .into_iter()
-            .enumerate()
-            .map(|(i, (text, sum, lps))| {
-                let mut offset = prompt_chars;
+        let mut choices = Vec::with_capacity(prompt_chars.len() * n);
+        for (p, &chars) in prompt_chars.iter().enumerate() {
+            let rest = results.split_off(best_of.min(results.len()));
+            let candidates = std::mem::replace(&mut results, rest);
+            for (text, sum, lps) in best_choices(candidates, n) {
+                let mut offset = chars;
                 let logprobs = b.logprobs.map(|_| text_logprobs(&lps, &mut offset));
                 let text = match &echoed {
-                    Some(p) => format!("{p}{text}"),
+                    Some(e) => format!("{}{text}", e[p]),
                     None => text,
                 };
-                serde_json::json!({"text": text, "index": i, "logprobs": logprobs,
-                    "finish_reason": sum.finish_reason})
-            })
-            .collect::<Vec<_>>();
+                choices.push(serde_json::json!({"text": text, "index": choices.len(),
+                    "logprobs": logprobs, "finish_reason": sum.finish_reason}));
+            }
+        }
         return Ok(axum::Json(serde_json::json!({
             "id": id,
             "object": "text_completion",
             "created": created,
             "model": model,
             "choices": choices,
-            "usage": usage_of(&sums),
+            "usage": usage_of_batch(&sums, best_of),
         }))
         .into_response());
     }
+    // Streamed, `best_of` is `n`: choice `i` is `rxs[i]`, of prompt `i / n`.
     let include_usage = b.stream_options.as_ref().is_some_and(|o| o.include_usage);
     let chunk = move |index: usize, text: Option<&str>, finish: Option<&str>| {
         serde_json::json!({
@@ -1262,24 +1298,63 @@ pub async fn completions(
         })
     };
     let echoes: Vec<_> = match &echoed {
-        Some(p) => (0..rxs.len())
-            .map(|i| Ok(data(&chunk(i, Some(p), None))))
+        Some(e) => (0..rxs.len())
+            .map(|i| Ok(data(&chunk(i, Some(&e[i / n]), None))))
             .collect(),
         None => Vec::new(),
     };
     let formats = match b.logprobs {
         Some(_) => (0..rxs.len())
-            .map(|_| {
-                let mut offset = prompt_chars;
+            .map(|i| {
+                let mut offset = prompt_chars[i / n];
                 Box::new(move |l: &[TokenLogprob]| text_logprobs(l, &mut offset)) as LogprobFormat
             })
             .collect(),
         None => Vec::new(),
     };
-    let events = generation_events(rxs, include_usage, chunk, None, formats);
+    let events = generation_events(rxs, n, include_usage, chunk, None, formats);
     Ok(Sse::new(stream::iter(echoes).chain(events))
         .keep_alive(KeepAlive::default())
         .into_response())
+}
+
+/// Most prompts' candidates (`best_of` each) one completions request may ask for.
+const MAX_BATCH_CANDIDATES: usize = 64;
+
+/// The prompts of a completions `prompt`, as OpenAI takes it: a string, an array of token ids,
+/// or a batch (an array of strings, or of token id arrays). Token ids are the served model's
+/// (as vLLM's and llama.cpp's servers read them); the engine checks them against its
+/// vocabulary.
+fn completion_prompts(v: &serde_json::Value) -> Result<Vec<Prompt>, ApiError> {
+    let bad = |why: &str| ApiError::invalid("prompt", why.to_owned());
+    let ids = |a: &[serde_json::Value]| -> Result<Prompt, ApiError> {
+        a.iter()
+            .map(|t| {
+                t.as_u64()
+                    .and_then(|t| u32::try_from(t).ok())
+                    .ok_or_else(|| bad("token ids are non-negative integers"))
+            })
+            .collect::<Result<Vec<u32>, _>>()
+            .map(|ids| Prompt::Tokens { ids })
+    };
+    let expected = "expected a string, an array of token ids, or an array of strings or of \
+                    token id arrays";
+    match v {
+        serde_json::Value::String(t) => Ok(vec![Prompt::Text { text: t.clone() }]),
+        serde_json::Value::Array(a) if a.is_empty() => Err(bad("the prompt array is empty")),
+        serde_json::Value::Array(a) if a.iter().all(serde_json::Value::is_number) => {
+            Ok(vec![ids(a)?])
+        }
+        serde_json::Value::Array(a) => a
+            .iter()
+            .map(|p| match p {
+                serde_json::Value::String(t) => Ok(Prompt::Text { text: t.clone() }),
+                serde_json::Value::Array(t) => ids(t),
+                _ => Err(bad(expected)),
+            })
+            .collect(),
+        _ => Err(bad(expected)),
+    }
 }
 
 /// The `n` best of `candidates` by their generated tokens' mean log probability (OpenAI's
