@@ -229,6 +229,15 @@ def test_parameters(model):
     lp = scored.choices[0].logprobs
     assert "".join(lp.tokens) == "Once upon a time" and lp.token_logprobs[0] is None, lp
     assert all(x <= 0 for x in lp.token_logprobs[1:]) and scored.usage.completion_tokens == 0, scored
+    # A batch of token id arrays, scored as lm-evaluation-harness's local-completions asks: every
+    # id sent is an entry (the first without a log probability), one choice per prompt, in order.
+    ids = [[504, 3458, 314, 260], [1780, 28, 827]]
+    batch = client.completions.create(model=model, prompt=ids, max_tokens=1, echo=True, logprobs=1, temperature=0)
+    assert [c.index for c in batch.choices] == [0, 1], batch
+    for c, sent in zip(batch.choices, ids):
+        assert len(c.logprobs.tokens) == len(sent) + 1 and c.logprobs.token_logprobs[0] is None, c
+        assert c.text == "".join(c.logprobs.tokens), c
+    assert batch.usage.prompt_tokens == sum(map(len, ids)), batch.usage
     refused = {
         "n": {"n": 17},
         "top_logprobs": {"logprobs": True, "top_logprobs": 21},
