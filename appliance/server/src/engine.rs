@@ -271,6 +271,11 @@ impl EngineHandle {
         ))
     }
 
+    /// Jobs the engine's queue holds: a request of more choices than this can never be queued.
+    pub fn queue_depth(&self) -> usize {
+        self.depth
+    }
+
     /// The text of the model's token ids, special tokens written out (as a token prompt
     /// echoes); an id outside the vocabulary gives nothing.
     pub fn decode(&self, ids: &[u32]) -> String {

@@ -29,10 +29,13 @@ const TEST_UPLOAD_LIMIT: usize = 1 << 20;
 
 /// Starts the test daemon on `data_dir` (a small upload limit, short generations, a generous
 /// failed-key budget); its address.
+/// The engine queue of the test daemon (the 2-core profile's, on any machine).
+const TEST_QUEUE: usize = 8;
+
 fn start(data_dir: &Path) -> SocketAddr {
     common::start_daemon(
         &format!(
-            "[limits]\nmax_upload_bytes = {TEST_UPLOAD_LIMIT}\nmax_tokens = 64\n\
+            "[limits]\nmax_upload_bytes = {TEST_UPLOAD_LIMIT}\nmax_tokens = 64\nqueue_depth = {TEST_QUEUE}\n\
              [auth]\nfailures_per_minute = 100000\n[kv]\ndram_mib = 64\nnvme_gib = 1\n\
              [storage]\nreserve_mib = 16\n"
         ),
@@ -1963,6 +1966,58 @@ fn openai_token_prompts_and_batches() {
     );
     assert_eq!(r.status, 400, "{}", r.text());
     assert!(r.text().contains("`prompt`"), "{}", r.text());
+}
+
+/// A request of more choices than the engine queue holds could never be queued: refused with
+/// a 400 naming what to change, not a 429 to retry forever.
+#[test]
+fn openai_choices_beyond_the_queue_are_refused() {
+    let s = server();
+    let over = TEST_QUEUE + 1;
+    for (path, body, param) in [
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "Hi"}], "n": over, "max_tokens": 1}),
+            "n",
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "Hi", "n": over, "max_tokens": 1}),
+            "n",
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "Hi", "best_of": over, "max_tokens": 1}),
+            "best_of",
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": vec!["Hi"; over], "max_tokens": 1}),
+            "prompt",
+        ),
+    ] {
+        let r = s.call("POST", path, Some(&s.only_a), Some(body));
+        assert_eq!(r.status, 400, "{path} {param}: {}", r.text());
+        assert!(r.text().contains(&format!("`{param}`")), "{}", r.text());
+        assert!(r.text().contains("queue"), "{}", r.text());
+    }
+    // As many as it holds are served (once the other tests' jobs leave room: they share the
+    // daemon).
+    let deadline = std::time::Instant::now() + Duration::from_secs(120);
+    let r = loop {
+        let r = s.call(
+            "POST",
+            "/v1/completions",
+            Some(&s.only_a),
+            Some(json!({"prompt": vec!["Hi"; TEST_QUEUE], "max_tokens": 1})),
+        );
+        if r.status != 429 || std::time::Instant::now() > deadline {
+            break r;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.json()["choices"].as_array().unwrap().len(), TEST_QUEUE);
 }
 
 /// The `data:` objects of an SSE body, without `[DONE]`.

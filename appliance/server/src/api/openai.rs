@@ -612,6 +612,16 @@ pub async fn chat(
 ) -> Result<Response, ApiError> {
     caller.require(Scope::Qa)?;
     let shaping = check_chat(&b, s.engine.info.vocab_size)?;
+    if shaping.n > s.engine.queue_depth() {
+        return Err(ApiError::invalid(
+            "n",
+            format!(
+                "{} choices cannot be queued: the engine queue holds {}",
+                shaping.n,
+                s.engine.queue_depth()
+            ),
+        ));
+    }
     let logprobs = (b.logprobs == Some(true)).then(|| b.top_logprobs.unwrap_or(0) as usize);
     if let Some(u) = &b.user {
         tracing::info!(key = %caller.key_id, end_user = %u, "chat completion");
@@ -1186,12 +1196,21 @@ pub async fn completions(
     }
     check_model(b.model.as_deref(), &model_ids(&s)[..2])?;
     let prompts = completion_prompts(&b.prompt)?;
-    if prompts.len() * best_of > MAX_BATCH_CANDIDATES {
+    let limit = MAX_BATCH_CANDIDATES.min(s.engine.queue_depth());
+    if prompts.len() * best_of > limit {
+        // Named by what the caller would change.
+        let param = match (prompts.len(), b.best_of) {
+            (1, Some(_)) => "best_of",
+            (1, None) => "n",
+            _ => "prompt",
+        };
         return no(
-            "prompt",
+            param,
             &format!(
-                "{} prompts of {best_of} candidates each: at most {MAX_BATCH_CANDIDATES} in one request",
-                prompts.len()
+                "{} prompts of {best_of} candidates each: at most {limit} in one request (the \
+                 engine queue holds {})",
+                prompts.len(),
+                s.engine.queue_depth()
             ),
         );
     }
@@ -1318,7 +1337,10 @@ pub async fn completions(
         .into_response())
 }
 
-/// Most prompts' candidates (`best_of` each) one completions request may ask for.
+/// Most prompts' candidates (`best_of` each) one completions request may ask for (and no more
+/// than the engine queue holds, or the request could never be queued): four requests' worth
+/// of [`MAX_CHOICES`], so a harness's batch of 16 prompts scored one candidate each fits, and
+/// one request cannot hold a large queue alone.
 const MAX_BATCH_CANDIDATES: usize = 64;
 
 /// The prompts of a completions `prompt`, as OpenAI takes it: a string, an array of token ids,
