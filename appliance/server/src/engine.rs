@@ -149,10 +149,11 @@ pub struct Sampling {
     /// `Some(n)`: send each generated token's log probability and its `n` most likely
     /// alternatives ([`Event::Logprobs`]).
     pub logprobs: Option<usize>,
-    /// `Some(n)` (a [`Prompt::Text`] or [`Prompt::Tokens`] only): first send the prompt's tokens, each with its log
-    /// probability given the tokens before it and its `n` most likely alternatives, in one
-    /// [`Event::Logprobs`] (OpenAI's `echo` with `logprobs`). The first token has none: its
-    /// `logprob` is NaN and its `top` empty. A BOS the engine added is not one of them.
+    /// `Some(n)` (a [`Prompt::Text`] or [`Prompt::Tokens`] only): first send the prompt's
+    /// tokens, each with its log probability given the tokens before it and its `n` most
+    /// likely alternatives, in one [`Event::Logprobs`] (OpenAI's `echo` with `logprobs`). The
+    /// first token has none: its `logprob` is NaN and its `top` empty. A BOS the engine added
+    /// is not one of them.
     pub prompt_logprobs: Option<usize>,
 }
 

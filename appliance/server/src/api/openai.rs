@@ -969,12 +969,12 @@ fn chunks(
 }
 
 /// The events of streamed generations, one per choice (`rxs[i]` is choice `i`), as they come:
-/// `chunk(i, Some(text), None)` per piece of text (with `formats`, one per choice, its tokens'
-/// log probabilities in the choice's `logprobs`), then `chunk(i, None, Some(finish_reason))`
-/// (with `citations` when given, and the log probabilities of tokens whose text never went
-/// out); once every choice has finished, with `include_usage` a chunk with no choices and the
-/// `usage` of them all (`per_prompt` choices to a prompt), then `[DONE]`. An error ends the stream with its body and `[DONE]`
-/// (the other choices' jobs are cancelled as their receivers drop).
+/// `chunk(i, Some(text), None)` per piece of text (with `formats`, one per choice, its tokens' log
+/// probabilities in the choice's `logprobs`), then `chunk(i, None, Some(finish_reason))` (with
+/// `citations` when given, and the log probabilities of tokens whose text never went out); once
+/// every choice has finished, with `include_usage` a chunk with no choices and the `usage` of them
+/// all (`per_prompt` choices to a prompt), then `[DONE]`. An error ends the stream with its body
+/// and `[DONE]` (the other choices' jobs are cancelled as their receivers drop).
 fn generation_events(
     rxs: Vec<tokio::sync::mpsc::Receiver<Event>>,
     per_prompt: usize,
