@@ -317,37 +317,23 @@ fn interleaved_prefill_gives_the_same_logits_and_runs_the_pauses() {
             pauses += 1;
         };
         let piece = 16;
+        let in_pieces = |between: &mut dyn FnMut()| {
+            let mut kv = l.model.new_cache(p.len() + 8);
+            fused_prefill_interleaved(
+                &l.model,
+                &store,
+                None,
+                &p,
+                policy,
+                &mut kv,
+                Some(Interleave { piece, between }),
+            )
+            .expect("prefill in pieces")
+        };
         // The same pieces with nothing between them: the reference for what the pauses may
         // change, which is nothing.
-        let mut kv = l.model.new_cache(p.len() + 8);
-        let mut nothing = || {};
-        let pieces = fused_prefill_interleaved(
-            &l.model,
-            &store,
-            None,
-            &p,
-            policy,
-            &mut kv,
-            Some(Interleave {
-                piece,
-                between: &mut nothing,
-            }),
-        )
-        .expect("prefill in pieces");
-        let mut kv = l.model.new_cache(p.len() + 8);
-        let got = fused_prefill_interleaved(
-            &l.model,
-            &store,
-            None,
-            &p,
-            policy,
-            &mut kv,
-            Some(Interleave {
-                piece,
-                between: &mut between,
-            }),
-        )
-        .expect("interleaved prefill");
+        let pieces = in_pieces(&mut || {});
+        let got = in_pieces(&mut between);
         let run_through = match policy {
             Policy::Full => p.len(),
             _ => p.prefix.len() + got.stats.recomputed_chunk_tokens,

@@ -393,6 +393,19 @@ struct Engine {
     trie: OnceCell<Arc<TokenTrie>>,
 }
 
+/// `tokens` run as they are, with no passages: everything but the last token is a prefix the
+/// prefix cache can serve next turn. Errors name `field`.
+fn plain_prompt(mut tokens: Vec<u32>, field: &str) -> std::result::Result<FusedPrompt, ApiError> {
+    let Some(last) = tokens.pop() else {
+        return Err(ApiError::invalid(field, "the prompt is empty"));
+    };
+    Ok(FusedPrompt {
+        prefix: tokens,
+        chunks: Vec::new(),
+        suffix: vec![last],
+    })
+}
+
 /// A sampling parameter [`SamplingParams::validate`] refused, as a 400 naming it.
 pub fn sampling_error(e: engram_model::ModelError) -> ApiError {
     let param = match &e {
@@ -1073,19 +1086,11 @@ impl Engine {
 
     /// A prompt of `text` as it is; errors name `field`.
     fn text_prompt(&self, text: &str, field: &str) -> std::result::Result<FusedPrompt, ApiError> {
-        let mut tokens = self
+        let tokens = self
             .tokenizer
             .encode_prompt(text)
             .map_err(|e| ApiError::invalid(field, e.to_string()))?;
-        let Some(last) = tokens.pop() else {
-            return Err(ApiError::invalid(field, "the prompt is empty"));
-        };
-        // Everything but the last token is a prefix the prefix cache can serve next turn.
-        Ok(FusedPrompt {
-            prefix: tokens,
-            chunks: Vec::new(),
-            suffix: vec![last],
-        })
+        plain_prompt(tokens, field)
     }
 
     /// A token prompt as it is, every id checked against the vocabulary.
@@ -1097,14 +1102,7 @@ impl Engine {
                 format!("token id {bad} is outside the model's vocabulary (0..{vocab})"),
             ));
         }
-        let Some((&last, prefix)) = ids.split_last() else {
-            return Err(ApiError::invalid("prompt", "the prompt is empty"));
-        };
-        Ok(FusedPrompt {
-            prefix: prefix.to_vec(),
-            chunks: Vec::new(),
-            suffix: vec![last],
-        })
+        plain_prompt(ids.to_vec(), "prompt")
     }
 
     /// Builds a job's prompt and prefills it, running decode steps of `batch` between the

@@ -1851,10 +1851,7 @@ fn openai_echo_scores_the_prompt() {
 #[test]
 fn openai_token_prompts_and_batches() {
     let s = server();
-    let file =
-        engram_gguf::GgufFile::open(common::models_dir().join("SmolLM2-135M-Instruct.Q4_1.gguf"))
-            .expect("the default model opens");
-    let tok = engram_tokenizer::Tokenizer::from_gguf(file.metadata()).expect("its tokenizer");
+    let tok = default_tokenizer();
     let call = |body: Value| {
         let r = s.call("POST", "/v1/completions", Some(&s.only_a), Some(body));
         assert_eq!(r.status, 200, "{}", r.text());
@@ -2249,15 +2246,20 @@ fn openai_logprobs() {
     }
 }
 
+/// The default model's tokenizer, for the token ids the OpenAI routes take.
+fn default_tokenizer() -> engram_tokenizer::Tokenizer {
+    let file =
+        engram_gguf::GgufFile::open(common::models_dir().join("SmolLM2-135M-Instruct.Q4_1.gguf"))
+            .expect("the default model opens");
+    engram_tokenizer::Tokenizer::from_gguf(file.metadata()).expect("its tokenizer")
+}
+
 /// OpenAI's `logit_bias`, `presence_penalty` and `frequency_penalty` change what is generated
 /// as OpenAI defines them, with the served model's token ids.
 #[test]
 fn openai_logit_bias_and_penalties_shape_the_text() {
     let s = server();
-    let file =
-        engram_gguf::GgufFile::open(common::models_dir().join("SmolLM2-135M-Instruct.Q4_1.gguf"))
-            .expect("the default model opens");
-    let tok = engram_tokenizer::Tokenizer::from_gguf(file.metadata()).expect("its tokenizer");
+    let tok = default_tokenizer();
     let complete = |prompt: &str, extra: Value| {
         let mut body = json!({"prompt": prompt, "max_tokens": 8, "temperature": 0});
         for (k, v) in extra.as_object().unwrap() {
