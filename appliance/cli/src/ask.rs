@@ -10,9 +10,9 @@ use std::time::Instant;
 use anyhow::{Context, Result};
 use clap::Args;
 use engram_fusion::{
-    chunk_tokens, fused_prefill, no_answer, rag_frame_for, rag_prompt, relevant, retain_distinct,
-    ChunkStore, CopyBias, Ensured, GateLimits, Layout, OutputText, Policy, DEFAULT_COPY_BIAS,
-    DEFAULT_LAYOUT, DEFAULT_POLICY, DEFAULT_SYSTEM,
+    chunk_tokens, fused_prefill, no_answer, rag_frame_for, rag_prompt, relevant, relevant_sentence,
+    retain_distinct, sentences_to_embed, ChunkStore, CopyBias, Ensured, GateLimits, Layout,
+    OutputText, Policy, DEFAULT_COPY_BIAS, DEFAULT_LAYOUT, DEFAULT_POLICY, DEFAULT_SYSTEM,
 };
 use engram_kb::{KnowledgeBase, SearchRequest};
 use engram_kvstore::{DramTier, IoMode, KvDtype, KvStore, NvmeOptions, NvmeTier};
@@ -186,8 +186,8 @@ pub fn ask(a: AskArgs) -> Result<()> {
     let mut hits = kb.search(&req)?.hits;
     // As engramd (`grounded`): nothing relevant retrieved answers "I don't know" without
     // running the model, and a passage that mostly repeats a better-ranked one is left out.
-    let best = hits.iter().filter_map(|h| h.dense).reduce(f32::max);
-    if !relevant(&a.question, best, hits.iter().map(|h| h.text.as_str())) {
+    let texts: Vec<&str> = hits.iter().map(|h| h.text.as_str()).collect();
+    if !grounded(kb.models(), &a.question, &hits, &texts)? {
         let answer = no_answer(&a.question);
         if a.json {
             let mut timings = serde_json::Map::new();
@@ -324,6 +324,25 @@ pub fn ask(a: AskArgs) -> Result<()> {
         generated,
     );
     Ok(())
+}
+
+/// Whether `hits` (their `texts`) are worth answering `question` from, as engramd judges it:
+/// [`relevant`], and for an English question that refuses, the best cosine similarity of one of
+/// their sentences ([`sentences_to_embed`], [`relevant_sentence`]).
+pub fn grounded(
+    models: &engram_kb::Models,
+    question: &str,
+    hits: &[engram_kb::SearchHit],
+    texts: &[&str],
+) -> Result<bool> {
+    let best = hits.iter().filter_map(|h| h.dense).reduce(f32::max);
+    if relevant(question, best, texts.iter().copied()) {
+        return Ok(true);
+    }
+    let sentences = sentences_to_embed(question, texts.iter().copied());
+    Ok(relevant_sentence(
+        models.best_similarity(question, &sentences)?,
+    ))
 }
 
 /// `engram ask --json`'s one object: the answer, the policy it was prefilled under (none when

@@ -14,8 +14,9 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use engram_fusion::{
-    no_answer, not_answered, rag_prompt_with, relevant, retain_distinct, Layout, Policy,
-    DEFAULT_COPY_BIAS, DEFAULT_LAYOUT, DEFAULT_POLICY, DEFAULT_SYSTEM,
+    no_answer, not_answered, rag_prompt_with, relevant, relevant_sentence, retain_distinct,
+    sentences_to_embed, Layout, Policy, DEFAULT_COPY_BIAS, DEFAULT_LAYOUT, DEFAULT_POLICY,
+    DEFAULT_SYSTEM,
 };
 use engram_kb::{NewDocument, SearchRequest};
 use engram_kvstore::{DramTier, KvDtype, KvStore};
@@ -344,6 +345,9 @@ pub fn run(a: QaArgs) -> Result<()> {
     let mut best_dense = Vec::new();
     let mut best_coverage = Vec::new();
     let mut best_terms = Vec::new();
+    // Per question, the best sentence's cosine when the first look refused it (English only).
+    let mut best_sentence: Vec<Option<f32>> = Vec::new();
+    let mut first_look: Vec<bool> = Vec::new();
     let started = Instant::now();
     for (qi, item) in items.iter().enumerate() {
         let t = Instant::now();
@@ -360,7 +364,11 @@ pub fn run(a: QaArgs) -> Result<()> {
         let texts = || hits.iter().map(|h| h.text.as_str());
         best_coverage.push(engram_fusion::best_coverage(&item.question, texts()));
         best_terms.push(engram_fusion::best_term_coverage(&item.question, texts()));
-        let grounded = relevant(&item.question, best, texts());
+        let first = relevant(&item.question, best, texts());
+        let second = second_look(kb.models(), &item.question, first, texts())?;
+        best_sentence.push(second);
+        first_look.push(first);
+        let grounded = first || relevant_sentence(second);
         refused += usize::from(!grounded);
         // As engramd: a passage that mostly repeats a better-ranked one is left out (the peer
         // gets the same passages).
@@ -543,6 +551,15 @@ pub fn run(a: QaArgs) -> Result<()> {
                 refused(&o.dense, &o.terms, floor)
             );
         }
+        // English: the second look at the sentences of what the first refused.
+        for floor in [0.3, 0.35, 0.4, 0.45, 0.5, f32::INFINITY] {
+            println!(
+                "refused by the floors above and best sentence under {floor:.2}: refuses {:.3} \
+                 of the set's questions, {:.3} of the off-topic ones",
+                refused_at(&first_look, &best_sentence, floor),
+                refused_at(&o.first, &o.sentence, floor)
+            );
+        }
     }
     println!(
         "{:<32} {:>6} {:>6} {:>10} {:>6}",
@@ -592,6 +609,37 @@ struct OffTopic {
     coverage: Vec<f64>,
     /// Each question's [`engram_fusion::best_term_coverage`].
     terms: Vec<f64>,
+    /// Whether [`relevant`] answered each question, and its best sentence cosine when it did
+    /// not (see [`second_look`]).
+    first: Vec<bool>,
+    sentence: Vec<Option<f32>>,
+}
+
+/// For a question [`relevant`] refused (`first` false): the best cosine similarity between it
+/// and one of the retrieved sentences, as engramd takes a second look (`None` when `first`
+/// held or the question is not English).
+fn second_look<'a>(
+    models: &engram_kb::Models,
+    question: &str,
+    first: bool,
+    passages: impl IntoIterator<Item = &'a str>,
+) -> Result<Option<f32>> {
+    if first {
+        return Ok(None);
+    }
+    let sentences = sentences_to_embed(question, passages);
+    Ok(models.best_similarity(question, &sentences)?)
+}
+
+/// Share of the questions refused with a sentence floor at `floor`: refused by the first look
+/// ([`relevant`]) and under the floor on the second ([`second_look`]).
+fn refused_at(first: &[bool], second: &[Option<f32>], floor: f32) -> f64 {
+    let n = first
+        .iter()
+        .zip(second)
+        .filter(|(&f, s)| !f && s.is_none_or(|s| s < floor))
+        .count();
+    n as f64 / first.len().max(1) as f64
 }
 
 /// Asks `limit` queries of a BEIR queries.jsonl (`{"text": ...}` per line).
@@ -607,6 +655,7 @@ fn off_topic(
     }
     let queries: Vec<Query> = crate::eval::read_jsonl(path)?;
     let (mut refused, mut dense, mut coverage, mut terms) = (0, Vec::new(), Vec::new(), Vec::new());
+    let (mut sentence, mut firsts) = (Vec::new(), Vec::new());
     for q in queries.iter().take(limit) {
         let hits = kb.search(&SearchRequest::new(collection, &q.text))?.hits;
         let best = hits.iter().filter_map(|h| h.dense).reduce(f32::max);
@@ -614,7 +663,11 @@ fn off_topic(
         let texts = || hits.iter().map(|h| h.text.as_str());
         coverage.push(engram_fusion::best_coverage(&q.text, texts()));
         terms.push(engram_fusion::best_term_coverage(&q.text, texts()));
-        refused += usize::from(!relevant(&q.text, best, texts()));
+        let first = relevant(&q.text, best, texts());
+        let second = second_look(kb.models(), &q.text, first, texts())?;
+        sentence.push(second);
+        firsts.push(first);
+        refused += usize::from(!(first || relevant_sentence(second)));
     }
     Ok(OffTopic {
         refused,
@@ -622,6 +675,8 @@ fn off_topic(
         dense,
         coverage,
         terms,
+        first: firsts,
+        sentence,
     })
 }
 

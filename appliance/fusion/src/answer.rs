@@ -34,19 +34,14 @@ pub(crate) const FUNCTION_CHARS: &str = "的了是在有和与及或也都就而
 /// [`DENSE_FLOOR`], by the share of its content words one of `passages` repeats
 /// ([`TERM_COVERAGE_FLOOR`]); a Chinese one by the largest share of its character pairs found
 /// in one of `passages` ([`COVERAGE_FLOOR`]). Any other question, and an English one that was
-/// not embedded, is answered.
+/// not embedded, is answered. An English question refused here gets a second look at the
+/// sentence level ([`sentences_to_embed`], [`relevant_sentence`]), which needs the embedder.
 pub fn relevant<'a>(
     question: &str,
     best_dense: Option<f32>,
     passages: impl IntoIterator<Item = &'a str>,
 ) -> bool {
-    let (ascii, letters) = question
-        .chars()
-        .filter(|c| c.is_alphabetic())
-        .fold((0usize, 0usize), |(a, l), c| {
-            (a + usize::from(c.is_ascii()), l + 1)
-        });
-    if letters > 0 && ascii * 4 >= letters * 3 {
+    if is_english(question) {
         best_dense.is_none_or(|d| d >= DENSE_FLOOR)
             || best_term_coverage(question, passages) >= TERM_COVERAGE_FLOOR
     } else if is_chinese(question) {
@@ -54,6 +49,59 @@ pub fn relevant<'a>(
     } else {
         true
     }
+}
+
+/// Whether `question` is written mostly in ASCII letters: the embedder's language, judged by
+/// the cosine floors.
+fn is_english(question: &str) -> bool {
+    let (ascii, letters) = question
+        .chars()
+        .filter(|c| c.is_alphabetic())
+        .fold((0usize, 0usize), |(a, l), c| {
+            (a + usize::from(c.is_ascii()), l + 1)
+        });
+    letters > 0 && ascii * 4 >= letters * 3
+}
+
+/// Cosine similarity (all-MiniLM-L6-v2) between an English question [`relevant`] refused and
+/// one sentence of the retrieved chunks ([`sentences_to_embed`]) at which the question is
+/// answered after all. A chunk of several topics embeds far from a question about one of its
+/// sentences, and the question need not repeat the sentence's words: "Who do I call if I lose
+/// my badge?" against the handbook's "A lost badge or laptop is reported to the IT helpdesk
+/// ..." (cosine 0.49; its chunk's is under [`DENSE_FLOOR`], and "lose my badge" shares no pair
+/// of content words with "lost badge"). Calibrated with `engram eval qa --off-topic`
+/// (docs/bench/2026-12-03-lead-and-sentence.md): over 400 XQuAD-en questions and 400 SciFact
+/// claims against the same paragraphs, 0.45 lets 1 more claim through (68.2 % refused instead
+/// of 68.5 %) and refuses 2 answerable questions instead of 4 (0.4: 6 more claims and 1
+/// question; 0.5: no claim and 3 questions).
+pub const SENTENCE_FLOOR: f32 = 0.45;
+
+/// Most sentences [`sentences_to_embed`] gives, the best-ranked chunks' first: it bounds the
+/// embedder's work for a question about to be refused (about 10 ms a sentence on 2 cores).
+pub const MAX_CHECKED_SENTENCES: usize = 48;
+
+/// The sentences of `passages` (best-ranked first, at most [`MAX_CHECKED_SENTENCES`]) an
+/// English question that [`relevant`] refused is judged by a second time: answered when one of
+/// them reaches [`SENTENCE_FLOOR`] ([`relevant_sentence`]). Empty for a question in another
+/// language, which the embedder cannot judge.
+pub fn sentences_to_embed<'a>(
+    question: &str,
+    passages: impl IntoIterator<Item = &'a str>,
+) -> Vec<&'a str> {
+    if !is_english(question) {
+        return Vec::new();
+    }
+    passages
+        .into_iter()
+        .flat_map(crate::evidence::sentences)
+        .take(MAX_CHECKED_SENTENCES)
+        .collect()
+}
+
+/// Whether the best cosine similarity between a question and one of its
+/// [`sentences_to_embed`] reaches [`SENTENCE_FLOOR`].
+pub fn relevant_sentence(best: Option<f32>) -> bool {
+    best.is_some_and(|b| b >= SENTENCE_FLOOR)
 }
 
 /// Share of an English question's pairs of neighbouring content words (see
@@ -608,5 +656,36 @@ mod tests {
     fn chinese_questions_get_a_chinese_refusal() {
         assert!(no_answer("新密码至少需要几个字符？").starts_with("我不知道"));
         assert!(no_answer("How long is the password?").starts_with("I don't know"));
+    }
+
+    #[test]
+    fn only_english_questions_get_a_second_look_at_sentences() {
+        let hand = "Passwords are changed every 180 days. A lost badge or laptop is reported to \
+                    the IT helpdesk within one hour.";
+        let other = "Train travel is booked in second class.";
+        let q = "Who do I call if I lose my badge?";
+        // Refused by the first look: no cosine given over the floor, no content-word pair
+        // repeated ("lose badge" against "lost badge").
+        assert!(!relevant(q, Some(0.2), [hand, other]));
+        // The sentences, best-ranked passage first.
+        assert_eq!(
+            sentences_to_embed(q, [hand, other]),
+            [
+                "Passwords are changed every 180 days.",
+                "A lost badge or laptop is reported to the IT helpdesk within one hour.",
+                "Train travel is booked in second class.",
+            ]
+        );
+        // At most MAX_CHECKED_SENTENCES of them.
+        let many = "One. ".repeat(2 * MAX_CHECKED_SENTENCES);
+        assert_eq!(
+            sentences_to_embed(q, [many.as_str()]).len(),
+            MAX_CHECKED_SENTENCES
+        );
+        // Chinese questions are judged by their words alone.
+        assert!(sentences_to_embed("丢失工牌后找谁？", [hand]).is_empty());
+        assert!(relevant_sentence(Some(SENTENCE_FLOOR)));
+        assert!(!relevant_sentence(Some(SENTENCE_FLOOR - 0.01)));
+        assert!(!relevant_sentence(None));
     }
 }

@@ -85,7 +85,7 @@ pub fn evidence_within<'a>(
 /// The sentences of `text`, trimmed: split after "。！？；;!?", after a "." followed by white
 /// space, and at line ends. A sentence longer than [`MAX_EVIDENCE_CHARS`] is split into its
 /// clauses (after "，,：:"), and a clause still longer is cut at the limit.
-fn sentences(text: &str) -> Vec<&str> {
+pub(crate) fn sentences(text: &str) -> Vec<&str> {
     let mut out = Vec::new();
     for s in split_after(text, |c, next| {
         matches!(c, '。' | '！' | '？' | '；' | ';' | '!' | '?' | '\n')

@@ -206,6 +206,23 @@ impl Models {
             blind as f32 / pieces.len() as f32,
         ))
     }
+
+    /// The largest cosine similarity between `query` and one of `texts` (`None` when there are
+    /// none): all embedded in one call, the query with them.
+    pub fn best_similarity(&self, query: &str, texts: &[&str]) -> Result<Option<f32>> {
+        if texts.is_empty() {
+            return Ok(None);
+        }
+        let mut all = Vec::with_capacity(texts.len() + 1);
+        all.push(query);
+        all.extend_from_slice(texts);
+        let vectors = self.embedder.embed(&all)?;
+        let (q, rest) = vectors.split_first().expect("the query was embedded");
+        Ok(rest
+            .iter()
+            .map(|v| v.iter().zip(q).map(|(a, b)| a * b).sum::<f32>())
+            .reduce(f32::max))
+    }
 }
 
 impl KnowledgeBase {

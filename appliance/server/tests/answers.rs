@@ -158,6 +158,22 @@ fn the_sample_corpus_is_answered_from_its_passages() {
     let answer = r["answer"].as_str().unwrap();
     assert!(answer.to_lowercase().contains("helpdesk"), "{r}");
     assert_eq!(r["citations"][0]["collection"], "handbook", "{r}");
+    // Neither the chunk's cosine nor its terms ("lose my badge" against "lost badge") let this
+    // one through; one of its sentences embeds close to it (`engram_fusion::SENTENCE_FLOOR`),
+    // so it is answered from the handbook rather than refused.
+    let r = ask(addr, &key, "Who do I call if I lose my badge?");
+    assert!(
+        !r["answer"].as_str().unwrap().starts_with("I don't know"),
+        "{r}"
+    );
+    assert!(
+        r["citations"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|c| c["doc_name"] == "employee-handbook.md"),
+        "{r}"
+    );
 
     // Streamed, the answer is the same text (the start held back while it could still be the
     // question repeated or a label is released once it is not).

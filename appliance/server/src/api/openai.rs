@@ -712,7 +712,7 @@ pub async fn chat(
                 &Default::default(),
             )
             .await?;
-            let hits = crate::api::qa::grounded(&question, hits);
+            let hits = crate::api::qa::grounded(&s, &question, hits).await?;
             let ms = t.elapsed().as_secs_f64() * 1e3;
             let cites = citations(&hits);
             let passages = hits.into_iter().map(|h| h.text).collect();

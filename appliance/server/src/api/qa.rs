@@ -80,14 +80,37 @@ pub struct QaResponse {
 /// of letting the model invent an answer from unrelated passages; otherwise every hit but those
 /// that mostly repeat a better-ranked one (see [`engram_fusion::retain_distinct`]: the same
 /// text twice adds no fact, costs prefill and makes fused prefill drift from full prefill).
-/// The citations are the hits kept.
-pub fn grounded(question: &str, mut hits: Vec<Hit>) -> Vec<Hit> {
+/// The citations are the hits kept. An English question the floors refuse gets a second look
+/// at the hits' sentences ([`engram_fusion::sentences_to_embed`]), embedded on the knowledge
+/// base's thread.
+pub async fn grounded(
+    s: &AppState,
+    question: &str,
+    mut hits: Vec<Hit>,
+) -> Result<Vec<Hit>, ApiError> {
     let best = hits.iter().filter_map(|h| h.dense).reduce(f32::max);
     if !engram_fusion::relevant(question, best, hits.iter().map(|h| h.text.as_str())) {
-        return Vec::new();
+        let sentences: Vec<String> =
+            engram_fusion::sentences_to_embed(question, hits.iter().map(|h| h.text.as_str()))
+                .into_iter()
+                .map(str::to_owned)
+                .collect();
+        if sentences.is_empty() {
+            return Ok(Vec::new());
+        }
+        let q = question.to_owned();
+        let best =
+            s.kb.call(move |kb| {
+                let refs: Vec<&str> = sentences.iter().map(String::as_str).collect();
+                kb.models().best_similarity(&q, &refs)
+            })
+            .await??;
+        if !engram_fusion::relevant_sentence(best) {
+            return Ok(Vec::new());
+        }
     }
     engram_fusion::retain_distinct(&mut hits, |h| &h.text);
-    hits
+    Ok(hits)
 }
 
 pub fn citations(hits: &[Hit]) -> Vec<Citation> {
@@ -167,7 +190,7 @@ pub async fn qa(
         &Default::default(),
     )
     .await?;
-    let hits = grounded(&b.question, hits);
+    let hits = grounded(&s, &b.question, hits).await?;
     let retrieve_ms = t.elapsed().as_secs_f64() * 1e3;
     let cites = citations(&hits);
     let rx = s.engine.submit(

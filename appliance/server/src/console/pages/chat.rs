@@ -265,7 +265,7 @@ async fn start(
         &Default::default(),
     )
     .await?;
-    let hits = crate::api::qa::grounded(&f.question, hits);
+    let hits = crate::api::qa::grounded(s, &f.question, hits).await?;
     let retrieve_ms = t.elapsed().as_secs_f64() * 1e3;
     let cites = citations(&hits);
     let rx = s.engine.submit(
