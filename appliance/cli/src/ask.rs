@@ -186,8 +186,7 @@ pub fn ask(a: AskArgs) -> Result<()> {
     let mut hits = kb.search(&req)?.hits;
     // As engramd (`grounded`): nothing relevant retrieved answers "I don't know" without
     // running the model, and a passage that mostly repeats a better-ranked one is left out.
-    let texts: Vec<&str> = hits.iter().map(|h| h.text.as_str()).collect();
-    if !grounded(kb.models(), &a.question, &hits, &texts)? {
+    if !grounded(kb.models(), &a.question, &hits)? {
         let answer = no_answer(&a.question);
         if a.json {
             let mut timings = serde_json::Map::new();
@@ -326,23 +325,33 @@ pub fn ask(a: AskArgs) -> Result<()> {
     Ok(())
 }
 
-/// Whether `hits` (their `texts`) are worth answering `question` from, as engramd judges it:
-/// [`relevant`], and for an English question that refuses, the best cosine similarity of one of
-/// their sentences ([`sentences_to_embed`], [`relevant_sentence`]).
+/// Whether `hits` are worth answering `question` from, as engramd judges it: [`relevant`], and
+/// for an English question that refuses, its [`second_look`] ([`relevant_sentence`]).
 pub fn grounded(
     models: &engram_kb::Models,
     question: &str,
     hits: &[engram_kb::SearchHit],
-    texts: &[&str],
 ) -> Result<bool> {
     let best = hits.iter().filter_map(|h| h.dense).reduce(f32::max);
-    if relevant(question, best, texts.iter().copied()) {
-        return Ok(true);
+    let texts = || hits.iter().map(|h| h.text.as_str());
+    let first = relevant(question, best, texts());
+    Ok(first || relevant_sentence(second_look(models, question, first, texts())?))
+}
+
+/// For a question [`relevant`] refused (`first` false): the best cosine similarity between it
+/// and one of the retrieved sentences ([`sentences_to_embed`]), as engramd takes a second look
+/// (`None` when `first` held or the question is not English).
+pub fn second_look<'a>(
+    models: &engram_kb::Models,
+    question: &str,
+    first: bool,
+    passages: impl IntoIterator<Item = &'a str>,
+) -> Result<Option<f32>> {
+    if first {
+        return Ok(None);
     }
-    let sentences = sentences_to_embed(question, texts.iter().copied());
-    Ok(relevant_sentence(
-        models.best_similarity(question, &sentences)?,
-    ))
+    let sentences = sentences_to_embed(question, passages);
+    Ok(models.best_similarity(question, &sentences)?)
 }
 
 /// `engram ask --json`'s one object: the answer, the policy it was prefilled under (none when

@@ -14,15 +14,14 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use engram_fusion::{
-    no_answer, not_answered, rag_prompt_with, relevant, relevant_sentence, retain_distinct,
-    sentences_to_embed, Layout, Policy, DEFAULT_COPY_BIAS, DEFAULT_LAYOUT, DEFAULT_POLICY,
-    DEFAULT_SYSTEM,
+    no_answer, not_answered, rag_prompt_with, relevant, relevant_sentence, retain_distinct, Layout,
+    Policy, DEFAULT_COPY_BIAS, DEFAULT_LAYOUT, DEFAULT_POLICY, DEFAULT_SYSTEM,
 };
 use engram_kb::{NewDocument, SearchRequest};
 use engram_kvstore::{DramTier, KvDtype, KvStore};
 use serde::Deserialize;
 
-use crate::ask::{generate, Llm};
+use crate::ask::{generate, second_look, Llm};
 use crate::fusion_eval::{mean, quantile};
 use crate::kb::{ChunkArgs, KbArgs, StageBars};
 
@@ -613,22 +612,6 @@ struct OffTopic {
     /// not (see [`second_look`]).
     first: Vec<bool>,
     sentence: Vec<Option<f32>>,
-}
-
-/// For a question [`relevant`] refused (`first` false): the best cosine similarity between it
-/// and one of the retrieved sentences, as engramd takes a second look (`None` when `first`
-/// held or the question is not English).
-fn second_look<'a>(
-    models: &engram_kb::Models,
-    question: &str,
-    first: bool,
-    passages: impl IntoIterator<Item = &'a str>,
-) -> Result<Option<f32>> {
-    if first {
-        return Ok(None);
-    }
-    let sentences = sentences_to_embed(question, passages);
-    Ok(models.best_similarity(question, &sentences)?)
 }
 
 /// Share of the questions refused with a sentence floor at `floor`: refused by the first look

@@ -218,11 +218,13 @@ impl Models {
         all.extend_from_slice(texts);
         let vectors = self.embedder.embed(&all)?;
         let (q, rest) = vectors.split_first().expect("the query was embedded");
-        Ok(rest
-            .iter()
-            .map(|v| v.iter().zip(q).map(|(a, b)| a * b).sum::<f32>())
-            .reduce(f32::max))
+        Ok(rest.iter().map(|v| cosine(v, q)).reduce(f32::max))
     }
+}
+
+/// The cosine similarity of two unit-length embeddings.
+fn cosine(a: &[f32], b: &[f32]) -> f32 {
+    a.iter().zip(b).map(|(x, y)| x * y).sum()
 }
 
 impl KnowledgeBase {
@@ -326,10 +328,7 @@ impl KnowledgeBase {
             };
             let dense = match (f.dense, &r.query_vector) {
                 (Some(d), _) => Some(d),
-                (None, Some(q)) => self
-                    .catalog
-                    .embedding(chunk.id)?
-                    .map(|v| v.iter().zip(q).map(|(a, b)| a * b).sum()),
+                (None, Some(q)) => self.catalog.embedding(chunk.id)?.map(|v| cosine(&v, q)),
                 (None, None) => None,
             };
             hits.push(SearchHit {
