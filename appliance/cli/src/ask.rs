@@ -10,9 +10,10 @@ use std::time::Instant;
 use anyhow::{Context, Result};
 use clap::Args;
 use engram_fusion::{
-    chunk_tokens, fused_prefill, no_answer, rag_frame_for, rag_prompt, relevant, relevant_sentence,
-    retain_distinct, sentences_to_embed, ChunkStore, CopyBias, Ensured, GateLimits, Layout,
-    OutputText, Policy, DEFAULT_COPY_BIAS, DEFAULT_LAYOUT, DEFAULT_POLICY, DEFAULT_SYSTEM,
+    chunk_tokens, evidence_to_embed, fused_prefill, nearest_evidence, no_answer, rag_frame_for,
+    rag_prompt_chosen, relevant, relevant_sentence, retain_distinct, sentences_to_embed,
+    ChunkStore, CopyBias, Ensured, GateLimits, Layout, OutputText, Policy, DEFAULT_COPY_BIAS,
+    DEFAULT_LAYOUT, DEFAULT_POLICY, DEFAULT_SYSTEM,
 };
 use engram_kb::{KnowledgeBase, SearchRequest};
 use engram_kvstore::{DramTier, IoMode, KvDtype, KvStore, NvmeOptions, NvmeTier};
@@ -201,6 +202,7 @@ pub fn ask(a: AskArgs) -> Result<()> {
         return Ok(());
     }
     retain_distinct(&mut hits, |h| &h.text);
+    engram_fusion::retain_language(&a.question, &mut hits, |h| &h.text);
     let retrieve = t.elapsed();
 
     let llm = Llm::load(&a.kb)?;
@@ -233,12 +235,15 @@ pub fn ask(a: AskArgs) -> Result<()> {
     }
 
     let passages: Vec<&str> = hits.iter().map(|h| h.text.as_str()).collect();
-    let prompt = rag_prompt(
+    let chosen = chosen_evidence(kb.models(), &a.question, passages.iter().copied())?;
+    let prompt = rag_prompt_chosen(
+        DEFAULT_LAYOUT,
         &llm.tokenizer,
         llm.template.as_ref(),
         DEFAULT_SYSTEM,
         &passages,
         &a.question,
+        chosen.as_deref(),
     )?;
     let stdout = std::io::stdout();
     let json = a.json;
@@ -336,6 +341,23 @@ pub fn grounded(
     let texts = || hits.iter().map(|h| h.text.as_str());
     let first = relevant(question, best, texts());
     Ok(first || relevant_sentence(second_look(models, question, first, texts())?))
+}
+
+/// The evidence sentence of the default layout, as engramd chooses it: by the embedder among
+/// the sentences near the best term score ([`evidence_to_embed`], [`nearest_evidence`]);
+/// `None` leaves the choice to the terms (one such sentence, or a question not in English).
+pub fn chosen_evidence<'a>(
+    models: &engram_kb::Models,
+    question: &str,
+    passages: impl IntoIterator<Item = &'a str>,
+) -> Result<Option<String>> {
+    let sentences = evidence_to_embed(question, passages, DEFAULT_LAYOUT.evidence_max_chars);
+    if sentences.is_empty() {
+        return Ok(None);
+    }
+    let refs: Vec<&str> = sentences.iter().map(String::as_str).collect();
+    let cosines = models.similarities(question, &refs)?;
+    Ok(nearest_evidence(sentences, &cosines))
 }
 
 /// For a question [`relevant`] refused (`first` false): the best cosine similarity between it

@@ -14,14 +14,14 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use engram_fusion::{
-    no_answer, not_answered, rag_prompt_with, relevant, relevant_sentence, retain_distinct, Layout,
-    Policy, DEFAULT_COPY_BIAS, DEFAULT_LAYOUT, DEFAULT_POLICY, DEFAULT_SYSTEM,
+    no_answer, not_answered, rag_prompt_chosen, relevant, relevant_sentence, retain_distinct,
+    Layout, Policy, DEFAULT_COPY_BIAS, DEFAULT_LAYOUT, DEFAULT_POLICY, DEFAULT_SYSTEM,
 };
 use engram_kb::{NewDocument, SearchRequest};
 use engram_kvstore::{DramTier, KvDtype, KvStore};
 use serde::Deserialize;
 
-use crate::ask::{generate, second_look, Llm};
+use crate::ask::{chosen_evidence, generate, second_look, Llm};
 use crate::fusion_eval::{mean, quantile};
 use crate::kb::{ChunkArgs, KbArgs, StageBars};
 
@@ -50,6 +50,11 @@ pub struct QaArgs {
     /// answered once per bias, on the same passages. See `engram_fusion::CopyBias`.
     #[arg(long, default_value_t = DEFAULT_COPY_BIAS.to_string())]
     copy_bias: String,
+    /// How the evidence sentence is chosen, comma-separated (the first is compared against):
+    /// `embed` as engramd chooses it (`engram_fusion::evidence_to_embed`), `terms` by the
+    /// question's terms alone. A question whose picks give the same prompt is answered once.
+    #[arg(long, default_value = "embed")]
+    evidence_picks: String,
     /// Which half of the evenly spread questions: `a` or `b` take every other one of 2 x
     /// --limit (two disjoint sets, one to tune on and one to check on); `all` the --limit.
     #[arg(long, default_value = "all")]
@@ -66,6 +71,11 @@ pub struct QaArgs {
     /// "I don't know" and the relevance floor's calibration.
     #[arg(long)]
     off_topic: Option<PathBuf>,
+    /// Generate nothing: measure how often the evidence sentence holds a gold answer, chosen by
+    /// the question's terms alone (the prompt's) and with the embedder's help (see
+    /// [`EvidencePicks`]), over the questions whose gold paragraph was retrieved.
+    #[arg(long)]
+    evidence: bool,
     /// Print every question with its answers.
     #[arg(long)]
     verbose: bool,
@@ -283,21 +293,32 @@ pub fn run(a: QaArgs) -> Result<()> {
                 .with_context(|| format!("--copy-bias `{b}` is not a number >= 0"))
         })
         .collect::<Result<_>>()?;
-    // Every layout with every bias, named by the layout alone when one bias is compared.
-    // (index into `layouts`, bias, name)
-    let systems: Vec<(usize, f32, String)> = layouts
-        .iter()
-        .enumerate()
-        .flat_map(|(li, l)| biases.iter().map(move |&b| (li, l.name, b)))
-        .map(|(li, layout, b)| {
-            let name = if biases.len() == 1 {
-                format!("engram:{layout}")
-            } else {
-                format!("engram:{layout}/copy={b}")
-            };
-            (li, b, name)
+    let picks: Vec<bool> = a
+        .evidence_picks
+        .split(',')
+        .map(|p| match p.trim() {
+            "embed" => Ok(true),
+            "terms" => Ok(false),
+            other => bail!("--evidence-picks takes `embed` and `terms`, not `{other}`"),
         })
-        .collect();
+        .collect::<Result<_>>()?;
+    // Every layout with every bias and evidence pick, named by the layout alone when one bias
+    // and one pick are compared. (index into the question's prompts, bias, name)
+    let mut systems: Vec<(usize, f32, String)> = Vec::new();
+    for (li, l) in layouts.iter().enumerate() {
+        for (pi, embed) in picks.iter().enumerate() {
+            for &b in &biases {
+                let mut name = format!("engram:{}", l.name);
+                if biases.len() > 1 {
+                    name.push_str(&format!("/copy={b}"));
+                }
+                if picks.len() > 1 {
+                    name.push_str(if *embed { "/ev=embed" } else { "/ev=terms" });
+                }
+                systems.push((li * picks.len() + pi, b, name));
+            }
+        }
+    }
 
     let mut kb_args = a.kb.clone();
     let _temp = if kb_args.data_dir.is_none() {
@@ -347,6 +368,7 @@ pub fn run(a: QaArgs) -> Result<()> {
     // Per question, the best sentence's cosine when the first look refused it (English only).
     let mut best_sentence: Vec<Option<f32>> = Vec::new();
     let mut first_look: Vec<bool> = Vec::new();
+    let mut evidence = EvidencePicks::default();
     let started = Instant::now();
     for (qi, item) in items.iter().enumerate() {
         let t = Instant::now();
@@ -373,19 +395,44 @@ pub fn run(a: QaArgs) -> Result<()> {
         // gets the same passages).
         let mut passages: Vec<String> = hits.iter().map(|h| h.text.clone()).collect();
         retain_distinct(&mut passages, String::as_str);
-        let prompts = layouts
-            .iter()
-            .map(|l| {
-                rag_prompt_with(
+        engram_fusion::retain_language(&item.question, &mut passages, String::as_str);
+        if a.evidence {
+            if hit_gold && grounded {
+                let line = evidence.add(
+                    kb.models(),
+                    &item.question,
+                    &passages,
+                    &item.answers,
+                    layouts[0].evidence_max_chars,
+                )?;
+                if a.verbose {
+                    eprintln!("[{}/{}] {}\n{line}", qi + 1, items.len(), item.question);
+                }
+            }
+            continue;
+        }
+        let texts = || passages.iter().map(String::as_str);
+        let chosen = if picks.contains(&true) {
+            chosen_evidence(kb.models(), &item.question, texts())?
+        } else {
+            None
+        };
+        // Per layout, per pick.
+        let mut prompts = Vec::new();
+        for l in &layouts {
+            for embed in &picks {
+                let e = if *embed { chosen.as_deref() } else { None };
+                prompts.push(rag_prompt_chosen(
                     *l,
                     &llm.tokenizer,
                     llm.template.as_ref(),
                     DEFAULT_SYSTEM,
                     &passages,
                     &item.question,
-                )
-            })
-            .collect::<engram_tokenizer::Result<Vec<_>>>()?;
+                    e,
+                )?);
+            }
+        }
         let context = llm.model.config().context_length;
         if grounded && prompts.iter().any(|p| p.len() + a.max_tokens >= context) {
             skipped += 1;
@@ -406,6 +453,8 @@ pub fn run(a: QaArgs) -> Result<()> {
             item.question,
             item.answers.first().map(String::as_str).unwrap_or("")
         )];
+        // This question's answers so far: (prompt, bias, score, TTFT, empty, answer).
+        let mut answered: Vec<(usize, f32, Score, f64, bool, String)> = Vec::new();
         for ((layout, bias, name), tally) in systems.iter().zip(tallies.iter_mut()) {
             let prompt = &prompts[*layout];
             if !grounded {
@@ -413,6 +462,18 @@ pub fn run(a: QaArgs) -> Result<()> {
                 let answer = no_answer(&item.question);
                 tally.add(best_score("", &item.answers, chinese), retrieve_ms, false);
                 line.push(format!("  {name}: {answer:?}"));
+                continue;
+            }
+            // The same prompt with the same bias gives the same greedy answer.
+            let same = answered
+                .iter()
+                .find(|(p, b, ..)| *b == *bias && prompts[*p].tokens() == prompt.tokens());
+            if let Some((_, _, score, ms, none, answer)) = same {
+                tally.add(*score, *ms, *none);
+                line.push(format!(
+                    "  {name} (f1 {:.2}, same prompt): {answer:?}",
+                    score.f1
+                ));
                 continue;
             }
             let g = generate(
@@ -429,8 +490,10 @@ pub fn run(a: QaArgs) -> Result<()> {
             let answer = g.text.trim().to_owned();
             let none = answer.is_empty() || answer == not_answered(&item.question);
             let score = best_score(if none { "" } else { &answer }, &item.answers, chinese);
-            tally.add(score, retrieve_ms + g.first_token.as_secs_f64() * 1e3, none);
+            let ms = retrieve_ms + g.first_token.as_secs_f64() * 1e3;
+            tally.add(score, ms, none);
             line.push(format!("  {name} (f1 {:.2}): {answer:?}", score.f1));
+            answered.push((*layout, *bias, score, ms, none, answer));
         }
         if let Some(url) = &a.peer {
             let (text, ms) = ask_peer(
@@ -449,6 +512,22 @@ pub fn run(a: QaArgs) -> Result<()> {
     }
     let n = items.len() - skipped;
     let recall = recalled as f64 / items.len() as f64;
+    if a.evidence {
+        let out = evidence.json();
+        if a.json {
+            println!("{out}");
+        } else {
+            println!(
+                "{}: {} questions whose gold paragraph was retrieved (recall@{} {recall:.3})",
+                a.set, evidence.questions, a.k
+            );
+            println!("{:<16} {:>8} {:>8}", "evidence", "holds", "changed");
+            for (name, held, changed) in evidence.rows() {
+                println!("{name:<16} {held:>8.3} {changed:>8}");
+            }
+        }
+        return Ok(());
+    }
     let off_topic = match &a.off_topic {
         Some(path) => Some(off_topic(&kb, &collection, path, a.limit.max(1))?),
         None => None,
@@ -586,6 +665,117 @@ pub fn run(a: QaArgs) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// How often each way of choosing the evidence sentence picks one that holds a gold answer.
+/// `terms` is the prompt's choice ([`engram_fusion::evidence_within`]); the others let the
+/// embedder choose, by cosine similarity to the question, among the sentences whose term score
+/// is at least a share of the best (`ties`: equal to it; `near:S`: S of it), and `cosine` among
+/// every sentence [`engram_fusion::sentences_to_embed`] gives (English only).
+#[derive(Default)]
+struct EvidencePicks {
+    questions: usize,
+    /// Per way: questions its evidence held a gold answer in, and questions it chose another
+    /// sentence than `terms`.
+    held: [usize; EVIDENCE_WAYS.len()],
+    changed: [usize; EVIDENCE_WAYS.len()],
+}
+
+/// The ways [`EvidencePicks`] compares, and their share of the best term score (`None`: every
+/// sentence, by cosine alone).
+const EVIDENCE_WAYS: [(&str, Option<f64>); 6] = [
+    ("terms", Some(f64::INFINITY)),
+    ("ties", Some(1.0)),
+    ("near:0.8", Some(0.8)),
+    ("near:0.6", Some(0.6)),
+    ("near:0.4", Some(0.4)),
+    ("cosine", None),
+];
+
+impl EvidencePicks {
+    /// Scores one question's picks; gives a line for each way.
+    fn add(
+        &mut self,
+        models: &engram_kb::Models,
+        question: &str,
+        passages: &[String],
+        answers: &[String],
+        max_chars: usize,
+    ) -> Result<String> {
+        let texts = || passages.iter().map(String::as_str);
+        let holds = |e: &str| {
+            let e = e.to_lowercase();
+            answers.iter().any(|g| e.contains(&g.trim().to_lowercase()))
+        };
+        let first = engram_fusion::evidence_within(question, texts(), max_chars);
+        let mut lines = Vec::new();
+        self.questions += 1;
+        for (w, (name, share)) in EVIDENCE_WAYS.iter().enumerate() {
+            let pick = match share {
+                Some(s) if s.is_infinite() => first.clone(),
+                Some(s) => {
+                    let c = engram_fusion::evidence_candidates(question, texts(), max_chars, *s);
+                    let refs: Vec<&str> = c.iter().map(|c| c.text.as_str()).collect();
+                    best_by_cosine(models, question, &refs)?
+                }
+                None => {
+                    let all = engram_fusion::sentences_to_embed(question, texts());
+                    best_by_cosine(models, question, &all)?
+                }
+            };
+            let held = pick.as_deref().is_some_and(holds);
+            self.held[w] += usize::from(held);
+            self.changed[w] += usize::from(pick != first);
+            lines.push(format!("  {name} ({held}): {pick:?}"));
+        }
+        Ok(lines.join("\n"))
+    }
+
+    /// (way, share of the questions its evidence held a gold answer in, questions changed).
+    fn rows(&self) -> Vec<(&'static str, f64, usize)> {
+        EVIDENCE_WAYS
+            .iter()
+            .enumerate()
+            .map(|(w, (name, _))| {
+                let q = self.questions.max(1) as f64;
+                (*name, self.held[w] as f64 / q, self.changed[w])
+            })
+            .collect()
+    }
+
+    fn json(&self) -> serde_json::Value {
+        let ways: serde_json::Map<String, serde_json::Value> = self
+            .rows()
+            .into_iter()
+            .map(|(name, held, changed)| {
+                (
+                    name.to_owned(),
+                    serde_json::json!({"holds_gold": held, "changed": changed}),
+                )
+            })
+            .collect();
+        serde_json::json!({"questions": self.questions, "ways": ways})
+    }
+}
+
+/// The one of `texts` nearest `question` by the embedder (the first of equals), `None` when
+/// there are none; one text needs no embedding.
+fn best_by_cosine(
+    models: &engram_kb::Models,
+    question: &str,
+    texts: &[&str],
+) -> Result<Option<String>> {
+    if texts.len() <= 1 {
+        return Ok(texts.first().map(|t| (*t).to_owned()));
+    }
+    let sims = models.similarities(question, texts)?;
+    let mut best = 0;
+    for (i, s) in sims.iter().enumerate() {
+        if *s > sims[best] {
+            best = i;
+        }
+    }
+    Ok(Some(texts[best].to_owned()))
 }
 
 /// `t`'s F1 minus `first`'s, paired on the same questions: the mean and its bootstrap 95 %

@@ -53,7 +53,7 @@ pub fn relevant<'a>(
 
 /// Whether `question` is written mostly in ASCII letters: the embedder's language, judged by
 /// the cosine floors.
-fn is_english(question: &str) -> bool {
+pub(crate) fn is_english(question: &str) -> bool {
     let (ascii, letters) = question
         .chars()
         .filter(|c| c.is_alphabetic())

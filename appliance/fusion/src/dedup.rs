@@ -35,6 +35,21 @@ pub fn retain_distinct<T>(items: &mut Vec<T>, text: impl Fn(&T) -> &str) {
     });
 }
 
+/// Keeps the passages written in the question's language when there are any: an item whose
+/// `text` is Chinese ([`crate::is_chinese`]) is dropped for a question that is not, and one
+/// that is not Chinese for a Chinese question, as long as one item in the question's language
+/// stays. A bilingual collection (a handbook in English and in Chinese) retrieves both
+/// versions of a fact, and a small model given the other language's passages beside its own
+/// copies their numbers into the wrong answer; with none in its language, the question is
+/// answered from what was found. The order of those kept is unchanged.
+pub fn retain_language<T>(question: &str, items: &mut Vec<T>, text: impl Fn(&T) -> &str) {
+    let zh = crate::is_chinese(question);
+    let same = |item: &T| crate::is_chinese(text(item)) == zh;
+    if items.iter().any(same) {
+        items.retain(same);
+    }
+}
+
 /// The distinct hashes of a text's shingles: runs of [`SHINGLE`] units (see [`for_each_unit`]).
 fn shingles(text: &str) -> HashSet<u64> {
     let mut units: Vec<u64> = Vec::new();
@@ -83,6 +98,22 @@ pub(crate) fn is_han(c: char) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn passages_in_the_questions_language_are_kept_when_there_are_any() {
+        let en = "Every employee gets 25 days of paid leave per year.";
+        let zh = "每位员工每年有 25 天带薪年假。";
+        let mut items = vec![zh, en, zh];
+        retain_language("How many days of paid leave?", &mut items, |t| t);
+        assert_eq!(items, [en]);
+        let mut items = vec![en, zh];
+        retain_language("每年有几天年假？", &mut items, |t| t);
+        assert_eq!(items, [zh]);
+        // None in the question's language: all stay.
+        let mut items = vec![zh, zh];
+        retain_language("How many days of paid leave?", &mut items, |t| t);
+        assert_eq!(items.len(), 2);
+    }
 
     /// Indices of the passages [`retain_distinct`] keeps.
     fn distinct_passages<S: AsRef<str>>(passages: &[S]) -> Vec<usize> {

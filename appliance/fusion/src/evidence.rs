@@ -29,9 +29,37 @@ pub fn evidence_within<'a>(
     passages: impl IntoIterator<Item = &'a str>,
     max_chars: usize,
 ) -> Option<String> {
+    evidence_candidates(question, passages, max_chars, 1.0)
+        .into_iter()
+        .next()
+        .map(|c| c.text)
+}
+
+/// Most sentences [`evidence_candidates`] gives.
+pub const MAX_EVIDENCE_CANDIDATES: usize = 8;
+
+/// A sentence that may be the evidence, and its score: the sum of the inverse document
+/// frequencies of the question's terms it holds (see [`evidence`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Candidate {
+    pub text: String,
+    pub score: f64,
+}
+
+/// The sentences of `passages` (in rank order, best first) that score at least `share` of the
+/// best sentence's score (see [`evidence`]; `share` 1: the sentences tied with it), best first,
+/// equals in passage and sentence order, at most [`MAX_EVIDENCE_CANDIDATES`], each cut to
+/// `max_chars` as [`evidence_within`] cuts one. The first is [`evidence_within`]'s choice.
+/// Empty when no sentence shares a term.
+pub fn evidence_candidates<'a>(
+    question: &str,
+    passages: impl IntoIterator<Item = &'a str>,
+    max_chars: usize,
+    share: f64,
+) -> Vec<Candidate> {
     let wanted = terms(question);
     if wanted.is_empty() {
-        return None;
+        return Vec::new();
     }
     let sentences: Vec<&str> = passages.into_iter().flat_map(sentences).collect();
     let found: Vec<HashSet<String>> = sentences.iter().map(|s| terms(s)).collect();
@@ -45,19 +73,85 @@ pub fn evidence_within<'a>(
     let idf = |t: &str| ((n + 1.0) / (df.get(t).copied().unwrap_or(0) as f64 + 0.5)).ln();
     let score =
         |have: &HashSet<String>| -> f64 { have.intersection(&wanted).map(|t| idf(t)).sum() };
-    let mut best: Option<(f64, usize)> = None;
-    for (i, have) in found.iter().enumerate() {
-        let score = score(have);
-        // Strictly greater: the first of equals (better-ranked passage, earlier sentence) stays.
-        if score > 0.0 && best.is_none_or(|(b, _)| score > b) {
-            best = Some((score, i));
-        }
+    // Compared in millionths: a sum of the same terms taken in another order is the same score.
+    // A heading holds no fact to answer from: it scores nothing.
+    let scores: Vec<i64> = found
+        .iter()
+        .zip(&sentences)
+        .map(|(have, s)| {
+            if is_heading(s) {
+                0
+            } else {
+                (score(have) * 1e6).round() as i64
+            }
+        })
+        .collect();
+    let best = scores.iter().copied().max().unwrap_or(0);
+    if best <= 0 {
+        return Vec::new();
     }
-    let sentence = sentences[best?.1];
+    let floor = (best as f64 * share).round() as i64;
+    let mut order: Vec<usize> = (0..sentences.len())
+        .filter(|&i| scores[i] > 0 && scores[i] >= floor)
+        .collect();
+    // Stable: equals keep passage and sentence order.
+    order.sort_by_key(|&i| std::cmp::Reverse(scores[i]));
+    order.truncate(MAX_EVIDENCE_CANDIDATES);
+    order
+        .into_iter()
+        .map(|i| Candidate {
+            text: fit(sentences[i], max_chars, |run| score(&terms(run))),
+            score: scores[i] as f64 / 1e6,
+        })
+        .collect()
+}
+
+/// Share of the best term score at which [`evidence_to_embed`] still offers a sentence to the
+/// embedder. Measured with `engram eval qa --evidence` (docs/bench/2026-12-03-evidence-pick.md):
+/// on 400 XQuAD-en questions whose gold paragraph was retrieved, the evidence held a gold
+/// answer for 76.0 % chosen by the terms alone, 76.8 % with the embedder breaking exact ties,
+/// 78.0 % at 0.8, 76.5 % at 0.6 and 70.5 % by the cosine alone.
+pub const EVIDENCE_NEAR_SHARE: f64 = 0.8;
+
+/// The sentences the embedder chooses an English question's evidence among (see
+/// [`nearest_evidence`]): the [`evidence_candidates`] within [`EVIDENCE_NEAR_SHARE`] of the
+/// best term score, cut to `max_chars`. Empty when there are fewer than two (the terms decide)
+/// or the question is not English (the embedder reads English only).
+pub fn evidence_to_embed<'a>(
+    question: &str,
+    passages: impl IntoIterator<Item = &'a str>,
+    max_chars: usize,
+) -> Vec<String> {
+    if !crate::answer::is_english(question) {
+        return Vec::new();
+    }
+    let c = evidence_candidates(question, passages, max_chars, EVIDENCE_NEAR_SHARE);
+    if c.len() < 2 {
+        return Vec::new();
+    }
+    c.into_iter().map(|c| c.text).collect()
+}
+
+/// Of [`evidence_to_embed`]'s sentences, the one the question embeds nearest (`cosines`, in
+/// their order; the first of equals); `None` when there are none.
+pub fn nearest_evidence(sentences: Vec<String>, cosines: &[f32]) -> Option<String> {
+    let best = cosines.iter().take(sentences.len()).enumerate().fold(
+        None,
+        |b: Option<(usize, f32)>, (i, &c)| match b {
+            Some((_, bc)) if bc >= c => b,
+            _ => Some((i, c)),
+        },
+    )?;
+    sentences.into_iter().nth(best.0)
+}
+
+/// `sentence` when it is at most `max_chars` long, else its run of clauses of at most
+/// `max_chars` with the best `score` (ties: the shorter, then the earlier), a clause still
+/// longer cut at the limit.
+fn fit(sentence: &str, max_chars: usize, score: impl Fn(&str) -> f64) -> String {
     if sentence.chars().count() <= max_chars {
-        return Some(sentence.to_owned());
+        return sentence.to_owned();
     }
-    // The best run of clauses that fits.
     let clauses = split_after(sentence, |c, _| ends_clause(c));
     let start_of = |c: &str| c.as_ptr() as usize - sentence.as_ptr() as usize;
     let mut pick: Option<(f64, usize, &str)> = None;
@@ -69,7 +163,7 @@ pub fn evidence_within<'a>(
                 break;
             }
             let run = cut_chars(run, max_chars);
-            let s = score(&terms(run));
+            let s = score(run);
             let better = match pick {
                 None => true,
                 Some((b, l, _)) => s > b || (s == b && len < l),
@@ -79,7 +173,7 @@ pub fn evidence_within<'a>(
             }
         }
     }
-    pick.map(|(_, _, run)| run.trim().to_owned())
+    pick.map_or_else(String::new, |(_, _, run)| run.trim().to_owned())
 }
 
 /// The sentences of `text`, trimmed: split after "。！？；;!?", after a "." followed by white
@@ -100,6 +194,21 @@ pub(crate) fn sentences(text: &str) -> Vec<&str> {
         }
     }
     out
+}
+
+/// Most words of a line [`is_heading`] takes for a heading.
+const MAX_HEADING_WORDS: usize = 8;
+
+/// Whether a piece of [`sentences`] is a heading (a section's title on its own line, as parsed
+/// documents keep them): no punctuation that ends a sentence or clause, no digit, and at most
+/// [`MAX_HEADING_WORDS`] words or twice as many Han characters.
+fn is_heading(s: &str) -> bool {
+    let ends = |c: char| "。！？；;!?.，,：:".contains(c);
+    if s.chars().any(|c| ends(c) || c.is_ascii_digit()) {
+        return false;
+    }
+    let han = s.chars().filter(|&c| is_han(c)).count();
+    s.split_whitespace().count() + han / 2 <= MAX_HEADING_WORDS
 }
 
 /// Whether a clause of a sentence ends after `c`.
@@ -157,26 +266,18 @@ fn terms(text: &str) -> HashSet<String> {
     out
 }
 
-/// A word cut to what its inflections share: a plural's or verb's ending off ("passwords",
-/// "changed", "booking"), then at most six characters ("kilometres" and "kilometers" meet).
-/// Numbers stay whole.
+/// A word cut to what its inflections share: its Snowball English stem ("passwords",
+/// "changed" and "change" give "password" and "chang"), then at most six characters
+/// ("kilometres" and "kilometers" meet). Numbers stay whole.
 fn stem(word: &str) -> String {
     if word.chars().all(|c| c.is_ascii_digit()) {
         return word.to_owned();
     }
-    let mut w = word;
-    for ending in ["ing", "ed", "es", "s"] {
-        if w.len() <= ending.len() + 2 {
-            continue;
-        }
-        if let Some(rest) = w.strip_suffix(ending) {
-            if !(ending == "s" && rest.ends_with('s')) {
-                w = rest;
-                break;
-            }
-        }
-    }
-    w.chars().take(6).collect()
+    frostem::Stemmer::new(frostem::Algorithm::English)
+        .stem(word)
+        .chars()
+        .take(6)
+        .collect()
 }
 
 #[cfg(test)]
@@ -209,6 +310,80 @@ mod tests {
             ev("When do carried-over days expire?"),
             "carried-over days expire on 31 March."
         );
+    }
+
+    #[test]
+    fn inflections_meet_and_headings_are_not_evidence() {
+        assert_eq!(stem("changed"), stem("change"));
+        assert_eq!(stem("changing"), stem("changes"));
+        assert_eq!(stem("passwords"), stem("password"));
+        assert_eq!(stem("kilometres"), stem("kilometers"));
+        assert_eq!(stem("2024"), "2024");
+        let section = "Passwords and accounts\n\nA new password has 12 characters. Passwords \
+                       are changed every 180 days.";
+        // "change" meets "changed"; the heading, which shares "passwords", is passed over.
+        assert_eq!(
+            evidence("How frequently must I change my password?", [section]).as_deref(),
+            Some("Passwords are changed every 180 days.")
+        );
+        assert_eq!(
+            evidence("Which passwords and accounts?", ["Passwords and accounts"]),
+            None
+        );
+        assert!(is_heading("密码与账户"));
+        assert!(!is_heading("标准工作周为 38 小时"));
+        assert!(!is_heading("Leave is requested in the HR portal."));
+    }
+
+    #[test]
+    fn candidates_are_the_sentences_near_the_best_score_best_first() {
+        let badge = "Leave is requested in the HR portal; call your manager when you are ill. \
+                     A lost badge is reported to the IT helpdesk.";
+        let q = "Who do I call if I lose my badge?";
+        let tied = evidence_candidates(q, [badge], MAX_EVIDENCE_CHARS, 1.0);
+        let texts: Vec<&str> = tied.iter().map(|c| c.text.as_str()).collect();
+        // "call" and "badge" are as rare: a tie, in passage order; the first is `evidence`'s.
+        assert_eq!(
+            texts,
+            [
+                "call your manager when you are ill.",
+                "A lost badge is reported to the IT helpdesk."
+            ]
+        );
+        assert_eq!(tied[0].score, tied[1].score);
+        assert_eq!(evidence(q, [badge]).as_deref(), Some(texts[0]));
+        // A lower share also admits sentences with fewer of the terms, after the better ones.
+        let q = "Where is leave requested when you are ill?";
+        let near = evidence_candidates(q, [HANDBOOK, badge], MAX_EVIDENCE_CHARS, 0.3);
+        assert!(near.len() > 1);
+        assert_eq!(near[0].text, evidence(q, [HANDBOOK, badge]).unwrap());
+        assert!(near.windows(2).all(|w| w[0].score >= w[1].score));
+        assert!(near.iter().all(|c| c.score >= near[0].score * 0.3));
+        assert!(
+            evidence_candidates("What is the capital of France?", [HANDBOOK], 400, 0.5).is_empty()
+        );
+    }
+
+    #[test]
+    fn the_embedder_chooses_among_english_sentences_near_the_best() {
+        // "new" and "laptop" weigh the same: each is in one sentence.
+        let laptop = "A new password has 12 characters. Every employee gets a laptop, which is \
+                      replaced every three years. Core hours are 10:00 to 15:00.";
+        let q = "How often do we get a new laptop?";
+        let offered = evidence_to_embed(q, [laptop], MAX_EVIDENCE_CHARS);
+        assert_eq!(offered.len(), 2, "{offered:?}");
+        assert!(offered[1].contains("three years"));
+        // The nearest by cosine, the first of equals; nothing offered, nothing chosen.
+        let s = |t: &str| t.to_owned();
+        assert_eq!(
+            nearest_evidence(vec![s("a"), s("b"), s("c")], &[0.2, 0.5, 0.5]).as_deref(),
+            Some("b")
+        );
+        assert_eq!(nearest_evidence(Vec::new(), &[]), None);
+        // One sentence near the best, or a Chinese question: the terms decide.
+        assert!(evidence_to_embed("Where is leave requested?", [HANDBOOK], 400).is_empty());
+        let zh = "密码每 180 天更换一次。新密码至少需要 12 个字符。";
+        assert!(evidence_to_embed("密码多久更换一次？", [zh], 400).is_empty());
     }
 
     #[test]

@@ -34,9 +34,12 @@ pub use chunks::{
     Reject, Source, FINGERPRINT_RECORD,
 };
 pub use copy::{check_copy_bias, ends_number, CopyBias, DEFAULT_COPY_BIAS, MAX_COPY_BIAS};
-pub use dedup::{retain_distinct, REDUNDANT_SHARE};
+pub use dedup::{retain_distinct, retain_language, REDUNDANT_SHARE};
 pub use error::{FusionError, Result};
-pub use evidence::{evidence, evidence_within, MAX_EVIDENCE_CHARS};
+pub use evidence::{
+    evidence, evidence_candidates, evidence_to_embed, evidence_within, nearest_evidence, Candidate,
+    EVIDENCE_NEAR_SHARE, MAX_EVIDENCE_CANDIDATES, MAX_EVIDENCE_CHARS,
+};
 pub use fuse::{
     fused_prefill, fused_prefill_interleaved, fused_prefill_on, FuseStats, FusedPrompt, Interleave,
     Prefilled, Runner,
@@ -51,6 +54,6 @@ pub use policy::{Policy, CHECK_LAYER, DEFAULT_POLICY};
 pub use prefix::{PrefixCache, PrefixEntry, PrefixHit, BLOCK};
 pub use prompt::{
     chunk_text, chunk_tokens, han_share, is_chinese, rag_frame, rag_frame_for, rag_prefix_frame,
-    rag_prompt, rag_prompt_with, Layout, DEFAULT_LAYOUT, DEFAULT_SYSTEM, EVIDENCE, EVIDENCE_ZH,
-    FRAME_CONTEXT, LAYOUTS, QUESTION_INSTRUCTION,
+    rag_prompt, rag_prompt_chosen, rag_prompt_with, Layout, DEFAULT_LAYOUT, DEFAULT_SYSTEM,
+    EVIDENCE, EVIDENCE_ZH, FRAME_CONTEXT, LAYOUTS, QUESTION_INSTRUCTION,
 };

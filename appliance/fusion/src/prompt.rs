@@ -351,6 +351,23 @@ pub fn rag_prompt_with<P: AsRef<str>>(
     passages: &[P],
     question: &str,
 ) -> engram_tokenizer::Result<FusedPrompt> {
+    rag_prompt_chosen(
+        layout, tokenizer, template, system, passages, question, None,
+    )
+}
+
+/// [`rag_prompt_with`], with the evidence sentence chosen by the caller: `Some` is shown as
+/// the evidence (where the layout shows one; [`crate::nearest_evidence`] chooses it with the
+/// embedder), `None` leaves the choice to the question's terms ([`crate::evidence_within`]).
+pub fn rag_prompt_chosen<P: AsRef<str>>(
+    layout: Layout,
+    tokenizer: &Tokenizer,
+    template: Option<&ChatTemplate>,
+    system: &str,
+    passages: &[P],
+    question: &str,
+    chosen: Option<&str>,
+) -> engram_tokenizer::Result<FusedPrompt> {
     let mut chunks = passages
         .iter()
         .map(|p| chunk_tokens(tokenizer, p.as_ref()))
@@ -368,6 +385,8 @@ pub fn rag_prompt_with<P: AsRef<str>>(
     // Chosen only where the layout shows it: ties go to the better-ranked passage.
     let evidence = if label.is_empty() {
         None
+    } else if let Some(e) = chosen {
+        Some(e.to_owned())
     } else {
         crate::evidence_within(
             question,

@@ -210,15 +210,23 @@ impl Models {
     /// The largest cosine similarity between `query` and one of `texts` (`None` when there are
     /// none): all embedded in one call, the query with them.
     pub fn best_similarity(&self, query: &str, texts: &[&str]) -> Result<Option<f32>> {
+        Ok(self
+            .similarities(query, texts)?
+            .into_iter()
+            .reduce(f32::max))
+    }
+
+    /// The cosine similarity of `query` to each of `texts`, all embedded in one call.
+    pub fn similarities(&self, query: &str, texts: &[&str]) -> Result<Vec<f32>> {
         if texts.is_empty() {
-            return Ok(None);
+            return Ok(Vec::new());
         }
         let mut all = Vec::with_capacity(texts.len() + 1);
         all.push(query);
         all.extend_from_slice(texts);
         let vectors = self.embedder.embed(&all)?;
         let (q, rest) = vectors.split_first().expect("the query was embedded");
-        Ok(rest.iter().map(|v| cosine(v, q)).reduce(f32::max))
+        Ok(rest.iter().map(|v| cosine(v, q)).collect())
     }
 }
 

@@ -21,8 +21,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use engram_fusion::{
-    chunk_tokens, fused_prefill_on, no_answer, rag_frame, rag_prompt, ChunkStore, CopyBias,
-    Ensured, FusedPrompt, GateLimits, Interleave, OutputText, Policy, PrefixCache, DEFAULT_SYSTEM,
+    chunk_tokens, fused_prefill_on, no_answer, rag_frame, rag_prompt_chosen, ChunkStore, CopyBias,
+    Ensured, FusedPrompt, GateLimits, Interleave, OutputText, Policy, PrefixCache, DEFAULT_LAYOUT,
+    DEFAULT_SYSTEM,
 };
 use engram_grammar::{Constrained, Grammar, TokenTrie};
 use engram_kvstore::{DramTier, KvDtype, KvStore, NvmeTier};
@@ -80,6 +81,9 @@ pub enum Prompt {
     Rag {
         question: String,
         passages: Vec<String>,
+        /// The evidence sentence chosen by the embedder (`api::qa::grounded`); `None`: by the
+        /// question's terms.
+        evidence: Option<String>,
     },
     /// A plain chat (OpenAI without retrieval): the template over the messages.
     Chat { messages: Vec<(String, String)> },
@@ -299,7 +303,10 @@ impl EngineHandle {
                 .saturating_mul(per_token)
                 .saturating_add(EXTRA_EVENTS),
         );
-        if let Prompt::Rag { question, passages } = &prompt {
+        if let Prompt::Rag {
+            question, passages, ..
+        } = &prompt
+        {
             if passages.is_empty() {
                 let _ = events.try_send(Event::Token(no_answer(question).to_owned()));
                 let _ = events.try_send(Event::Done(Summary {
@@ -550,8 +557,9 @@ impl Engine {
         mut kv: mpsc::Receiver<KvWork>,
         kv_done: mpsc::UnboundedSender<u64>,
     ) {
+        // A job is boxed while it is passed through here: it is several times a `KvWork`.
         enum Next {
-            Job(Option<Job>),
+            Job(Option<Box<Job>>),
             Kv(Option<KvWork>),
         }
         // Only to wait on two channels at once; nothing runs on it.
@@ -601,14 +609,14 @@ impl Engine {
                 Err(_) => waiter.block_on(async {
                     tokio::select! {
                         biased;
-                        j = rx.recv() => Next::Job(j),
+                        j = rx.recv() => Next::Job(j.map(Box::new)),
                         w = kv.recv(), if kv_open => Next::Kv(w),
                     }
                 }),
             };
             match next {
                 Next::Job(Some(job)) => {
-                    if let Some(a) = self.admit(job, &mut batch) {
+                    if let Some(a) = self.admit(*job, &mut batch) {
                         batch.push(a);
                     }
                 }
@@ -1126,14 +1134,20 @@ impl Engine {
             .clone()
             .map(|g| Constrained::new(g, self.trie()));
         let (prompt, policy, fusion_disabled) = match &job.prompt {
-            Prompt::Rag { question, passages } => {
+            Prompt::Rag {
+                question,
+                passages,
+                evidence,
+            } => {
                 let (policy, off) = self.gated(job.policy.unwrap_or(self.opts.policy))?;
-                let p = rag_prompt(
+                let p = rag_prompt_chosen(
+                    DEFAULT_LAYOUT,
                     &self.tokenizer,
                     self.template.as_ref(),
                     DEFAULT_SYSTEM,
                     passages,
                     question,
+                    evidence.as_deref(),
                 )
                 .map_err(|e| ApiError::invalid("question", e.to_string()))?;
                 (p, policy, off)

@@ -106,6 +106,17 @@ fn the_sample_corpus_is_answered_from_its_passages() {
         ("Which class is train travel booked in?", "second"),
         ("For trips of what distance are flights allowed?", "600"),
         ("How much are hotel costs reimbursed per night?", "150"),
+        // Its evidence sentence ties on "new" with "A new password ..." and is chosen by the
+        // embedder (`engram_fusion::evidence_to_embed`).
+        ("How often do we get a new laptop?", "three"),
+        // Two sentences hold "carried over" as well: the embedder chooses between them.
+        (
+            "What is the deadline for using carried-over leave?",
+            "31 march",
+        ),
+        // Answered from the English chunks alone (`engram_fusion::retain_language`): with the
+        // Chinese version's beside them the model answered with the question.
+        ("When must everyone be available?", "10:00"),
         ("标准工作周是多少小时？", "38"),
         ("行程超过多少公里可以乘坐飞机？", "600"),
         ("酒店费用每晚最多报销多少？", "150"),

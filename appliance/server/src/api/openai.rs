@@ -712,16 +712,10 @@ pub async fn chat(
                 &Default::default(),
             )
             .await?;
-            let hits = crate::api::qa::grounded(&s, &question, hits).await?;
+            let grounded = crate::api::qa::grounded(&s, &question, hits).await?;
             let ms = t.elapsed().as_secs_f64() * 1e3;
-            let cites = citations(&hits);
-            let passages = hits.into_iter().map(|h| h.text).collect();
-            (
-                Prompt::Rag { question, passages },
-                Some(cites),
-                policy,
-                Some(ms),
-            )
+            let cites = citations(&grounded.hits);
+            (grounded.prompt(question), Some(cites), policy, Some(ms))
         }
         None => (Prompt::Chat { messages }, None, None, None),
     };

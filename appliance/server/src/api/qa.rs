@@ -75,42 +75,93 @@ pub struct QaResponse {
     pub timings: serde_json::Value,
 }
 
+/// What an answer is built from ([`grounded`]).
+pub struct Grounded {
+    /// The hits prompted with, which are the citations.
+    pub hits: Vec<Hit>,
+    /// The evidence sentence the embedder chose ([`engram_fusion::nearest_evidence`]); `None`
+    /// leaves the choice to the question's terms.
+    pub evidence: Option<String>,
+}
+
+impl Grounded {
+    /// The engine's prompt of `question`.
+    pub fn prompt(self, question: String) -> Prompt {
+        Prompt::Rag {
+            question,
+            passages: self.hits.into_iter().map(|h| h.text).collect(),
+            evidence: self.evidence,
+        }
+    }
+}
+
 /// The hits an answer is built from: none when the best one is not about the question (see
 /// [`engram_fusion::relevant`]), so the engine answers that nothing relevant was found instead
 /// of letting the model invent an answer from unrelated passages; otherwise every hit but those
 /// that mostly repeat a better-ranked one (see [`engram_fusion::retain_distinct`]: the same
-/// text twice adds no fact, costs prefill and makes fused prefill drift from full prefill).
-/// The citations are the hits kept. An English question the floors refuse gets a second look
-/// at the hits' sentences ([`engram_fusion::sentences_to_embed`]), embedded on the knowledge
-/// base's thread.
+/// text twice adds no fact, costs prefill and makes fused prefill drift from full prefill),
+/// and those in another language than the question when some are in its language
+/// ([`engram_fusion::retain_language`]). The citations are the hits kept. An English question the floors refuse gets a second look
+/// at the hits' sentences ([`engram_fusion::sentences_to_embed`]), and an English question's
+/// evidence sentence is chosen among those near the best term score
+/// ([`engram_fusion::evidence_to_embed`]): both embedded on the knowledge base's thread.
 pub async fn grounded(
     s: &AppState,
     question: &str,
     mut hits: Vec<Hit>,
-) -> Result<Vec<Hit>, ApiError> {
+) -> Result<Grounded, ApiError> {
     let best = hits.iter().filter_map(|h| h.dense).reduce(f32::max);
-    if !engram_fusion::relevant(question, best, hits.iter().map(|h| h.text.as_str())) {
-        let sentences: Vec<String> =
-            engram_fusion::sentences_to_embed(question, hits.iter().map(|h| h.text.as_str()))
-                .into_iter()
-                .map(str::to_owned)
-                .collect();
+    let first = engram_fusion::relevant(question, best, hits.iter().map(|h| h.text.as_str()));
+    let second: Vec<String> = if first {
+        Vec::new()
+    } else {
+        let sentences =
+            engram_fusion::sentences_to_embed(question, hits.iter().map(|h| h.text.as_str()));
         if sentences.is_empty() {
-            return Ok(Vec::new());
+            return Ok(Grounded {
+                hits: Vec::new(),
+                evidence: None,
+            });
         }
-        let q = question.to_owned();
-        let best =
-            s.kb.call(move |kb| {
-                let refs: Vec<&str> = sentences.iter().map(String::as_str).collect();
-                kb.models().best_similarity(&q, &refs)
-            })
-            .await??;
-        if !engram_fusion::relevant_sentence(best) {
-            return Ok(Vec::new());
-        }
-    }
+        sentences.into_iter().map(str::to_owned).collect()
+    };
     engram_fusion::retain_distinct(&mut hits, |h| &h.text);
-    Ok(hits)
+    engram_fusion::retain_language(question, &mut hits, |h| &h.text);
+    let candidates = engram_fusion::evidence_to_embed(
+        question,
+        hits.iter().map(|h| h.text.as_str()),
+        engram_fusion::DEFAULT_LAYOUT.evidence_max_chars,
+    );
+    if second.is_empty() && candidates.is_empty() {
+        return Ok(Grounded {
+            hits,
+            evidence: None,
+        });
+    }
+    let q = question.to_owned();
+    let n = second.len();
+    let cosines =
+        s.kb.call(move |kb| {
+            // One embedder call for both looks.
+            let all: Vec<&str> = second
+                .iter()
+                .chain(&candidates)
+                .map(String::as_str)
+                .collect();
+            kb.models().similarities(&q, &all).map(|c| (c, candidates))
+        })
+        .await??;
+    let (cosines, candidates) = cosines;
+    if !first && !engram_fusion::relevant_sentence(cosines[..n].iter().copied().reduce(f32::max)) {
+        return Ok(Grounded {
+            hits: Vec::new(),
+            evidence: None,
+        });
+    }
+    Ok(Grounded {
+        hits,
+        evidence: engram_fusion::nearest_evidence(candidates, &cosines[n..]),
+    })
 }
 
 pub fn citations(hits: &[Hit]) -> Vec<Citation> {
@@ -190,15 +241,12 @@ pub async fn qa(
         &Default::default(),
     )
     .await?;
-    let hits = grounded(&s, &b.question, hits).await?;
+    let grounded = grounded(&s, &b.question, hits).await?;
     let retrieve_ms = t.elapsed().as_secs_f64() * 1e3;
-    let cites = citations(&hits);
+    let cites = citations(&grounded.hits);
     let rx = s.engine.submit(
         "qa",
-        Prompt::Rag {
-            question: b.question.clone(),
-            passages: hits.into_iter().map(|h| h.text).collect(),
-        },
+        grounded.prompt(b.question.clone()),
         max_tokens,
         crate::engine::Sampling {
             copy_bias: b.copy_bias,

@@ -265,15 +265,12 @@ async fn start(
         &Default::default(),
     )
     .await?;
-    let hits = crate::api::qa::grounded(s, &f.question, hits).await?;
+    let grounded = crate::api::qa::grounded(s, &f.question, hits).await?;
     let retrieve_ms = t.elapsed().as_secs_f64() * 1e3;
-    let cites = citations(&hits);
+    let cites = citations(&grounded.hits);
     let rx = s.engine.submit(
         "qa",
-        crate::engine::Prompt::Rag {
-            question: f.question.clone(),
-            passages: hits.into_iter().map(|h| h.text).collect(),
-        },
+        grounded.prompt(f.question.clone()),
         f.max_tokens,
         crate::engine::Sampling::new(0.0, 0),
         Some(policy),
