@@ -101,10 +101,11 @@ impl Grounded {
 /// that mostly repeat a better-ranked one (see [`engram_fusion::retain_distinct`]: the same
 /// text twice adds no fact, costs prefill and makes fused prefill drift from full prefill),
 /// and those in another language than the question when some are in its language
-/// ([`engram_fusion::retain_language`]). The citations are the hits kept. An English question the floors refuse gets a second look
-/// at the hits' sentences ([`engram_fusion::sentences_to_embed`]), and an English question's
-/// evidence sentence is chosen among those near the best term score
-/// ([`engram_fusion::evidence_to_embed`]): both embedded on the knowledge base's thread.
+/// ([`engram_fusion::retain_language`]). The citations are the hits kept. An English question
+/// the floors refuse gets a second look at the hits' sentences
+/// ([`engram_fusion::sentences_to_embed`]), and an English question's evidence sentence is
+/// chosen among those near the best term score ([`engram_fusion::evidence_to_embed`]): both
+/// embedded on the knowledge base's thread, in one call.
 pub async fn grounded(
     s: &AppState,
     question: &str,
