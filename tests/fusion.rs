@@ -586,6 +586,7 @@ fn the_default_prompt_opens_with_the_frame_so_its_first_chunk_is_exact() {
         DEFAULT_SYSTEM,
         &PASSAGES[2..],
         "When was the Eiffel Tower completed?",
+        None,
     )
     .expect("prompt");
     assert_eq!(p.chunks, std::slice::from_ref(&chunk));
@@ -608,6 +609,7 @@ fn the_default_prompt_opens_with_the_frame_so_its_first_chunk_is_exact() {
         DEFAULT_SYSTEM,
         &PASSAGES[2..],
         "When was the Eiffel Tower completed?",
+        None,
     )
     .expect("prompt");
     assert_ne!(plain.prefix, store.frame());
@@ -634,6 +636,7 @@ fn every_framed_layout_opens_with_its_own_frame() {
             DEFAULT_SYSTEM,
             &PASSAGES[2..],
             question,
+            None,
         )
         .expect("prompt");
         let frame = engram_fusion::rag_frame_for(*layout, &l.tokenizer, l.template.as_ref())

@@ -11,9 +11,9 @@ use anyhow::{Context, Result};
 use clap::Args;
 use engram_fusion::{
     chunk_tokens, evidence_to_embed, fused_prefill, nearest_evidence, no_answer, rag_frame_for,
-    rag_prompt_chosen, relevant, relevant_sentence, retain_distinct, sentences_to_embed,
-    ChunkStore, CopyBias, Ensured, GateLimits, Layout, OutputText, Policy, DEFAULT_COPY_BIAS,
-    DEFAULT_LAYOUT, DEFAULT_POLICY, DEFAULT_SYSTEM,
+    rag_prompt_with, relevant, relevant_sentence, retain_distinct, sentences_to_embed, ChunkStore,
+    CopyBias, Ensured, GateLimits, Layout, OutputText, Policy, DEFAULT_COPY_BIAS, DEFAULT_LAYOUT,
+    DEFAULT_POLICY, DEFAULT_SYSTEM,
 };
 use engram_kb::{KnowledgeBase, SearchRequest};
 use engram_kvstore::{DramTier, IoMode, KvDtype, KvStore, NvmeOptions, NvmeTier};
@@ -236,7 +236,7 @@ pub fn ask(a: AskArgs) -> Result<()> {
 
     let passages: Vec<&str> = hits.iter().map(|h| h.text.as_str()).collect();
     let chosen = chosen_evidence(kb.models(), &a.question, passages.iter().copied())?;
-    let prompt = rag_prompt_chosen(
+    let prompt = rag_prompt_with(
         DEFAULT_LAYOUT,
         &llm.tokenizer,
         llm.template.as_ref(),

@@ -216,6 +216,7 @@ pub fn run(a: FusionArgs) -> Result<()> {
             DEFAULT_SYSTEM,
             &texts,
             &ex.question,
+            None,
         )?;
         if prompt.len() + a.answer_tokens + 1 > model.config().context_length {
             eprintln!(

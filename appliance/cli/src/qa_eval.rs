@@ -14,8 +14,8 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use engram_fusion::{
-    no_answer, not_answered, rag_prompt_chosen, relevant, relevant_sentence, retain_distinct,
-    Layout, Policy, DEFAULT_COPY_BIAS, DEFAULT_LAYOUT, DEFAULT_POLICY, DEFAULT_SYSTEM,
+    no_answer, not_answered, rag_prompt_with, relevant, relevant_sentence, retain_distinct, Layout,
+    Policy, DEFAULT_COPY_BIAS, DEFAULT_LAYOUT, DEFAULT_POLICY, DEFAULT_SYSTEM,
 };
 use engram_kb::{NewDocument, SearchRequest};
 use engram_kvstore::{DramTier, KvDtype, KvStore};
@@ -422,7 +422,7 @@ pub fn run(a: QaArgs) -> Result<()> {
         for l in &layouts {
             for embed in &picks {
                 let e = if *embed { chosen.as_deref() } else { None };
-                prompts.push(rag_prompt_chosen(
+                prompts.push(rag_prompt_with(
                     *l,
                     &llm.tokenizer,
                     llm.template.as_ref(),
@@ -768,14 +768,9 @@ fn best_by_cosine(
     if texts.len() <= 1 {
         return Ok(texts.first().map(|t| (*t).to_owned()));
     }
-    let sims = models.similarities(question, texts)?;
-    let mut best = 0;
-    for (i, s) in sims.iter().enumerate() {
-        if *s > sims[best] {
-            best = i;
-        }
-    }
-    Ok(Some(texts[best].to_owned()))
+    let cosines = models.similarities(question, texts)?;
+    let owned = texts.iter().map(|t| (*t).to_owned()).collect();
+    Ok(engram_fusion::nearest_evidence(owned, &cosines))
 }
 
 /// `t`'s F1 minus `first`'s, paired on the same questions: the mean and its bootstrap 95 %

@@ -54,6 +54,6 @@ pub use policy::{Policy, CHECK_LAYER, DEFAULT_POLICY};
 pub use prefix::{PrefixCache, PrefixEntry, PrefixHit, BLOCK};
 pub use prompt::{
     chunk_text, chunk_tokens, han_share, is_chinese, rag_frame, rag_frame_for, rag_prefix_frame,
-    rag_prompt, rag_prompt_chosen, rag_prompt_with, Layout, DEFAULT_LAYOUT, DEFAULT_SYSTEM,
-    EVIDENCE, EVIDENCE_ZH, FRAME_CONTEXT, LAYOUTS, QUESTION_INSTRUCTION,
+    rag_prompt, rag_prompt_with, Layout, DEFAULT_LAYOUT, DEFAULT_SYSTEM, EVIDENCE, EVIDENCE_ZH,
+    FRAME_CONTEXT, LAYOUTS, QUESTION_INSTRUCTION,
 };

@@ -110,6 +110,7 @@ fn prefix_frame_for(
         DEFAULT_SYSTEM,
         &[] as &[&str],
         "",
+        None,
     )?
     .prefix)
 }
@@ -334,6 +335,7 @@ pub fn rag_prompt<P: AsRef<str>>(
         system,
         passages,
         question,
+        None,
     )
 }
 
@@ -342,24 +344,10 @@ pub fn rag_prompt<P: AsRef<str>>(
 /// rank order; tokenized as at ingestion, [`chunk_tokens`], so their stored KV is found), the
 /// evidence sentence (when the layout has a label for it; see [`crate::evidence`]), the
 /// instruction and the question, with the generation prompt and the layout's seed. Without a
-/// template, a plain "Passages: ... Answer:" layout is used.
+/// template, a plain "Passages: ... Answer:" layout is used. `chosen` is the evidence sentence
+/// chosen by the caller ([`crate::nearest_evidence`] chooses it with the embedder); `None`
+/// leaves the choice to the question's terms ([`crate::evidence_within`]).
 pub fn rag_prompt_with<P: AsRef<str>>(
-    layout: Layout,
-    tokenizer: &Tokenizer,
-    template: Option<&ChatTemplate>,
-    system: &str,
-    passages: &[P],
-    question: &str,
-) -> engram_tokenizer::Result<FusedPrompt> {
-    rag_prompt_chosen(
-        layout, tokenizer, template, system, passages, question, None,
-    )
-}
-
-/// [`rag_prompt_with`], with the evidence sentence chosen by the caller: `Some` is shown as
-/// the evidence (where the layout shows one; [`crate::nearest_evidence`] chooses it with the
-/// embedder), `None` leaves the choice to the question's terms ([`crate::evidence_within`]).
-pub fn rag_prompt_chosen<P: AsRef<str>>(
     layout: Layout,
     tokenizer: &Tokenizer,
     template: Option<&ChatTemplate>,

@@ -21,7 +21,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use engram_fusion::{
-    chunk_tokens, fused_prefill_on, no_answer, rag_frame, rag_prompt_chosen, ChunkStore, CopyBias,
+    chunk_tokens, fused_prefill_on, no_answer, rag_frame, rag_prompt_with, ChunkStore, CopyBias,
     Ensured, FusedPrompt, GateLimits, Interleave, OutputText, Policy, PrefixCache, DEFAULT_LAYOUT,
     DEFAULT_SYSTEM,
 };
@@ -1140,7 +1140,7 @@ impl Engine {
                 evidence,
             } => {
                 let (policy, off) = self.gated(job.policy.unwrap_or(self.opts.policy))?;
-                let p = rag_prompt_chosen(
+                let p = rag_prompt_with(
                     DEFAULT_LAYOUT,
                     &self.tokenizer,
                     self.template.as_ref(),
