@@ -8,8 +8,8 @@ use std::sync::{Arc, OnceLock};
 
 use engram_fusion::{
     chunk_tokens, fused_prefill, fused_prefill_interleaved, fused_prefill_on, kl_divergence,
-    rag_frame, rag_prompt, ChunkStore, Ensured, FidelityGate, FusedPrompt, Interleave, Policy,
-    PrefixCache, Runner, Source, DEFAULT_POLICY, DEFAULT_SYSTEM,
+    rag_frame, rag_prompt, ChunkStore, CopyBias, Ensured, FidelityGate, FusedPrompt, Interleave,
+    Policy, PrefixCache, Runner, Source, DEFAULT_POLICY, DEFAULT_SYSTEM,
 };
 use engram_kvstore::{DramTier, IoMode, KvDtype, KvStore, NvmeOptions, NvmeTier};
 use engram_model::{argmax, Blend, KvCache, Logits, Model};
@@ -653,6 +653,53 @@ fn every_framed_layout_opens_with_its_own_frame() {
             assert!(!suffix.contains(layout.preamble.trim()), "{}", layout.name);
         }
     }
+}
+
+#[test]
+fn the_evidence_span_spells_the_sentence_the_prompt_shows() {
+    let l = llm();
+    // The default layout shows the sentence after its label, before the instruction.
+    let p = prompt(l, "Which structure was the tallest for four decades?");
+    let shown = l.tokenizer.decode(&p.suffix[p.evidence.clone()], false);
+    assert_eq!(
+        shown.trim(),
+        "At 330 metres it was the tallest man-made structure for four decades."
+    );
+    // Its numbers are what the copy bias favours outside a number: 330's first digit.
+    let copy = CopyBias::from_prompt(&p, &l.tokenizer, 2.0).expect("bias");
+    let three = l.tokenizer.encode("3", false).expect("tokens")[0];
+    let mut logits = vec![0.0f32; l.model.config().vocab_size];
+    assert!(copy.apply(&[], &mut logits) >= 1);
+    assert_eq!(logits[three as usize], 2.0);
+    // A chosen sentence is spelled as given; a layout without one has no span.
+    let chosen = "The Eiffel Tower was completed in 1889 for the World's Fair in Paris.";
+    let p = engram_fusion::rag_prompt_with(
+        engram_fusion::DEFAULT_LAYOUT,
+        &l.tokenizer,
+        l.template.as_ref(),
+        DEFAULT_SYSTEM,
+        &PASSAGES,
+        "When was the Eiffel Tower completed?",
+        Some(chosen),
+    )
+    .expect("prompt");
+    assert_eq!(
+        l.tokenizer
+            .decode(&p.suffix[p.evidence.clone()], false)
+            .trim(),
+        chosen
+    );
+    let p = engram_fusion::rag_prompt_with(
+        engram_fusion::Layout::named("grounded-noev").expect("layout"),
+        &l.tokenizer,
+        l.template.as_ref(),
+        DEFAULT_SYSTEM,
+        &PASSAGES,
+        "When was the Eiffel Tower completed?",
+        None,
+    )
+    .expect("prompt");
+    assert!(p.evidence.is_empty());
 }
 
 #[test]

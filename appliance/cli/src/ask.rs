@@ -91,6 +91,10 @@ pub struct AskArgs {
     /// follow its ending in a retrieved passage (0 = off); see `engram_fusion::CopyBias`.
     #[arg(long, default_value_t = DEFAULT_COPY_BIAS)]
     copy_bias: f32,
+    /// Whether the copy bias also favours the numbers the evidence sentence states where the
+    /// answer is not inside a number (`on`, `off`).
+    #[arg(long, default_value = "on", value_parser = ["on", "off"])]
+    evidence_numbers: String,
     /// Print one JSON object (answer, citations, timings) instead of streaming.
     #[arg(long)]
     json: bool,
@@ -236,7 +240,7 @@ pub fn ask(a: AskArgs) -> Result<()> {
 
     let passages: Vec<&str> = hits.iter().map(|h| h.text.as_str()).collect();
     let chosen = chosen_evidence(kb.models(), &a.question, passages.iter().copied())?;
-    let prompt = rag_prompt_with(
+    let mut prompt = rag_prompt_with(
         DEFAULT_LAYOUT,
         &llm.tokenizer,
         llm.template.as_ref(),
@@ -245,6 +249,9 @@ pub fn ask(a: AskArgs) -> Result<()> {
         &a.question,
         chosen.as_deref(),
     )?;
+    if a.evidence_numbers == "off" {
+        prompt.evidence = 0..0;
+    }
     let stdout = std::io::stdout();
     let json = a.json;
     let g = generate(

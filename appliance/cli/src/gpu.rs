@@ -599,6 +599,7 @@ mod imp {
                 .map(|i| pseudo_tokens(48 + 17 * i, v, seed + 301 + i as u64))
                 .collect(),
             suffix: pseudo_tokens(12, v, seed + 310),
+            evidence: 0..0,
         };
         let store = ChunkStore::new(
             Arc::new(engram_kvstore::KvStore::new(

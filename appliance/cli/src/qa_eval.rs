@@ -50,6 +50,11 @@ pub struct QaArgs {
     /// answered once per bias, on the same passages. See `engram_fusion::CopyBias`.
     #[arg(long, default_value_t = DEFAULT_COPY_BIAS.to_string())]
     copy_bias: String,
+    /// Whether the copy bias also favours the numbers the evidence sentence states, where the
+    /// answer is not inside a number, comma-separated to compare (`on`, `off`; the first is
+    /// compared against). See `engram_fusion::CopyBias`.
+    #[arg(long, default_value = "on")]
+    evidence_numbers: String,
     /// How the evidence sentence is chosen, comma-separated (the first is compared against):
     /// `embed` as engramd chooses it (`engram_fusion::evidence_to_embed`), `terms` by the
     /// question's terms alone. A question whose picks give the same prompt is answered once.
@@ -302,20 +307,35 @@ pub fn run(a: QaArgs) -> Result<()> {
             other => bail!("--evidence-picks takes `embed` and `terms`, not `{other}`"),
         })
         .collect::<Result<_>>()?;
-    // Every layout with every bias and evidence pick, named by the layout alone when one bias
-    // and one pick are compared. (index into the question's prompts, bias, name)
-    let mut systems: Vec<(usize, f32, String)> = Vec::new();
+    let numbers: Vec<bool> = a
+        .evidence_numbers
+        .split(',')
+        .map(|n| match n.trim() {
+            "on" => Ok(true),
+            "off" => Ok(false),
+            other => bail!("--evidence-numbers takes `on` and `off`, not `{other}`"),
+        })
+        .collect::<Result<_>>()?;
+    // Every layout with every bias, evidence pick and number setting, named by the layout
+    // alone when one of each is compared. (index into the question's prompts, bias, numbers,
+    // name)
+    let mut systems: Vec<(usize, f32, bool, String)> = Vec::new();
     for (li, l) in layouts.iter().enumerate() {
         for (pi, embed) in picks.iter().enumerate() {
             for &b in &biases {
-                let mut name = format!("engram:{}", l.name);
-                if biases.len() > 1 {
-                    name.push_str(&format!("/copy={b}"));
+                for &n in &numbers {
+                    let mut name = format!("engram:{}", l.name);
+                    if biases.len() > 1 {
+                        name.push_str(&format!("/copy={b}"));
+                    }
+                    if picks.len() > 1 {
+                        name.push_str(if *embed { "/ev=embed" } else { "/ev=terms" });
+                    }
+                    if numbers.len() > 1 {
+                        name.push_str(if n { "/numbers=on" } else { "/numbers=off" });
+                    }
+                    systems.push((li * picks.len() + pi, b, n, name));
                 }
-                if picks.len() > 1 {
-                    name.push_str(if *embed { "/ev=embed" } else { "/ev=terms" });
-                }
-                systems.push((li * picks.len() + pi, b, name));
             }
         }
     }
@@ -453,10 +473,16 @@ pub fn run(a: QaArgs) -> Result<()> {
             item.question,
             item.answers.first().map(String::as_str).unwrap_or("")
         )];
-        // This question's answers so far: (prompt, bias, score, TTFT, empty, answer).
-        let mut answered: Vec<(usize, f32, Score, f64, bool, String)> = Vec::new();
-        for ((layout, bias, name), tally) in systems.iter().zip(tallies.iter_mut()) {
-            let prompt = &prompts[*layout];
+        // This question's answers so far: (prompt, bias, the evidence's span the bias read,
+        // score, TTFT, empty, answer).
+        type Answered = (usize, f32, std::ops::Range<usize>, Score, f64, bool, String);
+        let mut answered: Vec<Answered> = Vec::new();
+        for ((layout, bias, numbers, name), tally) in systems.iter().zip(tallies.iter_mut()) {
+            let mut prompt = prompts[*layout].clone();
+            if !numbers {
+                prompt.evidence = 0..0;
+            }
+            let prompt = &prompt;
             if !grounded {
                 // A refusal is scored as no answer (its words are not an answer's).
                 let answer = no_answer(&item.question);
@@ -465,10 +491,10 @@ pub fn run(a: QaArgs) -> Result<()> {
                 continue;
             }
             // The same prompt with the same bias gives the same greedy answer.
-            let same = answered
-                .iter()
-                .find(|(p, b, ..)| *b == *bias && prompts[*p].tokens() == prompt.tokens());
-            if let Some((_, _, score, ms, none, answer)) = same {
+            let same = answered.iter().find(|(p, b, e, ..)| {
+                *b == *bias && *e == prompt.evidence && prompts[*p].tokens() == prompt.tokens()
+            });
+            if let Some((_, _, _, score, ms, none, answer)) = same {
                 tally.add(*score, *ms, *none);
                 line.push(format!(
                     "  {name} (f1 {:.2}, same prompt): {answer:?}",
@@ -493,7 +519,15 @@ pub fn run(a: QaArgs) -> Result<()> {
             let ms = retrieve_ms + g.first_token.as_secs_f64() * 1e3;
             tally.add(score, ms, none);
             line.push(format!("  {name} (f1 {:.2}): {answer:?}", score.f1));
-            answered.push((*layout, *bias, score, ms, none, answer));
+            answered.push((
+                *layout,
+                *bias,
+                prompt.evidence.clone(),
+                score,
+                ms,
+                none,
+                answer,
+            ));
         }
         if let Some(url) = &a.peer {
             let (text, ms) = ask_peer(
@@ -543,7 +577,7 @@ pub fn run(a: QaArgs) -> Result<()> {
         v
     };
     let mut systems = serde_json::Map::new();
-    for ((_, _, name), tally) in systems_run.iter().zip(&tallies) {
+    for ((_, _, _, name), tally) in systems_run.iter().zip(&tallies) {
         systems.insert(name.clone(), with_delta(tally, "ttft_ms_mean"));
     }
     if a.peer.is_some() {
@@ -646,7 +680,7 @@ pub fn run(a: QaArgs) -> Result<()> {
     let mut rows: Vec<(String, &Tally)> = systems_run
         .iter()
         .zip(&tallies)
-        .map(|((_, _, name), t)| (name.clone(), t))
+        .map(|((_, _, _, name), t)| (name.clone(), t))
         .collect();
     if a.peer.is_some() {
         rows.push(("peer (llama.cpp)".into(), &peer));

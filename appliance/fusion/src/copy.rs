@@ -21,6 +21,14 @@
 //! letter or digit straight after one (to finish the word) turned "7,000,000" into "734,000",
 //! another passage's number, as the comma was not biased. Measured with `engram eval qa
 //! --copy-bias` (docs/bench/2026-11-27-copy-bias.md, docs/bench/2026-11-28-qa-zh.md).
+//!
+//! Which number to start is the other place it loses the thread: asked how often passwords are
+//! changed, with "Passwords are changed every 180 days." shown as the evidence sentence, it
+//! answered "30 days", another passage's number. So until the answer has written a digit, the
+//! tokens that begin a number of the evidence sentence ([`FusedPrompt::evidence`]) get the bias
+//! too. Once a number is written it is not biased again: biasing every later start made answers
+//! repeat the number in a loop. Measured with `engram eval qa --evidence-numbers on,off`
+//! (docs/bench/2026-12-04-evidence-numbers.md).
 
 use std::collections::HashMap;
 
@@ -60,7 +68,31 @@ pub struct CopyBias {
     pieces: HashMap<u32, Vec<u8>>,
     /// Token id -> its positions in `text`, ascending.
     at: HashMap<u32, Vec<usize>>,
+    /// The tokens that begin a number the evidence sentence states, ascending: biased where
+    /// the answer is not inside a number.
+    starts: Vec<u32>,
     bias: f32,
+}
+
+/// The tokens of `tokens` (a text's encoding; `piece` gives a token's bytes) that begin a
+/// number: the token holds an ASCII digit within its first two bytes (" 180" may be one token)
+/// and the token before it does not end in a digit or a separator of one (",", ".", ":").
+fn number_starts(tokens: &[u32], piece: impl Fn(u32) -> Vec<u8>) -> Vec<u32> {
+    let mut starts = Vec::new();
+    let mut before: Vec<u8> = Vec::new();
+    for &t in tokens {
+        let p = piece(t);
+        let digit = p.iter().take(2).any(u8::is_ascii_digit)
+            && !p.first().is_some_and(|b| b.is_ascii_alphabetic());
+        let inside = before
+            .last()
+            .is_some_and(|b| b.is_ascii_digit() || b",.:".contains(b));
+        if digit && !inside {
+            starts.push(t);
+        }
+        before = p;
+    }
+    starts
 }
 
 /// Whether a token whose piece is `piece` leaves the text in a number: it ends in an ASCII
@@ -94,7 +126,19 @@ impl CopyBias {
     /// The bias over `prompt`'s retrieved chunks, pieces from `tokenizer`; `None` when `bias`
     /// is 0 or there are no chunks.
     pub fn from_prompt(prompt: &FusedPrompt, tokenizer: &Tokenizer, bias: f32) -> Option<Self> {
-        Self::new(&prompt.chunks, bias, |t| tokenizer.token_piece(t).to_vec())
+        let piece = |t: u32| tokenizer.token_piece(t).to_vec();
+        let evidence = prompt.suffix.get(prompt.evidence.clone()).unwrap_or(&[]);
+        let starts = number_starts(evidence, piece);
+        Some(Self::new(&prompt.chunks, bias, piece)?.with_starts(starts))
+    }
+
+    /// The bias with `starts` (tokens that begin a number of the evidence sentence) biased
+    /// wherever the answer is not inside a number.
+    pub fn with_starts(mut self, mut starts: Vec<u32>) -> Self {
+        starts.sort_unstable();
+        starts.dedup();
+        self.starts = starts;
+        self
     }
 
     /// The bias over `chunks` (token ids), where `piece(t)` gives token `t`'s bytes; `None`
@@ -119,6 +163,7 @@ impl CopyBias {
             text,
             pieces,
             at,
+            starts: Vec::new(),
             bias,
         })
     }
@@ -137,6 +182,16 @@ impl CopyBias {
             }
         }
         ends_open(&tail)
+    }
+
+    /// Whether `answer` holds a digit: once it has stated a number, which number the evidence
+    /// states is decided (biasing every later start made answers repeat it in a loop).
+    fn wrote_number(&self, answer: &[u32]) -> bool {
+        answer.iter().any(|t| {
+            self.pieces
+                .get(t)
+                .is_some_and(|p| p.iter().any(u8::is_ascii_digit))
+        })
     }
 
     /// The tokens that follow, somewhere in the passages, the longest ending of `answer` (the
@@ -177,10 +232,19 @@ impl CopyBias {
     }
 
     /// Adds the bias to the logit of every continuation of `answer` (see
-    /// [`Self::continuations`]); returns how many tokens got it.
+    /// [`Self::continuations`]), or, while the answer has stated no number and is not inside
+    /// one, of every token that begins a number of the evidence sentence; returns how many
+    /// tokens got it.
     pub fn apply(&self, answer: &[u32], logits: &mut [f32]) -> usize {
         let mut n = 0;
-        for t in self.continuations(answer) {
+        let biased = if self.open(answer) {
+            self.continuations(answer)
+        } else if self.starts.is_empty() || self.wrote_number(answer) {
+            Vec::new()
+        } else {
+            self.starts.clone()
+        };
+        for t in biased {
             if let Some(l) = logits.get_mut(t as usize) {
                 *l += self.bias;
                 n += 1;
@@ -304,6 +368,53 @@ mod tests {
         assert!(!ends_open(b""));
         // Continuation bytes whose first byte is not in the tail: nothing to judge by.
         assert!(!ends_open(&[0x80, 0x80, 0x80, 0x80]));
+    }
+
+    #[test]
+    fn numbers_begin_after_anything_but_a_digit_or_its_separator() {
+        // " every" " " "1" "8" "0" " days" "," " " "1" "0" ":" "0" "0"
+        let t = [40, 20, 1, 8, 0, 29, 21, 20, 1, 0, 22, 0, 0];
+        let piece = |t: u32| match t {
+            22 => b":".to_vec(),
+            t => piece(t),
+        };
+        assert_eq!(number_starts(&t, piece), vec![1, 1]);
+        // A number that is one token with its space (" 180") begins too; a word with a digit
+        // in it ("a1") does not.
+        let piece = |t: u32| match t {
+            50 => b" 180".to_vec(),
+            51 => b"a1".to_vec(),
+            t => piece(t),
+        };
+        assert_eq!(number_starts(&[40, 50, 29, 51], piece), vec![50]);
+        assert!(number_starts(&[], piece).is_empty());
+    }
+
+    #[test]
+    fn outside_a_number_the_evidence_numbers_starts_are_biased() {
+        // Passages " within" " " "3" "0" " days" | " every" " " "1" "8" "0" " days"; the evidence
+        // sentence states 180.
+        let b = bias(&[&[27, 20, 3, 0, 29], &[40, 20, 1, 8, 0, 29]]).with_starts(vec![1]);
+        // Before anything is written, and after a space, "1" leads a near tie with "3".
+        for answer in [&[][..], &[20]] {
+            let mut logits = vec![0.0f32; 41];
+            logits[3] = 20.5;
+            logits[1] = 19.5;
+            assert_eq!(b.apply(answer, &mut logits), 1);
+            assert!(logits[1] > logits[3]);
+        }
+        // Inside a number the passages' continuations are biased instead: after "1", "8".
+        assert_eq!(b.continuations(&[20, 1]), vec![8]);
+        let mut logits = vec![0.0f32; 41];
+        b.apply(&[20, 1], &mut logits);
+        assert_eq!(logits[8], 1.5);
+        assert_eq!(logits[1], 0.0);
+        // Once the answer has stated a number, starts are no longer biased: " " "1" "8" "0"
+        // " days" " "
+        assert_eq!(b.apply(&[20, 1, 8, 0, 29, 20], &mut [0.0f32; 41]), 0);
+        // Without starts nothing is biased outside a number, as before.
+        let plain = bias(&[&[27, 20, 3, 0, 29]]);
+        assert_eq!(plain.apply(&[20], &mut [0.0f32; 41]), 0);
     }
 
     #[test]

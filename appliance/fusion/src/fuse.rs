@@ -22,6 +22,9 @@ pub struct FusedPrompt {
     pub chunks: Vec<Vec<u32>>,
     /// The question and the generation prompt.
     pub suffix: Vec<u32>,
+    /// The suffix tokens that spell the evidence sentence a layout shows after the passages
+    /// (empty when it shows none); [`crate::CopyBias`] reads the numbers it states.
+    pub evidence: std::ops::Range<usize>,
 }
 
 impl FusedPrompt {

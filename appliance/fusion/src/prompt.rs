@@ -382,9 +382,13 @@ pub fn rag_prompt_with<P: AsRef<str>>(
             layout.evidence_max_chars,
         )
     };
-    let evidence = match evidence.as_deref().map(str::trim) {
-        Some(e) if !e.is_empty() => format!("{label}{e}\n\n"),
-        _ => String::new(),
+    // Where the sentence lies in `after`, in bytes (it opens the suffix, after its label).
+    let (evidence, shown) = match evidence.as_deref().map(str::trim) {
+        Some(e) if !e.is_empty() => (
+            format!("{label}{e}\n\n"),
+            label.len()..label.len() + e.len(),
+        ),
+        _ => (String::new(), 0..0),
     };
     let before = match (layout.question_first, zh) {
         (false, _) => String::new(),
@@ -411,9 +415,37 @@ pub fn rag_prompt_with<P: AsRef<str>>(
     if layout.frame_in_prompt {
         extend_with_frame_context(tokenizer, &mut prefix)?;
     }
+    let suffix = tokenizer.encode(after, true)?;
+    let evidence = byte_span_tokens(tokenizer, &suffix, shown);
     Ok(FusedPrompt {
         prefix,
         chunks,
-        suffix: tokenizer.encode(after, true)?,
+        suffix,
+        evidence,
     })
+}
+
+/// The tokens of `tokens` (one text's encoding) whose bytes overlap `bytes` of that text.
+fn byte_span_tokens(
+    tokenizer: &Tokenizer,
+    tokens: &[u32],
+    bytes: std::ops::Range<usize>,
+) -> std::ops::Range<usize> {
+    if bytes.is_empty() {
+        return 0..0;
+    }
+    let (mut first, mut end) = (None, 0);
+    let mut at = 0;
+    for (i, &t) in tokens.iter().enumerate() {
+        let next = at + tokenizer.token_piece(t).len();
+        if next > bytes.start && at < bytes.end {
+            first.get_or_insert(i);
+            end = i + 1;
+        }
+        if next >= bytes.end {
+            break;
+        }
+        at = next;
+    }
+    first.map_or(0..0, |f| f..end)
 }

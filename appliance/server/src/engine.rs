@@ -410,6 +410,7 @@ fn plain_prompt(mut tokens: Vec<u32>, field: &str) -> std::result::Result<FusedP
         prefix: tokens,
         chunks: Vec::new(),
         suffix: vec![last],
+        evidence: 0..0,
     })
 }
 

@@ -117,6 +117,14 @@ fn the_sample_corpus_is_answered_from_its_passages() {
         // Answered from the English chunks alone (`engram_fusion::retain_language`): with the
         // Chinese version's beside them the model answered with the question.
         ("When must everyone be available?", "10:00"),
+        // Without the evidence sentence's numbers favoured (`engram_fusion::CopyBias`) the model
+        // answered "30 days" and "Until 30 days prior to the end of the month.": the evidence
+        // says 180 and 10:00.
+        ("How frequently must I change my password?", "180"),
+        (
+            "Until what time must I tell my manager that I am ill?",
+            "10:00",
+        ),
         ("标准工作周是多少小时？", "38"),
         ("行程超过多少公里可以乘坐飞机？", "600"),
         ("酒店费用每晚最多报销多少？", "150"),
