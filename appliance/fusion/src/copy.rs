@@ -68,8 +68,8 @@ pub struct CopyBias {
     pieces: HashMap<u32, Vec<u8>>,
     /// Token id -> its positions in `text`, ascending.
     at: HashMap<u32, Vec<usize>>,
-    /// The tokens that begin a number the evidence sentence states, ascending: biased where
-    /// the answer is not inside a number.
+    /// The tokens that begin a number the evidence sentence states, ascending: biased until
+    /// the answer has written a digit.
     starts: Vec<u32>,
     bias: f32,
 }
@@ -133,7 +133,7 @@ impl CopyBias {
     }
 
     /// The bias with `starts` (tokens that begin a number of the evidence sentence) biased
-    /// wherever the answer is not inside a number.
+    /// until the answer has written a digit.
     pub fn with_starts(mut self, mut starts: Vec<u32>) -> Self {
         starts.sort_unstable();
         starts.dedup();
