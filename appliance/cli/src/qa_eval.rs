@@ -238,6 +238,17 @@ fn dechunk(mut s: &str) -> Result<String> {
     }
 }
 
+/// A comma-separated list of `yes` and `no` (the values of option `flag`) as booleans.
+fn two_way(list: &str, flag: &str, yes: &str, no: &str) -> Result<Vec<bool>> {
+    list.split(',')
+        .map(|v| match v.trim() {
+            v if v == yes => Ok(true),
+            v if v == no => Ok(false),
+            other => bail!("{flag} takes `{yes}` and `{no}`, not `{other}`"),
+        })
+        .collect()
+}
+
 pub fn run(a: QaArgs) -> Result<()> {
     let (qa_path, ctx_path, chinese) = set_files(&a.root, &a.set)?;
     let mut items: Vec<QaItem> = crate::eval::read_jsonl(&qa_path)?;
@@ -298,24 +309,8 @@ pub fn run(a: QaArgs) -> Result<()> {
                 .with_context(|| format!("--copy-bias `{b}` is not a number >= 0"))
         })
         .collect::<Result<_>>()?;
-    let picks: Vec<bool> = a
-        .evidence_picks
-        .split(',')
-        .map(|p| match p.trim() {
-            "embed" => Ok(true),
-            "terms" => Ok(false),
-            other => bail!("--evidence-picks takes `embed` and `terms`, not `{other}`"),
-        })
-        .collect::<Result<_>>()?;
-    let numbers: Vec<bool> = a
-        .evidence_numbers
-        .split(',')
-        .map(|n| match n.trim() {
-            "on" => Ok(true),
-            "off" => Ok(false),
-            other => bail!("--evidence-numbers takes `on` and `off`, not `{other}`"),
-        })
-        .collect::<Result<_>>()?;
+    let picks = two_way(&a.evidence_picks, "--evidence-picks", "embed", "terms")?;
+    let numbers = two_way(&a.evidence_numbers, "--evidence-numbers", "on", "off")?;
     // Every layout with every bias, evidence pick and number setting, named by the layout
     // alone when one of each is compared. (index into the question's prompts, bias, numbers,
     // name)
@@ -478,11 +473,17 @@ pub fn run(a: QaArgs) -> Result<()> {
         type Answered = (usize, f32, std::ops::Range<usize>, Score, f64, bool, String);
         let mut answered: Vec<Answered> = Vec::new();
         for ((layout, bias, numbers, name), tally) in systems.iter().zip(tallies.iter_mut()) {
-            let mut prompt = prompts[*layout].clone();
-            if !numbers {
-                prompt.evidence = 0..0;
-            }
-            let prompt = &prompt;
+            // Without the evidence's numbers: the same tokens, no span for the bias to read.
+            let unnumbered;
+            let prompt = if *numbers {
+                &prompts[*layout]
+            } else {
+                unnumbered = engram_fusion::FusedPrompt {
+                    evidence: 0..0,
+                    ..prompts[*layout].clone()
+                };
+                &unnumbered
+            };
             if !grounded {
                 // A refusal is scored as no answer (its words are not an answer's).
                 let answer = no_answer(&item.question);

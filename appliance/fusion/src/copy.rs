@@ -237,14 +237,16 @@ impl CopyBias {
     /// tokens got it.
     pub fn apply(&self, answer: &[u32], logits: &mut [f32]) -> usize {
         let mut n = 0;
-        let biased = if self.open(answer) {
-            self.continuations(answer)
+        let continued;
+        let biased: &[u32] = if self.open(answer) {
+            continued = self.continuations(answer);
+            &continued
         } else if self.starts.is_empty() || self.wrote_number(answer) {
-            Vec::new()
+            &[]
         } else {
-            self.starts.clone()
+            &self.starts
         };
-        for t in biased {
+        for &t in biased {
             if let Some(l) = logits.get_mut(t as usize) {
                 *l += self.bias;
                 n += 1;
