@@ -415,8 +415,8 @@ pub fn rag_prompt_with<P: AsRef<str>>(
     if layout.frame_in_prompt {
         extend_with_frame_context(tokenizer, &mut prefix)?;
     }
-    let suffix = tokenizer.encode(after, true)?;
-    let evidence = byte_span_tokens(tokenizer, &suffix, shown);
+    let (suffix, ends) = tokenizer.encode_with_ends(after, true)?;
+    let evidence = byte_span_tokens(ends.as_deref(), shown);
     Ok(FusedPrompt {
         prefix,
         chunks,
@@ -425,27 +425,22 @@ pub fn rag_prompt_with<P: AsRef<str>>(
     })
 }
 
-/// The tokens of `tokens` (one text's encoding) whose bytes overlap `bytes` of that text.
+/// The tokens whose bytes overlap `bytes` of a text, given where each of its tokens ends
+/// ([`Tokenizer::encode_with_ends`]); empty when the ends are unknown.
 fn byte_span_tokens(
-    tokenizer: &Tokenizer,
-    tokens: &[u32],
+    ends: Option<&[usize]>,
     bytes: std::ops::Range<usize>,
 ) -> std::ops::Range<usize> {
-    if bytes.is_empty() {
+    let Some(ends) = ends.filter(|_| !bytes.is_empty()) else {
+        return 0..0;
+    };
+    // Token i spans ends[i - 1]..ends[i]: it overlaps when it ends past the start and starts
+    // before the end. A token of no bytes (SentencePiece's prefixed space) overlaps nothing.
+    let first = ends.partition_point(|&e| e <= bytes.start);
+    let end = ends.partition_point(|&e| e < bytes.end) + 1;
+    let end = end.min(ends.len());
+    if first >= end {
         return 0..0;
     }
-    let (mut first, mut end) = (None, 0);
-    let mut at = 0;
-    for (i, &t) in tokens.iter().enumerate() {
-        let next = at + tokenizer.token_piece(t).len();
-        if next > bytes.start && at < bytes.end {
-            first.get_or_insert(i);
-            end = i + 1;
-        }
-        if next >= bytes.end {
-            break;
-        }
-        at = next;
-    }
-    first.map_or(0..0, |f| f..end)
+    first..end
 }

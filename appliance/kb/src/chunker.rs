@@ -42,20 +42,7 @@ impl TokenCounter for engram_tokenizer::Tokenizer {
     }
 
     fn token_ends(&self, text: &str) -> Option<Vec<usize>> {
-        let ids = self.encode(text, false).ok()?;
-        let mut ends = Vec::with_capacity(ids.len());
-        let mut at = 0;
-        for id in ids {
-            at += self.token_piece(id).len();
-            ends.push(at);
-        }
-        // Byte-level BPE renders exactly the text; SentencePiece adds one leading space.
-        let shift = match at.checked_sub(text.len())? {
-            0 => 0,
-            1 if !text.starts_with(' ') => 1,
-            _ => return None,
-        };
-        Some(ends.into_iter().map(|e| e.saturating_sub(shift)).collect())
+        self.encode_with_ends(text, false).ok()?.1
     }
 }
 

@@ -387,6 +387,48 @@ fn sentencepiece_matches_the_reference_algorithm() {
     assert_eq!(t.token_bytes(t.token_id("<0x41>").unwrap()), b"A");
 }
 
+/// Checks `encode_with_ends` against `encode` and against the text: each token spells the bytes
+/// its ends say, SentencePiece's prefixed space aside.
+fn check_ends(t: &Tokenizer, text: &str, parse_special: bool) -> Vec<usize> {
+    let (ids, ends) = t.encode_with_ends(text, parse_special).unwrap();
+    let ends = ends.unwrap_or_else(|| panic!("{text:?} has ends"));
+    assert_eq!(ids, t.encode(text, parse_special).unwrap(), "{text:?}");
+    assert_eq!(ends.len(), ids.len(), "{text:?}");
+    assert_eq!(ends.last().copied().unwrap_or(0), text.len(), "{text:?}");
+    let mut at = 0;
+    for (&id, &end) in ids.iter().zip(&ends) {
+        let piece = t.token_piece(id);
+        let spelled = &text.as_bytes()[at..end];
+        assert!(
+            piece == spelled || piece.strip_prefix(b" ") == Some(spelled),
+            "{text:?}: token {id} spells {piece:?}, its ends say {spelled:?}"
+        );
+        at = end;
+    }
+    ends
+}
+
+#[test]
+fn token_ends_locate_every_token_in_the_text() {
+    let b = bpe(Some("gpt2"));
+    for text in ["hello world", "<|im_start|>hello<|im_end|> wo", "é x", ""] {
+        check_ends(&b, text, true);
+    }
+    let s = spm();
+    for text in [
+        "hello world",
+        " leading",
+        "hello</s>hello",
+        "</s>é hello ü",
+        "x",
+    ] {
+        check_ends(&s, text, true);
+    }
+    // The space prefixed after `</s>` is in no byte of the text: the second "▁hello" spells
+    // bytes 9..14, not 8..14.
+    assert_eq!(check_ends(&s, "hello</s>hello", true), vec![5, 9, 14]);
+}
+
 #[test]
 fn prompts_get_one_bos_when_the_model_asks_for_it() {
     let t = spm();

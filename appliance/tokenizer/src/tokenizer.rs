@@ -108,22 +108,77 @@ impl Tokenizer {
     /// without it they are tokenized as ordinary text. User-defined tokens are matched either
     /// way, as in llama.cpp and Hugging Face.
     pub fn encode(&self, text: &str, parse_special: bool) -> Result<Vec<u32>> {
+        Ok(self.encode_inner(text, parse_special, false)?.0)
+    }
+
+    /// [`Self::encode`], and where each token ends in `text`: `ends[i]` is the byte offset just
+    /// past token `i`'s bytes, so token `i` spells `text[ends[i - 1]..ends[i]]`. The space
+    /// SentencePiece prefixes (at the start and after each special token) is in no byte of
+    /// `text`: a token that is only that space ends where it starts. `None` in place of the
+    /// ends when the tokens do not spell `text` byte for byte (an unknown token).
+    pub fn encode_with_ends(
+        &self,
+        text: &str,
+        parse_special: bool,
+    ) -> Result<(Vec<u32>, Option<Vec<usize>>)> {
+        self.encode_inner(text, parse_special, true)
+    }
+
+    /// [`Self::encode_with_ends`], the ends left out (`None`) unless `with_ends`.
+    fn encode_inner(
+        &self,
+        text: &str,
+        parse_special: bool,
+        with_ends: bool,
+    ) -> Result<(Vec<u32>, Option<Vec<usize>>)> {
         let mut out = Vec::with_capacity(text.len() / 3 + 1);
+        let mut ends = with_ends.then(|| Vec::with_capacity(out.capacity()));
         // SentencePiece prefixes a space to text at the start and after each special token.
         let mut after_special = true;
+        let mut at = 0;
         for fragment in self.partition(text, parse_special) {
             match fragment {
                 Fragment::Token(id) => {
                     out.push(id);
                     after_special = true;
+                    at += self.vocab.tokens[id as usize].len();
+                    if let Some(e) = ends.as_mut() {
+                        e.push(at);
+                    }
                 }
                 Fragment::Text(t) => {
-                    self.encode_plain(t, after_special, &mut out)?;
+                    let first = out.len();
+                    let prefixed = self.encode_plain(t, after_special, &mut out)?;
                     after_special = false;
+                    if let Some(e) = ends.as_mut() {
+                        if !self.push_ends(&out[first..], at, t.len(), prefixed, e) {
+                            ends = None;
+                        }
+                    }
+                    at += t.len();
                 }
             }
         }
-        Ok(out)
+        Ok((out, ends))
+    }
+
+    /// Appends to `ends` where each of `ids` (the encoding of one fragment of `len` bytes at
+    /// byte `start`, with SentencePiece's space prefixed when `prefixed`) ends; false when
+    /// their bytes do not add up to the fragment.
+    fn push_ends(
+        &self,
+        ids: &[u32],
+        start: usize,
+        len: usize,
+        prefixed: bool,
+        ends: &mut Vec<usize>,
+    ) -> bool {
+        let mut spelled = 0;
+        for &id in ids {
+            spelled += self.token_piece(id).len();
+            ends.push(start + spelled.saturating_sub(usize::from(prefixed)));
+        }
+        spelled == len + usize::from(prefixed)
     }
 
     /// The token ids of a prompt: `text` encoded with control tokens parsed, BOS prepended when
@@ -179,13 +234,17 @@ impl Tokenizer {
         fragments
     }
 
-    /// Encodes text that contains no special tokens.
-    fn encode_plain(&self, text: &str, after_special: bool, out: &mut Vec<u32>) -> Result<()> {
+    /// Encodes text that contains no special tokens; true when a space was prefixed to it
+    /// (SentencePiece at the start and after a special token).
+    fn encode_plain(&self, text: &str, after_special: bool, out: &mut Vec<u32>) -> Result<bool> {
+        let prefixed = self.vocab.kind == ModelKind::SentencePiece
+            && self.vocab.add_space_prefix
+            && after_special;
         let encoding = match self.vocab.kind {
             ModelKind::BytePairBpe => self.backend.encode_fast(text, false),
             ModelKind::SentencePiece => {
                 let mut escaped = String::with_capacity(text.len() + 4);
-                if self.vocab.add_space_prefix && after_special {
+                if prefixed {
                     escaped.push(SPM_SPACE);
                 }
                 escaped.extend(text.chars().map(|c| if c == ' ' { SPM_SPACE } else { c }));
@@ -194,7 +253,7 @@ impl Tokenizer {
         }
         .map_err(backend_err("encode"))?;
         out.extend_from_slice(encoding.get_ids());
-        Ok(())
+        Ok(prefixed)
     }
 
     /// Whether the model expects BOS before a prompt (`tokenizer.ggml.add_bos_token`).
