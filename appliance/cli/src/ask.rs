@@ -412,6 +412,9 @@ fn print_json(
 pub struct Generated {
     /// The answer up to the first stop string.
     pub text: String,
+    /// Whether the model wrote no answer and `text` is the evidence sentence
+    /// ([`OutputText::or_sentence`]).
+    pub fell_back: bool,
     pub prefilled: engram_fusion::FuseStats,
     /// From the start of the prefill to the first token.
     pub first_token: std::time::Duration,
@@ -443,6 +446,7 @@ pub fn generate(
         ..SamplingParams::default()
     })?;
     let mut text = OutputText::answer(question, &[]);
+    text.or_sentence(&prompt.evidence_text);
     let mut history = prompt.tokens();
     let prompt_len = history.len();
     let copy = CopyBias::from_prompt(prompt, &llm.tokenizer, copy_bias);
@@ -478,6 +482,7 @@ pub fn generate(
     }
     Ok(Generated {
         text: text.text().to_owned(),
+        fell_back: text.fell_back(),
         prefilled: done.stats,
         first_token: first_token.unwrap_or_default(),
         decode: decode_start.elapsed(),

@@ -600,6 +600,7 @@ mod imp {
                 .collect(),
             suffix: pseudo_tokens(12, v, seed + 310),
             evidence: 0..0,
+            evidence_text: String::new(),
         };
         let store = ChunkStore::new(
             Arc::new(engram_kvstore::KvStore::new(

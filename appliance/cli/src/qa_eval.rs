@@ -136,16 +136,25 @@ struct Tally {
     em: Vec<f64>,
     /// Retrieval to first token (Engram), retrieval to whole answer (the peer).
     ttft_ms: Vec<f64>,
-    /// Answers with nothing in them: empty, or Engram's `not_answered`.
+    /// Answers the model wrote nothing of: empty, Engram's `not_answered`, or the evidence
+    /// sentence in its place.
     empty: usize,
+    /// Per question, the F1 the evidence sentence scored where it was the answer (the model
+    /// wrote none, `OutputText::or_sentence`), else 0: what the sentence adds.
+    sentence_f1: Vec<f64>,
+    /// Answers that are the evidence sentence.
+    sentences: usize,
 }
 
 impl Tally {
-    fn add(&mut self, s: Score, ttft_ms: f64, empty: bool) {
+    /// `sentence`: the answer is the evidence sentence, the model wrote none.
+    fn add(&mut self, s: Score, ttft_ms: f64, empty: bool, sentence: bool) {
         self.f1.push(s.f1);
         self.em.push(s.em);
         self.ttft_ms.push(ttft_ms);
-        self.empty += usize::from(empty);
+        self.empty += usize::from(empty || sentence);
+        self.sentence_f1.push(if sentence { s.f1 } else { 0.0 });
+        self.sentences += usize::from(sentence);
     }
 
     /// `time`: what the times are (`ttft_ms_mean` for Engram, `answer_ms_mean` for the peer,
@@ -156,6 +165,9 @@ impl Tally {
             "em": mean(&self.em),
             time: mean(&self.ttft_ms),
             "empty_answers": self.empty,
+            "sentence_answers": self.sentences,
+            "sentence_f1_gain": mean(&self.sentence_f1),
+            "sentence_f1_gain_ci95": crate::fusion_eval::bootstrap_ci95(&self.sentence_f1),
         })
     }
 }
@@ -470,7 +482,16 @@ pub fn run(a: QaArgs) -> Result<()> {
         )];
         // This question's answers so far: (prompt, bias, the evidence's span the bias read,
         // score, TTFT, empty, answer).
-        type Answered = (usize, f32, std::ops::Range<usize>, Score, f64, bool, String);
+        type Answered = (
+            usize,
+            f32,
+            std::ops::Range<usize>,
+            Score,
+            f64,
+            bool,
+            bool,
+            String,
+        );
         let mut answered: Vec<Answered> = Vec::new();
         for ((layout, bias, numbers, name), tally) in systems.iter().zip(tallies.iter_mut()) {
             // Without the evidence's numbers: the same tokens, no span for the bias to read.
@@ -487,7 +508,12 @@ pub fn run(a: QaArgs) -> Result<()> {
             if !grounded {
                 // A refusal is scored as no answer (its words are not an answer's).
                 let answer = no_answer(&item.question);
-                tally.add(best_score("", &item.answers, chinese), retrieve_ms, false);
+                tally.add(
+                    best_score("", &item.answers, chinese),
+                    retrieve_ms,
+                    false,
+                    false,
+                );
                 line.push(format!("  {name}: {answer:?}"));
                 continue;
             }
@@ -495,8 +521,8 @@ pub fn run(a: QaArgs) -> Result<()> {
             let same = answered.iter().find(|(p, b, e, ..)| {
                 *b == *bias && *e == prompt.evidence && prompts[*p].tokens() == prompt.tokens()
             });
-            if let Some((_, _, _, score, ms, none, answer)) = same {
-                tally.add(*score, *ms, *none);
+            if let Some((_, _, _, score, ms, none, sentence, answer)) = same {
+                tally.add(*score, *ms, *none, *sentence);
                 line.push(format!(
                     "  {name} (f1 {:.2}, same prompt): {answer:?}",
                     score.f1
@@ -515,10 +541,12 @@ pub fn run(a: QaArgs) -> Result<()> {
                 &mut |_| {},
             )?;
             let answer = g.text.trim().to_owned();
+            // Nothing of the model's is scored as no answer; the evidence sentence in its place
+            // is scored (and counted apart).
             let none = answer.is_empty() || answer == not_answered(&item.question);
             let score = best_score(if none { "" } else { &answer }, &item.answers, chinese);
             let ms = retrieve_ms + g.first_token.as_secs_f64() * 1e3;
-            tally.add(score, ms, none);
+            tally.add(score, ms, none, g.fell_back);
             line.push(format!("  {name} (f1 {:.2}): {answer:?}", score.f1));
             answered.push((
                 *layout,
@@ -527,6 +555,7 @@ pub fn run(a: QaArgs) -> Result<()> {
                 score,
                 ms,
                 none,
+                g.fell_back,
                 answer,
             ));
         }
@@ -538,7 +567,7 @@ pub fn run(a: QaArgs) -> Result<()> {
             )?;
             let answer = text.trim().to_owned();
             let score = best_score(&answer, &item.answers, chinese);
-            peer.add(score, retrieve_ms + ms, answer.is_empty());
+            peer.add(score, retrieve_ms + ms, answer.is_empty(), false);
             line.push(format!("  peer (f1 {:.2}): {answer:?}", score.f1));
         }
         if a.verbose {
@@ -675,8 +704,8 @@ pub fn run(a: QaArgs) -> Result<()> {
         }
     }
     println!(
-        "{:<32} {:>6} {:>6} {:>10} {:>6}",
-        "system", "F1", "EM", "TTFT ms", "empty"
+        "{:<32} {:>6} {:>6} {:>10} {:>6} {:>9} {:>7}",
+        "system", "F1", "EM", "TTFT ms", "empty", "sentence", "its F1"
     );
     let mut rows: Vec<(String, &Tally)> = systems_run
         .iter()
@@ -692,11 +721,13 @@ pub fn run(a: QaArgs) -> Result<()> {
             None => String::new(),
         };
         println!(
-            "{name:<32} {:>6.3} {:>6.3} {:>10.0} {:>6}{delta}",
+            "{name:<32} {:>6.3} {:>6.3} {:>10.0} {:>6} {:>9} {:>+7.3}{delta}",
             mean(&t.f1),
             mean(&t.em),
             mean(&t.ttft_ms),
-            t.empty
+            t.empty,
+            t.sentences,
+            mean(&t.sentence_f1)
         );
     }
     Ok(())

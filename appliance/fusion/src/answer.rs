@@ -311,8 +311,12 @@ struct AnswerStart {
     question: String,
     held: String,
     open: bool,
-    /// What the answer is when nothing is left of it ([`not_answered`]).
-    none: &'static str,
+    /// What the answer is when nothing is left of it ([`not_answered`], or the evidence
+    /// sentence: [`OutputText::or_sentence`]).
+    none: String,
+    /// Whether `none` is the evidence sentence, and whether the answer was it.
+    sentence: bool,
+    fell_back: bool,
 }
 
 impl AnswerStart {
@@ -321,7 +325,9 @@ impl AnswerStart {
             question: folded(question),
             held: String::new(),
             open: false,
-            none: not_answered(question),
+            none: not_answered(question).to_owned(),
+            sentence: false,
+            fell_back: false,
         }
     }
 
@@ -356,7 +362,8 @@ impl AnswerStart {
         self.held.clear();
         let f = folded(&out);
         if f.is_empty() || cut_label(&f) {
-            return self.none.to_owned();
+            self.fell_back = self.sentence;
+            return self.none.clone();
         }
         out
     }
@@ -417,6 +424,28 @@ impl OutputText {
             lead: Some(AnswerStart::new(question)),
             stop: StopMatcher::new(&all),
         }
+    }
+
+    /// When the model writes no answer (see [`not_answered`]), the answer is `sentence` instead:
+    /// the evidence sentence its prompt showed ([`crate::FusedPrompt::evidence_text`]), the
+    /// passages' own words that best match the question, its first letter capitalised. Nothing
+    /// changes for an empty sentence or for other text than an answer.
+    pub fn or_sentence(&mut self, sentence: &str) {
+        let sentence = sentence.trim();
+        let Some(lead) = self.lead.as_mut().filter(|_| !sentence.is_empty()) else {
+            return;
+        };
+        let mut chars = sentence.chars();
+        lead.none = chars
+            .next()
+            .map(|c| c.to_uppercase().chain(chars).collect())
+            .unwrap_or_default();
+        lead.sentence = true;
+    }
+
+    /// Whether the answer is the sentence of [`Self::or_sentence`]: the model wrote none.
+    pub fn fell_back(&self) -> bool {
+        self.lead.as_ref().is_some_and(|l| l.fell_back)
     }
 
     /// Other text (a chat, a completion): cut at `stops` only.
@@ -528,6 +557,41 @@ mod tests {
             out.push_str(&s.finish());
             assert_eq!(out.trim(), clean_answer(&pieces.concat(), q), "{pieces:?}");
         }
+    }
+
+    #[test]
+    fn an_answer_the_model_did_not_write_is_the_evidence_sentence() {
+        let q = "When am I allowed to take a plane?";
+        let sentence = " flights are allowed for trips of more than 600 kilometres.";
+        let answer = |pieces: &[&str], sentence: &str| {
+            let mut out = OutputText::answer(q, &[]);
+            out.or_sentence(sentence);
+            let mut text: String = pieces.iter().map(|p| out.push(p).0).collect();
+            text.push_str(&out.finish().0);
+            (text, out.fell_back())
+        };
+        let said = "Flights are allowed for trips of more than 600 kilometres.".to_owned();
+        assert_eq!(
+            answer(&[" When am I allowed", " to take a plane?"], sentence),
+            (said.clone(), true)
+        );
+        assert_eq!(answer(&["Answer:"], sentence), (said, true));
+        // What the model wrote stays its answer.
+        assert_eq!(
+            answer(&["Over 600 km."], sentence),
+            ("Over 600 km.".into(), false)
+        );
+        // No sentence shown: not answered, as before.
+        assert_eq!(answer(&[], " "), (not_answered(q).to_owned(), false));
+        // Chinese is taken as it is.
+        let mut out = OutputText::answer("生病了应该怎么办？", &[]);
+        out.or_sentence("员工生病时应在上午 10 点前通知经理。");
+        assert_eq!(out.finish().0, "员工生病时应在上午 10 点前通知经理。");
+        // Other text than an answer has nothing to fall back to.
+        let mut out = OutputText::plain(&[]);
+        out.or_sentence(sentence);
+        assert_eq!(out.finish().0, "");
+        assert!(!out.fell_back());
     }
 
     #[test]

@@ -25,6 +25,9 @@ pub struct FusedPrompt {
     /// The suffix tokens that spell the evidence sentence a layout shows after the passages
     /// (empty when it shows none); [`crate::CopyBias`] reads the numbers it states.
     pub evidence: std::ops::Range<usize>,
+    /// The evidence sentence those tokens spell, as the prompt shows it (empty when it shows
+    /// none): the answer when the model writes none ([`crate::OutputText::or_sentence`]).
+    pub evidence_text: String,
 }
 
 impl FusedPrompt {

@@ -383,12 +383,13 @@ pub fn rag_prompt_with<P: AsRef<str>>(
         )
     };
     // Where the sentence lies in `after`, in bytes (it opens the suffix, after its label).
-    let (evidence, shown) = match evidence.as_deref().map(str::trim) {
+    let (evidence, shown, evidence_text) = match evidence.as_deref().map(str::trim) {
         Some(e) if !e.is_empty() => (
             format!("{label}{e}\n\n"),
             label.len()..label.len() + e.len(),
+            e.to_owned(),
         ),
-        _ => (String::new(), 0..0),
+        _ => (String::new(), 0..0, String::new()),
     };
     let before = match (layout.question_first, zh) {
         (false, _) => String::new(),
@@ -422,6 +423,7 @@ pub fn rag_prompt_with<P: AsRef<str>>(
         chunks,
         suffix,
         evidence,
+        evidence_text,
     })
 }
 

@@ -411,6 +411,7 @@ fn plain_prompt(mut tokens: Vec<u32>, field: &str) -> std::result::Result<FusedP
         chunks: Vec::new(),
         suffix: vec![last],
         evidence: 0..0,
+        evidence_text: String::new(),
     })
 }
 
@@ -967,6 +968,9 @@ impl Engine {
         );
         timings.insert("decode_ms".into(), ms(a.decode_start.elapsed()).into());
         timings.insert("generated_tokens".into(), a.generated.into());
+        if a.out.fell_back() {
+            timings.insert("evidence_sentence_answer".into(), true.into());
+        }
         let _ = a.job.events.try_send(Event::Done(Summary {
             policy: a.policy.name(),
             fusion_disabled: a.fusion_disabled,
@@ -1123,7 +1127,7 @@ impl Engine {
     ) -> std::result::Result<Active<'t>, ApiError> {
         let started = Instant::now();
         // Structured output is taken as the grammar gives it: no answer clean-up.
-        let out = match &job.prompt {
+        let mut out = match &job.prompt {
             Prompt::Rag { question, .. } if job.sampling.grammar.is_none() => {
                 OutputText::answer(question, &job.sampling.stops)
             }
@@ -1157,6 +1161,7 @@ impl Engine {
             Prompt::Text { text } => (self.text_prompt(text, "prompt")?, Policy::Full, None),
             Prompt::Tokens { ids } => (self.token_prompt(ids)?, Policy::Full, None),
         };
+        out.or_sentence(&prompt.evidence_text);
         let context = self.model.config().context_length;
         if prompt.len() >= context {
             return Err(engram_fusion::FusionError::TooLong {

@@ -194,6 +194,18 @@ fn the_sample_corpus_is_answered_from_its_passages() {
         "{r}"
     );
 
+    // The model writes nothing of its own here (it repeats the question): the answer is the
+    // evidence sentence, the handbook's words, and the timings say so
+    // (`engram_fusion::OutputText::or_sentence`).
+    let r = ask(addr, &key, "When am I allowed to take a plane?");
+    assert!(r["answer"].as_str().unwrap().contains("600"), "{r}");
+    assert_eq!(r["timings"]["evidence_sentence_answer"], true, "{r}");
+    let r = ask(addr, &key, "How many days of paid leave do employees get?");
+    assert!(
+        r["timings"].get("evidence_sentence_answer").is_none(),
+        "{r}"
+    );
+
     // Streamed, the answer is the same text (the start held back while it could still be the
     // question repeated or a label is released once it is not).
     let question = "How many days of paid leave do employees get?";

@@ -70,7 +70,9 @@ pub struct QaResponse {
     pub finish_reason: String,
     pub citations: Vec<Citation>,
     /// Stage timings in milliseconds (retrieve, KV load, recompute, prefill, first token,
-    /// decode) and counts.
+    /// decode) and counts; `no_relevant_passages: true` when nothing retrieved was about the
+    /// question, `evidence_sentence_answer: true` when the model wrote no answer and the answer
+    /// is the evidence sentence, quoted from the cited passages.
     #[schema(value_type = Object)]
     pub timings: serde_json::Value,
 }
