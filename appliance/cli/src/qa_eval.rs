@@ -547,7 +547,12 @@ pub fn run(a: QaArgs) -> Result<()> {
             let score = best_score(if none { "" } else { &answer }, &item.answers, chinese);
             let ms = retrieve_ms + g.first_token.as_secs_f64() * 1e3;
             tally.add(score, ms, none, g.fell_back);
-            line.push(format!("  {name} (f1 {:.2}): {answer:?}", score.f1));
+            let from = if g.fell_back {
+                ", the evidence sentence"
+            } else {
+                ""
+            };
+            line.push(format!("  {name} (f1 {:.2}{from}): {answer:?}", score.f1));
             answered.push((
                 *layout,
                 *bias,
