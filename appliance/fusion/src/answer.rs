@@ -235,6 +235,14 @@ pub fn not_answered(question: &str) -> &'static str {
     }
 }
 
+/// Words that ask: an answer of the question's own words that holds one is the question asked
+/// back, not an answer (see `AnswerStart::echo`). English ones are whole words, Chinese ones
+/// are found anywhere in the answer.
+const QUESTION_WORDS: [&str; 20] = [
+    "who", "whom", "whose", "what", "when", "where", "which", "why", "how", "什么", "哪", "谁",
+    "几", "多少", "怎么", "怎样", "如何", "为何", "吗", "呢",
+];
+
 /// Labels a model may start its answer with (compared folded: case, spaces and punctuation
 /// aside).
 const LABELS: [&str; 10] = [
@@ -309,6 +317,8 @@ fn folded_prefix(text: &str, folded: &str) -> Option<usize> {
 #[derive(Debug)]
 struct AnswerStart {
     question: String,
+    /// The question's units (`dedup`'s words and Han characters): what a near echo is made of.
+    units: std::collections::HashSet<String>,
     held: String,
     open: bool,
     /// What the answer is when nothing is left of it ([`not_answered`], or the evidence
@@ -323,6 +333,7 @@ impl AnswerStart {
     fn new(question: &str) -> AnswerStart {
         AnswerStart {
             question: folded(question),
+            units: units(question).into_iter().collect(),
             held: String::new(),
             open: false,
             none: not_answered(question).to_owned(),
@@ -331,17 +342,71 @@ impl AnswerStart {
         }
     }
 
+    /// `text` from where its answer starts: labels and the question repeated taken off
+    /// ([`strip_lead`]), and a near echo of the question before its question mark (the
+    /// question asked back in other words, of its own words: "瑞尼尔山在美国哪个县？" for
+    /// "瑞尼尔山在美国哪个县的境内？").
+    fn cleaned<'a>(&self, text: &'a str) -> &'a str {
+        let rest = strip_lead(text, &self.question);
+        let Some(at) = rest.find(['?', '？']) else {
+            return rest;
+        };
+        if !self.in_question(&rest[..at]) {
+            return rest;
+        }
+        let mark = rest[at..].chars().next().map_or(1, char::len_utf8);
+        strip_lead(&rest[at + mark..], &self.question)
+    }
+
+    /// Whether `text` has units and every one is the question's: while an answer is that, it
+    /// may still turn out to be the question asked back.
+    fn in_question(&self, text: &str) -> bool {
+        self.in_question_so_far(text, false)
+    }
+
+    /// [`Self::in_question`], where with `partial` a word the text ends in may still be
+    /// growing: it counts as the question's when one of the question's words starts with it
+    /// ("3" of "32M").
+    fn in_question_so_far(&self, text: &str, partial: bool) -> bool {
+        let mut found = units(text);
+        let growing = partial
+            && text
+                .chars()
+                .next_back()
+                .is_some_and(|c| c.is_alphanumeric() && !crate::dedup::is_han(c));
+        let last = if growing { found.pop() } else { None };
+        let last_ok = last.is_none_or(|w| self.units.iter().any(|u| u.starts_with(&w)));
+        (!found.is_empty() || growing) && last_ok && found.iter().all(|u| self.units.contains(u))
+    }
+
+    /// Whether a whole answer is the question asked back without its question mark: of the
+    /// question's units only, at least four of them and half as many as the question has, and
+    /// asking ([`QUESTION_WORDS`]: "硫醚通式是什么" for "硫醚的通式是什么？"). A short answer of
+    /// the question's words ("Bush" to "Bush or Clinton?") is an answer, and so is one that
+    /// states it ("The restored tapes were able to have color added to them." to "Were the
+    /// restored tapes able to have color added to them?").
+    fn echo(&self, answer: &str) -> bool {
+        let found = units(answer);
+        let n = found.len();
+        let asks = found.iter().any(|u| QUESTION_WORDS.contains(&u.as_str()))
+            || QUESTION_WORDS
+                .iter()
+                .any(|w| !w.is_ascii() && answer.contains(w));
+        asks && self.in_question(answer) && n >= 4 && 2 * n >= self.units.len()
+    }
+
     /// Adds a piece of the answer; returns what can go out now.
     fn push(&mut self, piece: &str) -> String {
         if self.open {
             return piece.to_owned();
         }
         self.held.push_str(piece);
-        let rest = strip_lead(&self.held, &self.question);
+        let rest = self.cleaned(&self.held);
         let f = folded(rest);
         let undecided = f.is_empty()
             || LABELS.iter().any(|l| folded(l).starts_with(&f))
-            || (!self.question.is_empty() && self.question.starts_with(&f));
+            || (!self.question.is_empty() && self.question.starts_with(&f))
+            || self.in_question_so_far(rest, true);
         if undecided {
             return String::new();
         }
@@ -358,10 +423,10 @@ impl AnswerStart {
             return String::new();
         }
         self.open = true;
-        let out = strip_lead(&self.held, &self.question).trim_end().to_owned();
+        let out = self.cleaned(&self.held).trim_end().to_owned();
         self.held.clear();
         let f = folded(&out);
-        if f.is_empty() || cut_label(&f) {
+        if f.is_empty() || cut_label(&f) || self.echo(&out) {
             self.fell_back = self.sentence;
             return self.none.clone();
         }
@@ -627,6 +692,49 @@ mod tests {
         assert_eq!(
             whole(q, &["Most relevant sentence:", " Most relevant"]),
             not_answered(q)
+        );
+        // The question asked back in other words, of its own: no answer either; what follows
+        // it is the answer.
+        let q = "瑞尼尔山在美国哪个县的境内？";
+        assert_eq!(whole(q, &["瑞尼尔山", "在美国哪个县？"]), not_answered(q));
+        assert_eq!(
+            whole(q, &["瑞尼尔山在美国哪个县？", "\n", "皮尔斯县"]),
+            "皮尔斯县"
+        );
+        assert_eq!(
+            whole("硫醚的通式是什么？", &["硫醚通式是什么"]),
+            not_answered("硫醚的通式是什么？")
+        );
+        // An answer that starts with the question's words goes out whole once it leaves them;
+        // a short one made of them is an answer.
+        let q = "Who did the Broncos beat in the divisional game?";
+        assert_eq!(
+            whole(q, &["The Broncos", " beat the", " Pittsburgh Steelers."]),
+            "The Broncos beat the Pittsburgh Steelers."
+        );
+        assert_eq!(whole("Bush or Clinton?", &["Bush"]), "Bush");
+        let q = "Were the restored tapes able to have color added to them?";
+        let said = "The restored tapes were able to have color added to them.";
+        assert_eq!(whole(q, &[said]), said);
+        let q = "田泽湖车站是JR东日本所属的哪条地方交通线沿线的车站之一？";
+        assert_eq!(
+            whole(q, &["田泽湖车站JR东日本所属的地方交通线"]),
+            "田泽湖车站JR东日本所属的地方交通线"
+        );
+        // A word still being written counts as the question's while one of its words starts
+        // with it: "3" may become "32M".
+        let q = "九龙巴士32M线来往于哪些地方？";
+        assert_eq!(
+            whole(q, &["3", "2", "M", "线来往于哪些地方？"]),
+            not_answered(q)
+        );
+        assert_eq!(whole(q, &["3", "1", "号"]), "31号");
+        assert_eq!(
+            whole(
+                "灵昭真君是什么地区的乡土神？",
+                &["灵昭真君是广东地区的乡土神？"]
+            ),
+            "灵昭真君是广东地区的乡土神？"
         );
         // The start of a short label may be the answer.
         assert_eq!(whole("Which option?", &["A"]), "A");
