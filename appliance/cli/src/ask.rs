@@ -95,6 +95,11 @@ pub struct AskArgs {
     /// answer is not inside a number (`on`, `off`).
     #[arg(long, default_value = "on", value_parser = ["on", "off"])]
     evidence_numbers: String,
+    /// Whether an answer that starts with what the evidence sentence does not support (a number
+    /// it does not state, a bare yes or no) is replaced by the sentence (`on`, `off`); see
+    /// `engram_fusion::OutputText::or_sentence`.
+    #[arg(long, default_value = "on", value_parser = ["on", "off"])]
+    start_check: String,
     /// Print one JSON object (answer, citations, timings) instead of streaming.
     #[arg(long)]
     json: bool,
@@ -263,6 +268,7 @@ pub fn ask(a: AskArgs) -> Result<()> {
         a.max_tokens,
         a.temperature,
         a.copy_bias,
+        a.start_check == "on",
         &mut |piece| {
             if !json {
                 let mut out = stdout.lock();
@@ -425,7 +431,8 @@ pub struct Generated {
 /// Prefills `prompt` (asking `question`) under `policy` and decodes an answer (greedy at
 /// temperature 0) until the end-of-generation token, the end of the answer ([`OutputText`]:
 /// a stop string, the answer repeating itself) or `max_tokens`; `on_piece` gets the text as it
-/// becomes final, as `engramd` sends it.
+/// becomes final, as `engramd` sends it. With `start_check`, an answer that starts with what
+/// the evidence sentence does not support is the sentence (`OutputText::check_start`).
 #[allow(clippy::too_many_arguments)]
 pub fn generate(
     llm: &Llm,
@@ -436,6 +443,7 @@ pub fn generate(
     max_tokens: usize,
     temperature: f32,
     copy_bias: f32,
+    start_check: bool,
     on_piece: &mut dyn FnMut(&str),
 ) -> Result<Generated> {
     let started = Instant::now();
@@ -447,6 +455,7 @@ pub fn generate(
     })?;
     let mut text = OutputText::answer(question, &[]);
     text.or_sentence(&prompt.evidence_text);
+    text.check_start(start_check);
     let mut history = prompt.tokens();
     let prompt_len = history.len();
     let copy = CopyBias::from_prompt(prompt, &llm.tokenizer, copy_bias);

@@ -55,6 +55,12 @@ pub struct QaArgs {
     /// compared against). See `engram_fusion::CopyBias`.
     #[arg(long, default_value = "on")]
     evidence_numbers: String,
+    /// Whether an answer that starts with what the evidence sentence does not support (a number
+    /// it does not state, a bare yes or no) is replaced by the sentence, comma-separated to
+    /// compare (`on`, `off`; the first is compared against). See
+    /// `engram_fusion::OutputText::or_sentence`.
+    #[arg(long, default_value = "on")]
+    start_check: String,
     /// How the evidence sentence is chosen, comma-separated (the first is compared against):
     /// `embed` as engramd chooses it (`engram_fusion::evidence_to_embed`), `terms` by the
     /// question's terms alone. A question whose picks give the same prompt is answered once.
@@ -121,6 +127,20 @@ pub(crate) fn set_files(root: &Path, set: &str) -> Result<(PathBuf, PathBuf, boo
         ),
         other => bail!("unknown QA set `{other}` (xquad-en, xquad-zh or cmrc2018)"),
     })
+}
+
+/// One way of answering that `eval qa` compares.
+struct System {
+    /// Index into the question's prompts (per layout, per evidence pick).
+    prompt: usize,
+    /// The copy bias.
+    bias: f32,
+    /// Whether the bias favours the evidence sentence's numbers.
+    numbers: bool,
+    /// Whether a start the evidence sentence does not support makes the answer the sentence
+    /// (`OutputText::check_start`).
+    check: bool,
+    name: String,
 }
 
 /// Scores of one system on one question.
@@ -323,25 +343,36 @@ pub fn run(a: QaArgs) -> Result<()> {
         .collect::<Result<_>>()?;
     let picks = two_way(&a.evidence_picks, "--evidence-picks", "embed", "terms")?;
     let numbers = two_way(&a.evidence_numbers, "--evidence-numbers", "on", "off")?;
-    // Every layout with every bias, evidence pick and number setting, named by the layout
-    // alone when one of each is compared. (index into the question's prompts, bias, numbers,
-    // name)
-    let mut systems: Vec<(usize, f32, bool, String)> = Vec::new();
+    let checks = two_way(&a.start_check, "--start-check", "on", "off")?;
+    // Every layout with every bias, evidence pick, number setting and start check, named by
+    // the layout alone when one of each is compared.
+    let mut systems: Vec<System> = Vec::new();
     for (li, l) in layouts.iter().enumerate() {
         for (pi, embed) in picks.iter().enumerate() {
             for &b in &biases {
                 for &n in &numbers {
-                    let mut name = format!("engram:{}", l.name);
-                    if biases.len() > 1 {
-                        name.push_str(&format!("/copy={b}"));
+                    for &check in &checks {
+                        let mut name = format!("engram:{}", l.name);
+                        if biases.len() > 1 {
+                            name.push_str(&format!("/copy={b}"));
+                        }
+                        if picks.len() > 1 {
+                            name.push_str(if *embed { "/ev=embed" } else { "/ev=terms" });
+                        }
+                        if numbers.len() > 1 {
+                            name.push_str(if n { "/numbers=on" } else { "/numbers=off" });
+                        }
+                        if checks.len() > 1 {
+                            name.push_str(if check { "/check=on" } else { "/check=off" });
+                        }
+                        systems.push(System {
+                            prompt: li * picks.len() + pi,
+                            bias: b,
+                            numbers: n,
+                            check,
+                            name,
+                        });
                     }
-                    if picks.len() > 1 {
-                        name.push_str(if *embed { "/ev=embed" } else { "/ev=terms" });
-                    }
-                    if numbers.len() > 1 {
-                        name.push_str(if n { "/numbers=on" } else { "/numbers=off" });
-                    }
-                    systems.push((li * picks.len() + pi, b, n, name));
                 }
             }
         }
@@ -480,11 +511,12 @@ pub fn run(a: QaArgs) -> Result<()> {
             item.question,
             item.answers.first().map(String::as_str).unwrap_or("")
         )];
-        // This question's answers so far: (prompt, bias, the evidence's span the bias read,
-        // score, TTFT, empty, answer).
+        // This question's answers so far: (prompt, bias, start check, the evidence's span the
+        // bias read, score, TTFT, empty, sentence, answer).
         type Answered = (
             usize,
             f32,
+            bool,
             std::ops::Range<usize>,
             Score,
             f64,
@@ -493,7 +525,14 @@ pub fn run(a: QaArgs) -> Result<()> {
             String,
         );
         let mut answered: Vec<Answered> = Vec::new();
-        for ((layout, bias, numbers, name), tally) in systems.iter().zip(tallies.iter_mut()) {
+        for (system, tally) in systems.iter().zip(tallies.iter_mut()) {
+            let System {
+                prompt: layout,
+                bias,
+                numbers,
+                check,
+                name,
+            } = system;
             // Without the evidence's numbers: the same tokens, no span for the bias to read.
             let unnumbered;
             let prompt = if *numbers {
@@ -517,11 +556,14 @@ pub fn run(a: QaArgs) -> Result<()> {
                 line.push(format!("  {name}: {answer:?}"));
                 continue;
             }
-            // The same prompt with the same bias gives the same greedy answer.
-            let same = answered.iter().find(|(p, b, e, ..)| {
-                *b == *bias && *e == prompt.evidence && prompts[*p].tokens() == prompt.tokens()
+            // The same prompt with the same bias and check gives the same greedy answer.
+            let same = answered.iter().find(|(p, b, c, e, ..)| {
+                *b == *bias
+                    && *c == *check
+                    && *e == prompt.evidence
+                    && prompts[*p].tokens() == prompt.tokens()
             });
-            if let Some((_, _, _, score, ms, none, sentence, answer)) = same {
+            if let Some((_, _, _, _, score, ms, none, sentence, answer)) = same {
                 tally.add(*score, *ms, *none, *sentence);
                 line.push(format!(
                     "  {name} (f1 {:.2}, same prompt): {answer:?}",
@@ -538,6 +580,7 @@ pub fn run(a: QaArgs) -> Result<()> {
                 a.max_tokens,
                 0.0,
                 *bias,
+                *check,
                 &mut |_| {},
             )?;
             let answer = g.text.trim().to_owned();
@@ -556,6 +599,7 @@ pub fn run(a: QaArgs) -> Result<()> {
             answered.push((
                 *layout,
                 *bias,
+                *check,
                 prompt.evidence.clone(),
                 score,
                 ms,
@@ -612,8 +656,8 @@ pub fn run(a: QaArgs) -> Result<()> {
         v
     };
     let mut systems = serde_json::Map::new();
-    for ((_, _, _, name), tally) in systems_run.iter().zip(&tallies) {
-        systems.insert(name.clone(), with_delta(tally, "ttft_ms_mean"));
+    for (system, tally) in systems_run.iter().zip(&tallies) {
+        systems.insert(system.name.clone(), with_delta(tally, "ttft_ms_mean"));
     }
     if a.peer.is_some() {
         systems.insert("peer".into(), with_delta(&peer, "answer_ms_mean"));
@@ -715,7 +759,7 @@ pub fn run(a: QaArgs) -> Result<()> {
     let mut rows: Vec<(String, &Tally)> = systems_run
         .iter()
         .zip(&tallies)
-        .map(|((_, _, _, name), t)| (name.clone(), t))
+        .map(|(system, t)| (system.name.clone(), t))
         .collect();
     if a.peer.is_some() {
         rows.push(("peer (llama.cpp)".into(), &peer));

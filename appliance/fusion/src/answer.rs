@@ -312,6 +312,139 @@ fn folded_prefix(text: &str, folded: &str) -> Option<usize> {
     None
 }
 
+/// How an answer's text starts, for the check of its number against the evidence sentence
+/// ([`OutputText::or_sentence`]).
+#[derive(Debug, PartialEq)]
+enum Lead {
+    /// It does not start with an ASCII digit.
+    Words,
+    /// It starts with a number that reaches the end of the text, so may still grow ("1", "10:",
+    /// "1,5"), as [`first_run`] writes it.
+    Open(String),
+    /// It starts with this number, written out: its first run of digits ("10" of "10:00",
+    /// "1500" of "1,500 euros").
+    Number(String),
+}
+
+/// How `text` starts.
+fn leading_number(text: &str) -> Lead {
+    let b = text.trim_start().as_bytes();
+    if !b.first().is_some_and(u8::is_ascii_digit) {
+        return Lead::Words;
+    }
+    let end = number_end(b);
+    let run = first_run(&b[..end]);
+    if end == b.len() || (end + 1 == b.len() && b",.:".contains(&b[end])) {
+        Lead::Open(run)
+    } else {
+        Lead::Number(run)
+    }
+}
+
+/// Where the number `b` starts with ends: digits, and separators between digits.
+fn number_end(b: &[u8]) -> usize {
+    let mut end = 0;
+    while end < b.len() {
+        let joins = b",.:".contains(&b[end]) && b.get(end + 1).is_some_and(u8::is_ascii_digit);
+        if !(b[end].is_ascii_digit() || joins) {
+            break;
+        }
+        end += 1;
+    }
+    end
+}
+
+/// Whether `text` starts with the word "yes" or "no" (any case); `None` while it is the start of
+/// one of them and, without `whole`, may still become it or a longer word ("Nor...").
+fn polar_start(text: &str, whole: bool) -> Option<bool> {
+    let t = text.trim_start();
+    let word: String = t
+        .chars()
+        .take_while(|c| c.is_alphabetic())
+        .flat_map(char::to_lowercase)
+        .collect();
+    let growing = !whole && word.len() == t.len();
+    if growing && !word.is_empty() && ["yes", "no"].iter().any(|w| w.starts_with(&word)) {
+        return None;
+    }
+    Some(word == "yes" || word == "no")
+}
+
+/// The first run of digits of a number as written, thousands' commas left out ("1,500" is
+/// "1500"; "10:00" and "3.5" are "10" and "3"): what two numbers are compared by.
+fn first_run(number: &[u8]) -> String {
+    number
+        .iter()
+        .filter(|b| **b != b',')
+        .take_while(|b| b.is_ascii_digit())
+        .map(|b| char::from(*b))
+        .collect()
+}
+
+/// English and Chinese words for small numbers, and their digits. A Chinese one counts wherever
+/// it stands ("每一项" states 1), so the check errs on the side of the model's answer.
+const NUMBER_WORDS: [(&str, &str); 25] = [
+    ("zero", "0"),
+    ("one", "1"),
+    ("two", "2"),
+    ("three", "3"),
+    ("four", "4"),
+    ("five", "5"),
+    ("six", "6"),
+    ("seven", "7"),
+    ("eight", "8"),
+    ("nine", "9"),
+    ("ten", "10"),
+    ("eleven", "11"),
+    ("twelve", "12"),
+    ("零", "0"),
+    ("一", "1"),
+    ("两", "2"),
+    ("二", "2"),
+    ("三", "3"),
+    ("四", "4"),
+    ("五", "5"),
+    ("六", "6"),
+    ("七", "7"),
+    ("八", "8"),
+    ("九", "9"),
+    ("十", "10"),
+];
+
+/// The numbers `sentence` states, as [`first_run`] writes them: those in digits, and the small
+/// ones in words ("three days", "两周"; see [`NUMBER_WORDS`]).
+fn stated_numbers(sentence: &str) -> std::collections::HashSet<String> {
+    let b = sentence.as_bytes();
+    let mut found = std::collections::HashSet::new();
+    let mut i = 0;
+    while i < b.len() {
+        let starts = b[i].is_ascii_digit() && (i == 0 || !b[i - 1].is_ascii_digit());
+        if starts {
+            let end = i + number_end(&b[i..]);
+            found.insert(first_run(&b[i..end]));
+            i = end;
+        } else {
+            i += 1;
+        }
+    }
+    let lower = sentence.to_lowercase();
+    let words: std::collections::HashSet<&str> = lower
+        .split(|c: char| !c.is_alphanumeric())
+        .filter(|w| !w.is_empty())
+        .collect();
+    for (word, digits) in NUMBER_WORDS {
+        let said = if word.is_ascii() {
+            words.contains(word)
+        } else {
+            sentence.contains(word)
+        };
+        if said {
+            found.insert(digits.to_owned());
+        }
+    }
+    found
+}
+
 /// [`strip_lead`] for streamed text: holds the start of the answer back while it could still be
 /// a label or the question repeated, then passes everything through.
 #[derive(Debug)]
@@ -327,6 +460,12 @@ struct AnswerStart {
     /// Whether `none` is the evidence sentence, and whether the answer was it.
     sentence: bool,
     fell_back: bool,
+    /// The numbers the evidence sentence states ([`stated_numbers`]), while answers' starts are
+    /// checked against it ([`Self::unsupported`]): an answer that starts with another number,
+    /// or with a bare yes or no, is not the passages' and the sentence takes its place.
+    stated: Option<std::collections::HashSet<String>>,
+    /// Whether the answer was replaced for its start: generation ends there.
+    replaced: bool,
 }
 
 impl AnswerStart {
@@ -339,6 +478,26 @@ impl AnswerStart {
             none: not_answered(question).to_owned(),
             sentence: false,
             fell_back: false,
+            stated: None,
+            replaced: false,
+        }
+    }
+
+    /// Whether an answer that is `text` so far (all of it, with `whole`) starts with what the
+    /// evidence sentence does not support: a number it does not state, or a bare "yes" or "no"
+    /// (the default 135M model answers "No" to nearly every yes-or-no question, and the
+    /// sentence is what such a question is answered by). `None` while that start may still
+    /// grow.
+    fn unsupported(&self, text: &str, whole: bool) -> Option<bool> {
+        let Some(stated) = &self.stated else {
+            return Some(false);
+        };
+        match leading_number(text) {
+            Lead::Words => polar_start(text, whole),
+            Lead::Open(_) if !whole => None,
+            // Cut off by the token limit, it may have been becoming a number the sentence states.
+            Lead::Open(n) => Some(!stated.iter().any(|s| s.starts_with(&n))),
+            Lead::Number(n) => Some(!stated.contains(&n)),
         }
     }
 
@@ -410,8 +569,17 @@ impl AnswerStart {
         if undecided {
             return String::new();
         }
+        let Some(unsupported) = self.unsupported(rest, false) else {
+            return String::new();
+        };
         self.open = true;
-        let out = rest.to_owned();
+        let out = if unsupported {
+            self.fell_back = true;
+            self.replaced = true;
+            self.none.clone()
+        } else {
+            rest.to_owned()
+        };
         self.held.clear();
         out
     }
@@ -426,7 +594,11 @@ impl AnswerStart {
         let out = self.cleaned(&self.held).trim_end().to_owned();
         self.held.clear();
         let f = folded(&out);
-        if f.is_empty() || cut_label(&f) || self.echo(&out) {
+        if f.is_empty()
+            || cut_label(&f)
+            || self.echo(&out)
+            || self.unsupported(&out, true) == Some(true)
+        {
             self.fell_back = self.sentence;
             return self.none.clone();
         }
@@ -493,10 +665,19 @@ impl OutputText {
 
     /// When the model writes no answer (see [`not_answered`]), the answer is `sentence` instead:
     /// the evidence sentence its prompt showed ([`crate::FusedPrompt::evidence_text`]), the
-    /// passages' own words that best match the question, its first letter capitalised. Nothing
-    /// changes for an empty sentence or for other text than an answer.
+    /// passages' own words that best match the question, its first letter capitalised and a
+    /// clause cut at ";" ended with a full stop. So is
+    /// an answer that starts with a number the sentence does not state, in digits or as a
+    /// small number in words ("10 days" where it says "within one hour"), or with a bare "yes"
+    /// or "no" (see [`Self::check_start`]): the start is held back until its number or word is
+    /// whole, and the answer ends with the sentence. Nothing changes for an empty sentence or
+    /// for other text than an answer.
     pub fn or_sentence(&mut self, sentence: &str) {
-        let sentence = sentence.trim();
+        // A sentence cut at a clause ("...; flights are ...") ends as a sentence.
+        let sentence = sentence
+            .trim()
+            .trim_end_matches([';', '；', ',', '，', ':', '：'])
+            .trim_end();
         let Some(lead) = self.lead.as_mut().filter(|_| !sentence.is_empty()) else {
             return;
         };
@@ -505,10 +686,24 @@ impl OutputText {
             .next()
             .map(|c| c.to_uppercase().chain(chars).collect())
             .unwrap_or_default();
+        if !sentence.ends_with(['.', '!', '?', '。', '！', '？', '"', '”', ')', '）']) {
+            lead.none
+                .push(if is_chinese(sentence) { '。' } else { '.' });
+        }
         lead.sentence = true;
+        lead.stated = Some(stated_numbers(sentence));
     }
 
-    /// Whether the answer is the sentence of [`Self::or_sentence`]: the model wrote none.
+    /// Whether an answer's start (a number, a bare yes or no) is checked against the evidence
+    /// sentence (on after [`Self::or_sentence`]; `engram eval qa --start-check` compares both).
+    pub fn check_start(&mut self, on: bool) {
+        if let Some(lead) = self.lead.as_mut().filter(|l| l.sentence) {
+            lead.stated = on.then(|| stated_numbers(&lead.none));
+        }
+    }
+
+    /// Whether the answer is the sentence of [`Self::or_sentence`]: the model wrote none, or
+    /// started with what the sentence does not support.
     pub fn fell_back(&self) -> bool {
         self.lead.as_ref().is_some_and(|l| l.fell_back)
     }
@@ -525,7 +720,18 @@ impl OutputText {
     /// stop string, or an answer repeating itself).
     pub fn push(&mut self, piece: &str) -> (String, bool) {
         let (out, hit) = match &mut self.lead {
-            Some(lead) => self.stop.push(&lead.push(piece)),
+            Some(lead) => {
+                let out = lead.push(piece);
+                if lead.replaced {
+                    // The evidence sentence is the whole answer: nothing of it held back.
+                    let (mut out, hit) = self.stop.push(&out);
+                    if !hit {
+                        out.push_str(&self.stop.flush());
+                    }
+                    return (out, true);
+                }
+                self.stop.push(&out)
+            }
             None => self.stop.push(piece),
         };
         let looping = self.lead.is_some() && repeating(self.stop.text());
@@ -657,6 +863,128 @@ mod tests {
         out.or_sentence(sentence);
         assert_eq!(out.finish().0, "");
         assert!(!out.fell_back());
+    }
+
+    #[test]
+    fn an_answer_starting_with_a_number_the_sentence_does_not_state_is_the_sentence() {
+        let q = "How quickly must I report a lost laptop?";
+        let sentence = "A lost badge or laptop is reported to the IT helpdesk within one hour, at \
+                        extension 4357 or helpdesk@northwind.example.";
+        // (answer, whether each piece ended it, fell back)
+        let answer = |question: &str, pieces: &[&str], sentence: &str, check: bool| {
+            let mut out = OutputText::answer(question, &[]);
+            out.or_sentence(sentence);
+            out.check_start(check);
+            let mut text = String::new();
+            let mut ended = Vec::new();
+            for p in pieces {
+                let (piece, end) = out.push(p);
+                text.push_str(&piece);
+                ended.push(end);
+                if end {
+                    break;
+                }
+            }
+            if !ended.last().copied().unwrap_or(false) {
+                text.push_str(&out.finish().0);
+            }
+            assert_eq!(text, out.text());
+            (text, ended, out.fell_back())
+        };
+        // Held back until the number is whole, then the sentence in its place, and the end.
+        assert_eq!(
+            answer(q, &["1", "0", " days", " after"], sentence, true),
+            (sentence.to_owned(), vec![false, false, true], true)
+        );
+        // Unchecked, the model's answer stands.
+        assert_eq!(
+            answer(q, &["1", "0", " days"], sentence, false).0,
+            "10 days"
+        );
+        // A number the sentence states, in digits or in words, is the model's answer.
+        assert_eq!(
+            answer(q, &["4", "3", "5", "7"], sentence, true),
+            ("4357".into(), vec![false, false, false, false], false)
+        );
+        assert_eq!(
+            answer(q, &["Answer: ", "1", " hour"], sentence, true).0,
+            "1 hour"
+        );
+        // Only a leading number is checked.
+        assert_eq!(
+            answer(q, &["Within", " 10", " days"], sentence, true).0,
+            "Within 10 days"
+        );
+        // A number that ends the answer is checked there; cut off by the token limit, one the
+        // sentence's numbers start with stands.
+        assert_eq!(
+            answer(q, &["1", "0"], sentence, true),
+            (sentence.to_owned(), vec![false, false], true)
+        );
+        assert_eq!(answer(q, &["4", "3"], sentence, true).0, "43");
+        let q = "未休完的年假可以结转几天？";
+        let sentence = "未休完的年假最多可以结转 5 天到下一年，结转的天数在 3 月 31 日作废。";
+        assert_eq!(answer(q, &["3", "0", " 天"], sentence, true).0, sentence);
+        assert_eq!(answer(q, &["5", " 天"], sentence, true).0, "5 天");
+        // No sentence shown: nothing to check against.
+        let mut out = OutputText::answer(q, &[]);
+        assert_eq!(out.push("30 天"), ("30 天".into(), false));
+        // A bare yes or no is the sentence; a word that only starts like one is not.
+        let q = "Can I take unused vacation days into the following year?";
+        let sentence = "Up to 5 unused days can be carried over into the next year.";
+        assert_eq!(
+            answer(q, &["No", ",", " you cannot"], sentence, true),
+            (sentence.to_owned(), vec![false, true], true)
+        );
+        assert_eq!(answer(q, &["Yes"], sentence, true).0, sentence);
+        // A clause ends as a sentence.
+        assert_eq!(
+            answer(
+                q,
+                &["Yes"],
+                "up to 5 unused days can be carried over;",
+                true
+            )
+            .0,
+            "Up to 5 unused days can be carried over."
+        );
+        assert_eq!(
+            answer(
+                "坐火车可以订几等座？",
+                &["1", "0", "0"],
+                "火车出行预订二等座；",
+                true
+            )
+            .0,
+            "火车出行预订二等座。"
+        );
+        assert_eq!(answer(q, &["No", "rthwind"], sentence, true).0, "Northwind");
+        assert_eq!(
+            answer(q, &["Up to", " 5 days"], sentence, true).0,
+            "Up to 5 days"
+        );
+        assert_eq!(
+            answer(q, &["No", ",", " you cannot"], sentence, false).0,
+            "No, you cannot"
+        );
+    }
+
+    #[test]
+    fn numbers_are_compared_by_their_first_run_of_digits() {
+        assert_eq!(leading_number(" 10"), Lead::Open("10".into()));
+        assert_eq!(leading_number("10:"), Lead::Open("10".into()));
+        assert_eq!(leading_number("10:00 to 15:00"), Lead::Number("10".into()));
+        assert_eq!(leading_number("1,500 euros"), Lead::Number("1500".into()));
+        assert_eq!(leading_number("3.5 days"), Lead::Number("3".into()));
+        assert_eq!(leading_number("Twenty-five"), Lead::Words);
+        let stated =
+            stated_numbers("Core hours are 10:00 to 15:00; up to three days, 1,500 or 两周.");
+        for n in ["10", "15", "3", "1500", "2"] {
+            assert!(stated.contains(n), "{n} in {stated:?}");
+        }
+        assert!(!stated.contains("00"));
+        // A number word is a whole word: "someone" states no 1.
+        assert!(!stated_numbers("Someone calls.").contains("1"));
     }
 
     #[test]

@@ -119,6 +119,10 @@ pub struct RawAnswers {
     /// Logit bias of the passages' continuations of a number or a character a RAG answer is
     /// writing (`engram_fusion::CopyBias`); 0 turns it off.
     pub copy_bias: Option<f32>,
+    /// Whether a RAG answer that starts with what the evidence sentence does not support (a
+    /// number it does not state, a bare yes or no) is the sentence instead
+    /// (`engram_fusion::OutputText::check_start`); on unless set false.
+    pub check_start: Option<bool>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -183,6 +187,8 @@ pub struct Config {
     pub gate_max_kl: f64,
     /// See [`RawAnswers::copy_bias`].
     pub copy_bias: f32,
+    /// See [`RawAnswers::check_start`].
+    pub check_start: bool,
     pub max_upload_bytes: usize,
     pub queue_depth: Option<usize>,
     /// Sequences decoded together at most; `None`: the profile's.
@@ -422,6 +428,7 @@ impl RawConfig {
             policy,
             gate_max_kl,
             copy_bias,
+            check_start: self.answers.check_start.unwrap_or(true),
             max_upload_bytes,
             queue_depth: l.queue_depth,
             batch_size: l.batch_size,
@@ -459,6 +466,7 @@ mod tests {
         assert_eq!(c.kv_dir, PathBuf::from("data/kv"));
         assert_eq!(c.policy, DEFAULT_POLICY);
         assert_eq!(c.copy_bias, engram_fusion::DEFAULT_COPY_BIAS);
+        assert!(c.check_start);
         assert!(c.llm.ends_with(DEFAULT_LLM));
     }
 
@@ -479,6 +487,11 @@ mod tests {
             .validate()
             .unwrap();
         assert_eq!(c.copy_bias, 0.0);
+        let c = RawConfig::parse("[answers]\ncheck_start = false\n")
+            .unwrap()
+            .validate()
+            .unwrap();
+        assert!(!c.check_start);
         let e = RawConfig::parse("[answers]\ncopy_bias = -1\n")
             .unwrap()
             .validate()

@@ -64,6 +64,9 @@ pub struct EngineOptions {
     pub gate_max_kl: f64,
     /// A RAG answer's copy bias when the job does not set one (`engram_fusion::CopyBias`).
     pub copy_bias: f32,
+    /// Whether a RAG answer's start is checked against the evidence sentence
+    /// (`engram_fusion::OutputText::check_start`).
+    pub check_start: bool,
     pub queue_depth: usize,
     /// Sequences decoded together at most (the profile's `batch_size`).
     pub max_batch: usize,
@@ -1162,6 +1165,7 @@ impl Engine {
             Prompt::Tokens { ids } => (self.token_prompt(ids)?, Policy::Full, None),
         };
         out.or_sentence(&prompt.evidence_text);
+        out.check_start(self.opts.check_start);
         let context = self.model.config().context_length;
         if prompt.len() >= context {
             return Err(engram_fusion::FusionError::TooLong {

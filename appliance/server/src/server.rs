@@ -172,6 +172,7 @@ impl Daemon {
                 policy: config.policy,
                 gate_max_kl: config.gate_max_kl,
                 copy_bias: config.copy_bias,
+                check_start: config.check_start,
                 queue_depth,
                 max_batch,
                 gpu: config.gpu_serving,

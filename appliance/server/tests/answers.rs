@@ -205,6 +205,22 @@ fn the_sample_corpus_is_answered_from_its_passages() {
         r["timings"].get("evidence_sentence_answer").is_none(),
         "{r}"
     );
+    // The model starts with what the evidence sentence does not support, and the sentence is
+    // the answer (`engram_fusion::OutputText::check_start`): "No, you should not call your
+    // manager when you are sick.", "10 days" where the sentence says "within one hour", "30 天"
+    // where it says 5.
+    for (question, fact) in [
+        ("Should I call my manager when I am sick?", "before 10:00"),
+        (
+            "How quickly must I report a lost laptop?",
+            "within one hour",
+        ),
+        ("未休完的年假可以结转几天？", "5 天"),
+    ] {
+        let r = ask(addr, &key, question);
+        assert!(r["answer"].as_str().unwrap().contains(fact), "{r}");
+        assert_eq!(r["timings"]["evidence_sentence_answer"], true, "{r}");
+    }
 
     // Streamed, the answer is the same text (the start held back while it could still be the
     // question repeated or a label is released once it is not).

@@ -71,8 +71,9 @@ pub struct QaResponse {
     pub citations: Vec<Citation>,
     /// Stage timings in milliseconds (retrieve, KV load, recompute, prefill, first token,
     /// decode) and counts; `no_relevant_passages: true` when nothing retrieved was about the
-    /// question, `evidence_sentence_answer: true` when the model wrote no answer and the answer
-    /// is the evidence sentence, quoted from the cited passages.
+    /// question, `evidence_sentence_answer: true` when the answer is the evidence sentence,
+    /// quoted from the cited passages: the model wrote no answer, or its answer started with
+    /// what the sentence does not support (a number it does not state, a bare yes or no).
     #[schema(value_type = Object)]
     pub timings: serde_json::Value,
 }
