@@ -460,10 +460,12 @@ struct AnswerStart {
     /// Whether `none` is the evidence sentence, and whether the answer was it.
     sentence: bool,
     fell_back: bool,
-    /// The numbers the evidence sentence states ([`stated_numbers`]), while answers' starts are
-    /// checked against it ([`Self::unsupported`]): an answer that starts with another number,
-    /// or with a bare yes or no, is not the passages' and the sentence takes its place.
-    stated: Option<std::collections::HashSet<String>>,
+    /// The numbers the evidence sentence states ([`stated_numbers`]).
+    stated: std::collections::HashSet<String>,
+    /// Whether the answer's start is checked against the evidence sentence
+    /// ([`Self::unsupported`]): an answer that starts with a number it does not state, or with
+    /// a bare yes or no, is not the passages' and the sentence takes its place.
+    check: bool,
     /// Whether the answer was replaced for its start: generation ends there.
     replaced: bool,
 }
@@ -478,7 +480,8 @@ impl AnswerStart {
             none: not_answered(question).to_owned(),
             sentence: false,
             fell_back: false,
-            stated: None,
+            stated: std::collections::HashSet::new(),
+            check: true,
             replaced: false,
         }
     }
@@ -489,9 +492,10 @@ impl AnswerStart {
     /// sentence is what such a question is answered by). `None` while that start may still
     /// grow.
     fn unsupported(&self, text: &str, whole: bool) -> Option<bool> {
-        let Some(stated) = &self.stated else {
+        if !(self.sentence && self.check) {
             return Some(false);
-        };
+        }
+        let stated = &self.stated;
         match leading_number(text) {
             Lead::Words => polar_start(text, whole),
             Lead::Open(_) if !whole => None,
@@ -691,14 +695,14 @@ impl OutputText {
                 .push(if is_chinese(sentence) { '。' } else { '.' });
         }
         lead.sentence = true;
-        lead.stated = Some(stated_numbers(sentence));
+        lead.stated = stated_numbers(sentence);
     }
 
     /// Whether an answer's start (a number, a bare yes or no) is checked against the evidence
     /// sentence (on after [`Self::or_sentence`]; `engram eval qa --start-check` compares both).
     pub fn check_start(&mut self, on: bool) {
-        if let Some(lead) = self.lead.as_mut().filter(|l| l.sentence) {
-            lead.stated = on.then(|| stated_numbers(&lead.none));
+        if let Some(lead) = self.lead.as_mut() {
+            lead.check = on;
         }
     }
 
