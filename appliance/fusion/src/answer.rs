@@ -312,26 +312,32 @@ fn folded_prefix(text: &str, folded: &str) -> Option<usize> {
     None
 }
 
-/// How an answer's text starts, for the check of its number against the evidence sentence
-/// ([`OutputText::or_sentence`]).
+/// Bytes of an answer's start in which its first number is checked against the evidence
+/// sentence ([`OutputText::or_sentence`]): about four English words or eight Chinese characters,
+/// so "within 30 days" and "从上午10点" are checked as "30 days" and "10点" are.
+const NUMBER_WINDOW: usize = 24;
+
+/// How an answer's text starts, for the check of its first number against the evidence
+/// sentence ([`OutputText::or_sentence`]).
 #[derive(Debug, PartialEq)]
 enum Lead {
-    /// It does not start with an ASCII digit.
+    /// No ASCII digit starts a number in its first [`NUMBER_WINDOW`] bytes.
     Words,
-    /// It starts with a number that reaches the end of the text, so may still grow ("1", "10:",
-    /// "1,5"), as [`first_run`] writes it.
+    /// Its first number reaches the end of the text, so may still grow ("1", "10:", "1,5"), as
+    /// [`first_run`] writes it.
     Open(String),
-    /// It starts with this number, written out: its first run of digits ("10" of "10:00",
-    /// "1500" of "1,500 euros").
+    /// Its first number, written out: its first run of digits ("10" of "10:00", "1500" of
+    /// "1,500 euros").
     Number(String),
 }
 
-/// How `text` starts.
-fn leading_number(text: &str) -> Lead {
+/// How `text` starts: its first number, when one starts in its first [`NUMBER_WINDOW`] bytes.
+fn early_number(text: &str) -> Lead {
     let b = text.trim_start().as_bytes();
-    if !b.first().is_some_and(u8::is_ascii_digit) {
+    let Some(start) = b.iter().take(NUMBER_WINDOW).position(u8::is_ascii_digit) else {
         return Lead::Words;
-    }
+    };
+    let b = &b[start..];
     let end = number_end(b);
     let run = first_run(&b[..end]);
     if end == b.len() || (end + 1 == b.len() && b",.:".contains(&b[end])) {
@@ -460,8 +466,12 @@ struct AnswerStart {
     /// Whether `none` is the evidence sentence, and whether the answer was it.
     sentence: bool,
     fell_back: bool,
-    /// The numbers the evidence sentence states ([`stated_numbers`]).
+    /// The numbers the evidence sentence and the question state ([`stated_numbers`]): an answer
+    /// that repeats the question's number ("The Super Bowl 50 halftime show ...") is not
+    /// unsupported for it.
     stated: std::collections::HashSet<String>,
+    /// The numbers the question states.
+    asked: std::collections::HashSet<String>,
     /// Whether the answer's start is checked against the evidence sentence
     /// ([`Self::unsupported`]): an answer that starts with a number it does not state, or with
     /// a bare yes or no, is not the passages' and the sentence takes its place.
@@ -481,13 +491,15 @@ impl AnswerStart {
             sentence: false,
             fell_back: false,
             stated: std::collections::HashSet::new(),
+            asked: stated_numbers(question),
             check: true,
             replaced: false,
         }
     }
 
     /// Whether an answer that is `text` so far (all of it, with `whole`) starts with what the
-    /// evidence sentence does not support: a number it does not state, or a bare "yes" or "no"
+    /// evidence sentence does not support: a number in its first [`NUMBER_WINDOW`] bytes that
+    /// neither it nor the question states, or a bare "yes" or "no"
     /// (the default 135M model answers "No" to nearly every yes-or-no question, and the
     /// sentence is what such a question is answered by). `None` while that start may still
     /// grow.
@@ -496,7 +508,11 @@ impl AnswerStart {
             return Some(false);
         }
         let stated = &self.stated;
-        match leading_number(text) {
+        match early_number(text) {
+            // A number may still come, or a "yes" or "no" still grow.
+            Lead::Words if !whole && text.trim_start().len() < NUMBER_WINDOW => {
+                polar_start(text, whole).filter(|&p| p)
+            }
             Lead::Words => polar_start(text, whole),
             Lead::Open(_) if !whole => None,
             // Cut off by the token limit, it may have been becoming a number the sentence states.
@@ -565,6 +581,21 @@ impl AnswerStart {
         }
         self.held.push_str(piece);
         let rest = self.cleaned(&self.held);
+        // Up to a stop string the answer is whole ("When core hours start.\n\nQuestion: ..."
+        // is the question asked back): it is judged as `finish` judges one.
+        if let Some(end) = ANSWER_STOPS.iter().filter_map(|s| rest.find(s)).min() {
+            let head = rest[..end].trim_end();
+            let out = if self.no_answer(head) {
+                self.fell_back = self.sentence;
+                self.replaced = true;
+                self.none.clone()
+            } else {
+                rest.to_owned()
+            };
+            self.open = true;
+            self.held.clear();
+            return out;
+        }
         let f = folded(rest);
         let undecided = f.is_empty()
             || LABELS.iter().any(|l| folded(l).starts_with(&f))
@@ -597,16 +628,22 @@ impl AnswerStart {
         self.open = true;
         let out = self.cleaned(&self.held).trim_end().to_owned();
         self.held.clear();
-        let f = folded(&out);
-        if f.is_empty()
-            || cut_label(&f)
-            || self.echo(&out)
-            || self.unsupported(&out, true) == Some(true)
-        {
+        if self.no_answer(&out) {
             self.fell_back = self.sentence;
             return self.none.clone();
         }
         out
+    }
+
+    /// Whether a whole answer, cleaned, is none: empty, a label cut off ([`cut_label`]), the
+    /// question asked back ([`Self::echo`]), or unsupported by the evidence sentence
+    /// ([`Self::unsupported`]).
+    fn no_answer(&self, answer: &str) -> bool {
+        let f = folded(answer);
+        f.is_empty()
+            || cut_label(&f)
+            || self.echo(answer)
+            || self.unsupported(answer, true) == Some(true)
     }
 }
 
@@ -671,9 +708,10 @@ impl OutputText {
     /// the evidence sentence its prompt showed ([`crate::FusedPrompt::evidence_text`]), the
     /// passages' own words that best match the question, its first letter capitalised and a
     /// clause cut at ";" ended with a full stop. So is
-    /// an answer that starts with a number the sentence does not state, in digits or as a
-    /// small number in words ("10 days" where it says "within one hour"), or with a bare "yes"
-    /// or "no" (see [`Self::check_start`]): the start is held back until its number or word is
+    /// an answer whose first number, in its first [`NUMBER_WINDOW`] bytes, neither the sentence
+    /// nor the question states, in digits or as a small number in words ("10 days" or "within
+    /// 10 days" where it says "within one hour"), or that starts with a bare "yes" or "no" (see
+    /// [`Self::check_start`]): the start is held back until those bytes and their number are
     /// whole, and the answer ends with the sentence. Nothing changes for an empty sentence or
     /// for other text than an answer.
     pub fn or_sentence(&mut self, sentence: &str) {
@@ -696,6 +734,7 @@ impl OutputText {
         }
         lead.sentence = true;
         lead.stated = stated_numbers(sentence);
+        lead.stated.extend(lead.asked.iter().cloned());
     }
 
     /// Whether an answer's start (a number, a bare yes or no) is checked against the evidence
@@ -914,10 +953,24 @@ mod tests {
             answer(q, &["Answer: ", "1", " hour"], sentence, true).0,
             "1 hour"
         );
-        // Only a leading number is checked.
+        // The first number of the answer's first few words is checked; one after them is not.
         assert_eq!(
-            answer(q, &["Within", " 10", " days"], sentence, true).0,
-            "Within 10 days"
+            answer(q, &["Within", " 10", " days"], sentence, true),
+            (sentence.to_owned(), vec![false, false, true], true)
+        );
+        assert_eq!(
+            answer(q, &["Within", " one", " hour", "."], sentence, true),
+            ("Within one hour.".into(), vec![false; 4], false)
+        );
+        assert_eq!(
+            answer(
+                q,
+                &["Report it to the IT helpdesk", " within 10 days"],
+                sentence,
+                true
+            )
+            .0,
+            "Report it to the IT helpdesk within 10 days"
         );
         // A number that ends the answer is checked there; cut off by the token limit, one the
         // sentence's numbers start with stands.
@@ -926,10 +979,30 @@ mod tests {
             (sentence.to_owned(), vec![false, false], true)
         );
         assert_eq!(answer(q, &["4", "3"], sentence, true).0, "43");
+        // So is one the question states.
+        assert_eq!(
+            answer(
+                "Who sang at Super Bowl 50?",
+                &["The Super Bowl 50", " singer was Lady Gaga."],
+                "Lady Gaga performed the national anthem.",
+                true
+            )
+            .0,
+            "The Super Bowl 50 singer was Lady Gaga."
+        );
         let q = "未休完的年假可以结转几天？";
         let sentence = "未休完的年假最多可以结转 5 天到下一年，结转的天数在 3 月 31 日作废。";
         assert_eq!(answer(q, &["3", "0", " 天"], sentence, true).0, sentence);
         assert_eq!(answer(q, &["5", " 天"], sentence, true).0, "5 天");
+        assert_eq!(
+            answer(q, &["最多", "结转 30 天"], sentence, true).0,
+            sentence
+        );
+        // An answer ended by a stop string is judged whole there, before what follows it.
+        assert_eq!(
+            answer(q, &["最多", "结转", "\n\n问题：30 天"], sentence, true),
+            ("最多结转".into(), vec![false, false, true], false)
+        );
         // No sentence shown: nothing to check against.
         let mut out = OutputText::answer(q, &[]);
         assert_eq!(out.push("30 天"), ("30 天".into(), false));
@@ -963,6 +1036,21 @@ mod tests {
             "火车出行预订二等座。"
         );
         assert_eq!(answer(q, &["No", "rthwind"], sentence, true).0, "Northwind");
+        // The question asked back before a stop string is no answer: the sentence, and the end.
+        let core = "Core hours are 10:00 to 15:00, when everyone is expected to be available;";
+        assert_eq!(
+            answer(
+                "When do core hours start?",
+                &["When core hours start.", "\n\nQuestion:"],
+                core,
+                true
+            ),
+            (
+                "Core hours are 10:00 to 15:00, when everyone is expected to be available.".into(),
+                vec![false, true],
+                true
+            )
+        );
         assert_eq!(
             answer(q, &["Up to", " 5 days"], sentence, true).0,
             "Up to 5 days"
@@ -975,12 +1063,12 @@ mod tests {
 
     #[test]
     fn numbers_are_compared_by_their_first_run_of_digits() {
-        assert_eq!(leading_number(" 10"), Lead::Open("10".into()));
-        assert_eq!(leading_number("10:"), Lead::Open("10".into()));
-        assert_eq!(leading_number("10:00 to 15:00"), Lead::Number("10".into()));
-        assert_eq!(leading_number("1,500 euros"), Lead::Number("1500".into()));
-        assert_eq!(leading_number("3.5 days"), Lead::Number("3".into()));
-        assert_eq!(leading_number("Twenty-five"), Lead::Words);
+        assert_eq!(early_number(" 10"), Lead::Open("10".into()));
+        assert_eq!(early_number("10:"), Lead::Open("10".into()));
+        assert_eq!(early_number("10:00 to 15:00"), Lead::Number("10".into()));
+        assert_eq!(early_number("1,500 euros"), Lead::Number("1500".into()));
+        assert_eq!(early_number("3.5 days"), Lead::Number("3".into()));
+        assert_eq!(early_number("Twenty-five"), Lead::Words);
         let stated =
             stated_numbers("Core hours are 10:00 to 15:00; up to three days, 1,500 or 两周.");
         for n in ["10", "15", "3", "1500", "2"] {

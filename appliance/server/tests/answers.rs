@@ -208,13 +208,16 @@ fn the_sample_corpus_is_answered_from_its_passages() {
     // The model starts with what the evidence sentence does not support, and the sentence is
     // the answer (`engram_fusion::OutputText::check_start`): "No, you should not call your
     // manager when you are sick.", "10 days" where the sentence says "within one hour", "30 天"
-    // where it says 5.
+    // where it says 5, "within 30 days of purchase" (a number in its first words); "When core
+    // hours start." before a blank line is the question asked back.
     for (question, fact) in [
         ("Should I call my manager when I am sick?", "before 10:00"),
         (
             "How quickly must I report a lost laptop?",
             "within one hour",
         ),
+        ("How soon must a lost badge be reported?", "within one hour"),
+        ("When do core hours start?", "10:00"),
         ("未休完的年假可以结转几天？", "5 天"),
     ] {
         let r = ask(addr, &key, question);
