@@ -73,7 +73,8 @@ pub struct QaResponse {
     /// decode) and counts; `no_relevant_passages: true` when nothing retrieved was about the
     /// question, `evidence_sentence_answer: true` when the answer is the evidence sentence,
     /// quoted from the cited passages: the model wrote no answer, or its answer started with
-    /// what the sentence does not support (a number it does not state, a bare yes or no).
+    /// what the sentence does not support (a number in its first words that neither the
+    /// sentence nor the question states, a bare yes or no).
     #[schema(value_type = Object)]
     pub timings: serde_json::Value,
 }
