@@ -583,33 +583,26 @@ impl AnswerStart {
         let rest = self.cleaned(&self.held);
         // Up to a stop string the answer is whole ("When core hours start.\n\nQuestion: ..."
         // is the question asked back): it is judged as `finish` judges one.
-        if let Some(end) = ANSWER_STOPS.iter().filter_map(|s| rest.find(s)).min() {
-            let head = rest[..end].trim_end();
-            let out = if self.no_answer(head) {
-                self.fell_back = self.sentence;
-                self.replaced = true;
-                self.none.clone()
-            } else {
-                rest.to_owned()
-            };
-            self.open = true;
-            self.held.clear();
-            return out;
-        }
-        let f = folded(rest);
-        let undecided = f.is_empty()
-            || LABELS.iter().any(|l| folded(l).starts_with(&f))
-            || (!self.question.is_empty() && self.question.starts_with(&f))
-            || self.in_question_so_far(rest, true);
-        if undecided {
-            return String::new();
-        }
-        let Some(unsupported) = self.unsupported(rest, false) else {
-            return String::new();
+        let replace = match ANSWER_STOPS.iter().filter_map(|s| rest.find(s)).min() {
+            Some(end) => self.no_answer(rest[..end].trim_end()),
+            None => {
+                let f = folded(rest);
+                let undecided = f.is_empty()
+                    || LABELS.iter().any(|l| folded(l).starts_with(&f))
+                    || (!self.question.is_empty() && self.question.starts_with(&f))
+                    || self.in_question_so_far(rest, true);
+                if undecided {
+                    return String::new();
+                }
+                let Some(unsupported) = self.unsupported(rest, false) else {
+                    return String::new();
+                };
+                unsupported
+            }
         };
         self.open = true;
-        let out = if unsupported {
-            self.fell_back = true;
+        let out = if replace {
+            self.fell_back = self.sentence;
             self.replaced = true;
             self.none.clone()
         } else {
