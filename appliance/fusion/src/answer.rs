@@ -451,6 +451,213 @@ fn stated_numbers(sentence: &str) -> std::collections::HashSet<String> {
     found
 }
 
+/// A kind of value a question asks for, which its answer must hold when the evidence sentence
+/// holds one ([`AnswerStart::unsupported`]): "What is the helpdesk's email address?" answered
+/// "IT Helpdesk", or "笔记本电脑丢了要多久内报告？" answered "4357", is not an answer to it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Wanted {
+    /// An email address: an "@" between letters or digits.
+    Email,
+    /// A length of time: a number and a unit of time ("one hour", "两周").
+    Duration,
+    /// A number, in digits or in words ("25", "three", "二").
+    Quantity,
+}
+
+/// English phrases that ask for a number. "When" is not one: an event answers it as often as a
+/// date does ("after the war", "进入战国时代后").
+const QUANTITY_PHRASES: [&str; 30] = [
+    "how many",
+    "how much",
+    "how long",
+    "how old",
+    "how far",
+    "how often",
+    "how soon",
+    "how early",
+    "how late",
+    "how big",
+    "how large",
+    "how high",
+    "how tall",
+    "how fast",
+    "how deep",
+    "how wide",
+    "how heavy",
+    "what percentage",
+    "what percent",
+    "what proportion",
+    "what amount",
+    "what number",
+    "what year",
+    "which year",
+    "what time",
+    "what age",
+    "what date",
+    "what decade",
+    "what century",
+    "how frequently",
+];
+
+/// Chinese words that ask for a number ("几" also, unless it is "几乎", almost).
+const QUANTITY_WORDS_ZH: [&str; 9] = [
+    "多少",
+    "多久",
+    "多长",
+    "多大",
+    "多远",
+    "多高",
+    "多重",
+    "哪一年",
+    "哪年",
+];
+
+/// Words for numbers that [`NUMBER_WORDS`] does not list, and month names ("may" aside, a verb
+/// far more often): an answer with one of them holds a number for [`Wanted::Quantity`] (erring
+/// on the side of the model's answer).
+const MORE_NUMBER_WORDS: [&str; 43] = [
+    "thirteen",
+    "fourteen",
+    "fifteen",
+    "sixteen",
+    "seventeen",
+    "eighteen",
+    "nineteen",
+    "twenty",
+    "thirty",
+    "forty",
+    "fifty",
+    "sixty",
+    "seventy",
+    "eighty",
+    "ninety",
+    "hundred",
+    "thousand",
+    "million",
+    "billion",
+    "trillion",
+    "half",
+    "dozen",
+    "once",
+    "twice",
+    "first",
+    "second",
+    "third",
+    "january",
+    "february",
+    "march",
+    "april",
+    "june",
+    "july",
+    "august",
+    "september",
+    "october",
+    "november",
+    "december",
+    "daily",
+    "weekly",
+    "monthly",
+    "yearly",
+    "annually",
+];
+
+/// Chinese characters that write numbers (and "半", half).
+const NUMBER_CHARS_ZH: &str = "〇零一二两三四五六七八九十百千万亿半";
+
+/// English units of time, as a word starts ("hour" of "hours"), and Chinese ones.
+const TIME_UNITS: [&str; 10] = [
+    "second",
+    "minute",
+    "hour",
+    "day",
+    "week",
+    "fortnight",
+    "month",
+    "year",
+    "decade",
+    "centur",
+];
+const TIME_UNITS_ZH: [&str; 11] = [
+    "秒", "分钟", "小时", "钟头", "天", "日", "周", "星期", "礼拜", "月", "年",
+];
+
+/// The kinds of value `question` asks for, in the order they are checked: "how long" and "多久"
+/// ask for a length of time, or else a number ("How long is the Rhine?").
+pub(crate) fn wanted(question: &str) -> Vec<Wanted> {
+    let lower = question.to_lowercase();
+    let mut kinds = Vec::new();
+    if [
+        "email",
+        "e-mail",
+        "mail address",
+        "邮箱",
+        "电子邮件",
+        "邮件地址",
+    ]
+    .iter()
+    .any(|w| lower.contains(w))
+    {
+        kinds.push(Wanted::Email);
+    }
+    if ["how long", "多久", "多长时间"]
+        .iter()
+        .any(|w| lower.contains(w))
+    {
+        kinds.push(Wanted::Duration);
+    }
+    let zh_few = lower
+        .match_indices('几')
+        .any(|(i, _)| !lower[i..].starts_with("几乎"));
+    if QUANTITY_PHRASES.iter().any(|p| contains_words(&lower, p))
+        || QUANTITY_WORDS_ZH.iter().any(|w| lower.contains(w))
+        || zh_few
+    {
+        kinds.push(Wanted::Quantity);
+    }
+    kinds
+}
+
+/// Whether `lower` has `phrase` between word boundaries.
+fn contains_words(lower: &str, phrase: &str) -> bool {
+    lower.match_indices(phrase).any(|(i, _)| {
+        let before = lower[..i].chars().next_back();
+        let after = lower[i + phrase.len()..].chars().next();
+        !before.is_some_and(char::is_alphanumeric) && !after.is_some_and(char::is_alphanumeric)
+    })
+}
+
+/// Whether `text` holds a value of `kind`.
+pub(crate) fn holds(kind: Wanted, text: &str) -> bool {
+    match kind {
+        Wanted::Email => text.match_indices('@').any(|(i, _)| {
+            text[..i]
+                .chars()
+                .next_back()
+                .is_some_and(char::is_alphanumeric)
+                && text[i + 1..]
+                    .chars()
+                    .next()
+                    .is_some_and(char::is_alphanumeric)
+        }),
+        Wanted::Duration => {
+            let lower = text.to_lowercase();
+            let unit = lower
+                .split(|c: char| !c.is_alphanumeric())
+                .any(|w| TIME_UNITS.iter().any(|u| w.starts_with(u)))
+                || TIME_UNITS_ZH.iter().any(|u| text.contains(u));
+            unit && holds(Wanted::Quantity, text)
+        }
+        Wanted::Quantity => {
+            let lower = text.to_lowercase();
+            text.chars()
+                .any(|c| c.is_ascii_digit() || NUMBER_CHARS_ZH.contains(c))
+                || lower.split(|c: char| !c.is_alphanumeric()).any(|w| {
+                    NUMBER_WORDS.iter().any(|(n, _)| *n == w) || MORE_NUMBER_WORDS.contains(&w)
+                })
+        }
+    }
+}
+
 /// [`strip_lead`] for streamed text: holds the start of the answer back while it could still be
 /// a label or the question repeated, then passes everything through.
 #[derive(Debug)]
@@ -472,6 +679,10 @@ struct AnswerStart {
     stated: std::collections::HashSet<String>,
     /// The numbers the question states.
     asked: std::collections::HashSet<String>,
+    /// The kinds of value the question asks for ([`wanted`]), and the first of them the
+    /// evidence sentence holds: an answer without such a value is not the passages'.
+    asks: Vec<Wanted>,
+    wanted: Option<Wanted>,
     /// Whether the answer's start is checked against the evidence sentence
     /// ([`Self::unsupported`]): an answer that starts with a number it does not state, or with
     /// a bare yes or no, is not the passages' and the sentence takes its place.
@@ -492,20 +703,28 @@ impl AnswerStart {
             fell_back: false,
             stated: std::collections::HashSet::new(),
             asked: stated_numbers(question),
+            asks: wanted(question),
+            wanted: None,
             check: true,
             replaced: false,
         }
     }
 
-    /// Whether an answer that is `text` so far (all of it, with `whole`) starts with what the
-    /// evidence sentence does not support: a number in its first [`NUMBER_WINDOW`] bytes that
-    /// neither it nor the question states, or a bare "yes" or "no"
-    /// (the default 135M model answers "No" to nearly every yes-or-no question, and the
-    /// sentence is what such a question is answered by). `None` while that start may still
-    /// grow.
+    /// Whether an answer that is `text` so far (all of it, with `whole`) is not supported by the
+    /// evidence sentence: it lacks the kind of value the question asks for and the sentence
+    /// holds ([`Wanted`]: held back until the value comes, judged when the answer is whole), or
+    /// it starts with a number in its first [`NUMBER_WINDOW`] bytes that neither the sentence
+    /// nor the question states, or with a bare "yes" or "no" (the default 135M model answers
+    /// "No" to nearly every yes-or-no question, and the sentence is what such a question is
+    /// answered by). `None` while that may still change.
     fn unsupported(&self, text: &str, whole: bool) -> Option<bool> {
         if !(self.sentence && self.check) {
             return Some(false);
+        }
+        // The value the question asks for, which the sentence holds: until it comes the answer
+        // is held back, and without it the whole answer is the sentence's to give.
+        if self.wanted.is_some_and(|k| !holds(k, text)) {
+            return whole.then_some(true);
         }
         let stated = &self.stated;
         match early_number(text) {
@@ -728,6 +947,7 @@ impl OutputText {
         lead.sentence = true;
         lead.stated = stated_numbers(sentence);
         lead.stated.extend(lead.asked.iter().cloned());
+        lead.wanted = lead.asks.iter().copied().find(|&k| holds(k, sentence));
     }
 
     /// Whether an answer's start (a number, a bare yes or no) is checked against the evidence
@@ -993,8 +1213,8 @@ mod tests {
         );
         // An answer ended by a stop string is judged whole there, before what follows it.
         assert_eq!(
-            answer(q, &["最多", "结转", "\n\n问题：30 天"], sentence, true),
-            ("最多结转".into(), vec![false, false, true], false)
+            answer(q, &["最多", "结转 5 天", "\n\n问题：30 天"], sentence, true),
+            ("最多结转 5 天".into(), vec![false, false, true], false)
         );
         // No sentence shown: nothing to check against.
         let mut out = OutputText::answer(q, &[]);
@@ -1051,6 +1271,116 @@ mod tests {
         assert_eq!(
             answer(q, &["No", ",", " you cannot"], sentence, false).0,
             "No, you cannot"
+        );
+    }
+
+    #[test]
+    fn an_answer_without_the_kind_of_value_asked_for_is_the_sentence() {
+        use Wanted::*;
+        assert_eq!(wanted("What is the helpdesk's email address?"), vec![Email]);
+        assert_eq!(
+            wanted("How long is the working week?"),
+            vec![Duration, Quantity]
+        );
+        assert_eq!(
+            wanted("笔记本电脑丢了要多久内报告？"),
+            vec![Duration, Quantity]
+        );
+        assert_eq!(wanted("未休完的年假可以结转几天？"), vec![Quantity]);
+        assert_eq!(wanted("What number do I dial?"), vec![Quantity]);
+        // "When" asks for an event as often as a date; "几乎" is "almost"; "somehow" is a word.
+        assert!(wanted("When did the war end?").is_empty());
+        assert!(wanted("他几乎每天都来吗？").is_empty());
+        assert!(wanted("Did it work somehow many times?").is_empty());
+        assert!(holds(Email, "helpdesk@northwind.example"));
+        assert!(!holds(Email, "the @ sign"));
+        assert!(holds(Duration, "within one hour") && holds(Duration, "应在一小时内报告"));
+        assert!(!holds(Duration, "4357") && !holds(Duration, "the helpdesk"));
+        assert!(
+            holds(Quantity, "twenty-five") && holds(Quantity, "three") && holds(Quantity, "三朝")
+        );
+        assert!(!holds(Quantity, "Employees may work remotely"));
+
+        let sentence = "A lost badge or laptop is reported to the IT helpdesk within one hour, at \
+                        extension 4357 or helpdesk@northwind.example.";
+        let answer = |q: &str, pieces: &[&str], sentence: &str, check: bool| {
+            let mut out = OutputText::answer(q, &[]);
+            out.or_sentence(sentence);
+            out.check_start(check);
+            let mut text = String::new();
+            for p in pieces {
+                let (piece, end) = out.push(p);
+                text.push_str(&piece);
+                if end {
+                    return (text, out.fell_back());
+                }
+            }
+            text.push_str(&out.finish().0);
+            (text, out.fell_back())
+        };
+        let q = "What is the email address of the helpdesk?";
+        // Held back until the address comes, then the model's answer.
+        let mut out = OutputText::answer(q, &[]);
+        out.or_sentence(sentence);
+        assert_eq!(out.push("IT Helpdesk").0, "");
+        assert_eq!(
+            out.push(" at helpdesk@north").0,
+            "IT Helpdesk at helpdesk@north"
+        );
+        // Without it, the sentence, at the end of generation or at a stop string.
+        assert_eq!(
+            answer(q, &["IT", " Helpdesk"], sentence, true),
+            (sentence.to_owned(), true)
+        );
+        assert_eq!(
+            answer(q, &["IT Helpdesk", "\n\nQuestion:"], sentence, true),
+            (sentence.to_owned(), true)
+        );
+        // Unchecked, or with a sentence that holds no address, the model's answer stands.
+        assert_eq!(
+            answer(q, &["IT Helpdesk"], sentence, false).0,
+            "IT Helpdesk"
+        );
+        assert_eq!(
+            answer(
+                q,
+                &["IT Helpdesk"],
+                "The IT helpdesk installs software.",
+                true
+            )
+            .0,
+            "IT Helpdesk"
+        );
+        // A length of time asked for: a number alone is not one.
+        let zh = "工牌或笔记本电脑丢失后，应在一小时内报告 IT 服务台，分机号 4357。";
+        assert_eq!(
+            answer("笔记本电脑丢了要多久内报告？", &["4357"], zh, true).0,
+            zh
+        );
+        assert_eq!(
+            answer("笔记本电脑丢了要多久内报告？", &["一小时内"], zh, true).0,
+            "一小时内"
+        );
+        // "How long" of a sentence without a unit of time asks for a number.
+        assert_eq!(
+            answer(
+                "How long is the Rhine?",
+                &["Very long."],
+                "The Rhine is 1,230 km long.",
+                true
+            )
+            .0,
+            "The Rhine is 1,230 km long."
+        );
+        assert_eq!(
+            answer(
+                "How long is the Rhine?",
+                &["1,230 km"],
+                "The Rhine is 1,230 km long.",
+                true
+            )
+            .0,
+            "1,230 km"
         );
     }
 

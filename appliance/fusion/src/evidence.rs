@@ -49,8 +49,10 @@ pub struct Candidate {
 /// The sentences of `passages` (in rank order, best first) that score at least `share` of the
 /// best sentence's score (see [`evidence`]; `share` 1: the sentences tied with it), best first,
 /// equals in passage and sentence order, at most [`MAX_EVIDENCE_CANDIDATES`], each cut to
-/// `max_chars` as [`evidence_within`] cuts one. The first is [`evidence_within`]'s choice.
-/// Empty when no sentence shares a term.
+/// `max_chars` as [`evidence_within`] cuts one. When the question asks for a kind of value (an
+/// email address, a length of time, a number: `answer::wanted`) and some of these sentences hold
+/// one, only those are given. The first is [`evidence_within`]'s choice. Empty when no sentence
+/// shares a term.
 pub fn evidence_candidates<'a>(
     question: &str,
     passages: impl IntoIterator<Item = &'a str>,
@@ -94,6 +96,15 @@ pub fn evidence_candidates<'a>(
     let mut order: Vec<usize> = (0..sentences.len())
         .filter(|&i| scores[i] > 0 && scores[i] >= floor)
         .collect();
+    // A question that asks for a kind of value (an email address, a length of time, a number)
+    // is answered by a sentence that holds one: when some of these do, the others go.
+    let kinds = crate::answer::wanted(question);
+    if let Some(&kind) = kinds
+        .iter()
+        .find(|&&k| order.iter().any(|&i| crate::answer::holds(k, sentences[i])))
+    {
+        order.retain(|&i| crate::answer::holds(kind, sentences[i]));
+    }
     // Stable: equals keep passage and sentence order.
     order.sort_by_key(|&i| std::cmp::Reverse(scores[i]));
     order.truncate(MAX_EVIDENCE_CANDIDATES);
@@ -115,8 +126,9 @@ pub const EVIDENCE_NEAR_SHARE: f64 = 0.8;
 
 /// The sentences the embedder chooses an English question's evidence among (see
 /// [`nearest_evidence`]): the [`evidence_candidates`] within [`EVIDENCE_NEAR_SHARE`] of the
-/// best term score, cut to `max_chars`. Empty when there are fewer than two (the terms decide)
-/// or the question is not English (the embedder reads English only).
+/// best term score, cut to `max_chars`. Empty when there are fewer than two and the one is the
+/// terms' choice (the terms decide), or the question is not English (the embedder reads English
+/// only).
 pub fn evidence_to_embed<'a>(
     question: &str,
     passages: impl IntoIterator<Item = &'a str>,
@@ -125,8 +137,21 @@ pub fn evidence_to_embed<'a>(
     if !crate::answer::is_english(question) {
         return Vec::new();
     }
-    let c = evidence_candidates(question, passages, max_chars, EVIDENCE_NEAR_SHARE);
-    if c.len() < 2 {
+    let passages: Vec<&str> = passages.into_iter().collect();
+    let c = evidence_candidates(
+        question,
+        passages.iter().copied(),
+        max_chars,
+        EVIDENCE_NEAR_SHARE,
+    );
+    // One sentence alone near the best (the only one holding the value the question asks for)
+    // is the evidence even where the terms alone would choose another.
+    let alone = || {
+        c.len() == 1
+            && evidence_within(question, passages.iter().copied(), max_chars).as_ref()
+                != Some(&c[0].text)
+    };
+    if c.len() < 2 && !alone() {
         return Vec::new();
     }
     c.into_iter().map(|c| c.text).collect()
@@ -361,6 +386,43 @@ mod tests {
         assert!(near.iter().all(|c| c.score >= near[0].score * 0.3));
         assert!(
             evidence_candidates("What is the capital of France?", [HANDBOOK], 400, 0.5).is_empty()
+        );
+    }
+
+    #[test]
+    fn a_question_for_a_kind_of_value_gets_a_sentence_that_holds_one() {
+        let it = "Personal software may not be installed; the IT helpdesk installs approved \
+                  software on request. A lost badge is reported to the IT helpdesk within one \
+                  hour, at extension 4357 or helpdesk@northwind.example.";
+        // Both sentences have "helpdesk"; only the second holds an email address, so it is the
+        // terms' choice, and nothing is left for the embedder to choose among.
+        let q = "What is the email address of the helpdesk?";
+        let badge = "A lost badge is reported to the IT helpdesk within one hour, at extension \
+                     4357 or helpdesk@northwind.example.";
+        assert_eq!(evidence(q, [it]).as_deref(), Some(badge));
+        assert!(evidence_to_embed(q, [it], MAX_EVIDENCE_CHARS).is_empty());
+        // Without a kind of value asked for, both stay.
+        assert_eq!(
+            evidence_candidates("Who is the IT helpdesk?", [it], MAX_EVIDENCE_CHARS, 1.0).len(),
+            2
+        );
+        // A number asked for: of the sentences near the best, the one that states one, even
+        // below the best score; none states one, the terms choose as before.
+        let pw = "A new password is chosen by the employee. It must be at least 12 characters \
+                  long.";
+        let near = |q| evidence_candidates(q, [pw], MAX_EVIDENCE_CHARS, 0.3);
+        let texts = |c: Vec<Candidate>| c.into_iter().map(|c| c.text).collect::<Vec<_>>();
+        assert_eq!(
+            texts(near("How many characters must a new password have?")),
+            ["It must be at least 12 characters long."]
+        );
+        assert_eq!(
+            texts(near("Which characters must a new password have?")).len(),
+            2
+        );
+        assert_eq!(
+            evidence("How many passwords does an employee choose?", [pw]).as_deref(),
+            Some("A new password is chosen by the employee.")
         );
     }
 

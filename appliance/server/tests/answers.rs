@@ -209,7 +209,9 @@ fn the_sample_corpus_is_answered_from_its_passages() {
     // the answer (`engram_fusion::OutputText::check_start`): "No, you should not call your
     // manager when you are sick.", "10 days" where the sentence says "within one hour", "30 天"
     // where it says 5, "within 30 days of purchase" (a number in its first words); "When core
-    // hours start." before a blank line is the question asked back.
+    // hours start." before a blank line is the question asked back; "IT Helpdesk" for an email
+    // address and "4357" for how soon (no value of the kind asked for, which the sentence
+    // holds: the sentence with the address is chosen for it).
     for (question, fact) in [
         ("Should I call my manager when I am sick?", "before 10:00"),
         (
@@ -219,6 +221,11 @@ fn the_sample_corpus_is_answered_from_its_passages() {
         ("How soon must a lost badge be reported?", "within one hour"),
         ("When do core hours start?", "10:00"),
         ("未休完的年假可以结转几天？", "5 天"),
+        (
+            "What is the email address of the helpdesk?",
+            "helpdesk@northwind.example",
+        ),
+        ("笔记本电脑丢了要多久内报告？", "一小时"),
     ] {
         let r = ask(addr, &key, question);
         assert!(r["answer"].as_str().unwrap().contains(fact), "{r}");

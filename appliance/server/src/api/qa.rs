@@ -74,7 +74,8 @@ pub struct QaResponse {
     /// question, `evidence_sentence_answer: true` when the answer is the evidence sentence,
     /// quoted from the cited passages: the model wrote no answer, or its answer started with
     /// what the sentence does not support (a number in its first words that neither the
-    /// sentence nor the question states, a bare yes or no).
+    /// sentence nor the question states, a bare yes or no), or it lacks the kind of value the
+    /// question asks for and the sentence holds (an email address, a length of time, a number).
     #[schema(value_type = Object)]
     pub timings: serde_json::Value,
 }
