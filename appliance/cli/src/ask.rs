@@ -455,6 +455,12 @@ pub fn generate(
     })?;
     let mut text = OutputText::answer(question, &[]);
     text.or_sentence(&prompt.evidence_text);
+    let passages: Vec<String> = prompt
+        .chunks
+        .iter()
+        .map(|c| llm.tokenizer.decode(c, true))
+        .collect();
+    text.from_passages(passages.iter().map(String::as_str));
     text.check_start(start_check);
     let mut history = prompt.tokens();
     let prompt_len = history.len();

@@ -460,6 +460,9 @@ pub(crate) enum Wanted {
     Email,
     /// A length of time: a number and a unit of time ("one hour", "两周").
     Duration,
+    /// A date: a month and a day or year ("31 March", "January 27, 1967", "3 月 31 日",
+    /// "2024-03-31").
+    Date,
     /// A number, in digits or in words ("25", "three", "二").
     Quantity,
 }
@@ -581,8 +584,9 @@ const TIME_UNITS_ZH: [&str; 11] = [
     "秒", "分钟", "小时", "钟头", "天", "日", "周", "星期", "礼拜", "月", "年",
 ];
 
-/// The kinds of value `question` asks for, in the order they are checked: "how long" and "多久"
-/// ask for a length of time, or else a number ("How long is the Rhine?").
+/// The kinds of value `question` asks for, in the order they are checked: "until what date" a
+/// date, or else a number; "how long", "how often" and "多久" a length of time, or else a
+/// number ("How long is the Rhine?").
 pub(crate) fn wanted(question: &str) -> Vec<Wanted> {
     let lower = question.to_lowercase();
     let mut kinds = Vec::new();
@@ -599,9 +603,15 @@ pub(crate) fn wanted(question: &str) -> Vec<Wanted> {
     {
         kinds.push(Wanted::Email);
     }
-    if ["how long", "多久", "多长时间"]
+    if DATE_PHRASES.iter().any(|p| contains_words(&lower, p))
+        || DATE_WORDS_ZH.iter().any(|w| lower.contains(w))
+    {
+        kinds.push(Wanted::Date);
+    }
+    if ["how long", "how often", "how frequently"]
         .iter()
-        .any(|w| lower.contains(w))
+        .any(|p| contains_words(&lower, p))
+        || ["多久", "多长时间"].iter().any(|w| lower.contains(w))
     {
         kinds.push(Wanted::Duration);
     }
@@ -615,6 +625,84 @@ pub(crate) fn wanted(question: &str) -> Vec<Wanted> {
         kinds.push(Wanted::Quantity);
     }
     kinds
+}
+
+/// English phrases that ask for a date ("what date" also asks for a number, should the evidence
+/// sentence hold no date).
+const DATE_PHRASES: [&str; 5] = [
+    "what date",
+    "which date",
+    "until when",
+    "by when",
+    "what day of the month",
+];
+
+/// Chinese words that ask for a date.
+const DATE_WORDS_ZH: [&str; 6] = ["哪天", "哪一天", "什么日期", "几月几日", "几月几号", "几号"];
+
+/// English month names, "may" aside (a verb far more often).
+const MONTHS: [&str; 11] = [
+    "january",
+    "february",
+    "march",
+    "april",
+    "june",
+    "july",
+    "august",
+    "september",
+    "october",
+    "november",
+    "december",
+];
+
+/// Whether `text` names a date: a month's name next to a number, a Chinese month or day in
+/// digits or numerals ("3 月", "三十一日", "5号"), or a date in digits ("2024-03-31", "31/3/2024").
+fn holds_date(text: &str) -> bool {
+    let lower = text.to_lowercase();
+    let words: Vec<&str> = lower
+        .split(|c: char| !c.is_alphanumeric())
+        .filter(|w| !w.is_empty())
+        .collect();
+    let month_by_number = words.iter().enumerate().any(|(i, w)| {
+        MONTHS.contains(w)
+            && [i.checked_sub(1), Some(i + 1)]
+                .into_iter()
+                .flatten()
+                .filter_map(|j| words.get(j))
+                .any(|n| n.chars().next().is_some_and(|c| c.is_ascii_digit()))
+    });
+    let zh = ["月", "日", "号"].iter().any(|mark| {
+        text.match_indices(mark).any(|(i, _)| {
+            text[..i]
+                .trim_end()
+                .chars()
+                .next_back()
+                .is_some_and(|c| c.is_ascii_digit() || NUMBER_CHARS_ZH.contains(c))
+        })
+    });
+    let b = text.as_bytes();
+    let digits = (0..b.len()).any(|i| {
+        let run = |at: usize| {
+            b[at.min(b.len())..]
+                .iter()
+                .take_while(|c| c.is_ascii_digit())
+                .count()
+        };
+        let first = run(i);
+        let starts = i == 0 || !b[i - 1].is_ascii_digit();
+        if !starts || first == 0 || first > 4 {
+            return false;
+        }
+        let sep = i + first;
+        let Some(&s) = b.get(sep).filter(|c| b"-/.".contains(c)) else {
+            return false;
+        };
+        let second = run(sep + 1);
+        (1..=2).contains(&second)
+            && b.get(sep + 1 + second) == Some(&s)
+            && (1..=4).contains(&run(sep + 2 + second))
+    });
+    month_by_number || zh || digits
 }
 
 /// Whether `lower` has `phrase` between word boundaries.
@@ -639,6 +727,7 @@ pub(crate) fn holds(kind: Wanted, text: &str) -> bool {
                     .next()
                     .is_some_and(char::is_alphanumeric)
         }),
+        Wanted::Date => holds_date(text),
         Wanted::Duration => {
             let lower = text.to_lowercase();
             let unit = lower
@@ -656,6 +745,44 @@ pub(crate) fn holds(kind: Wanted, text: &str) -> bool {
                 })
         }
     }
+}
+
+/// One in this many of an answer's own words (its first [`GROUNDING_WORDS`]) must be in the
+/// retrieved passages for the answer to be the passages' ([`AnswerStart::grounded`]). An answer
+/// with fewer came from the model, not from the passages: "The answer to this question is:" to
+/// a Chinese question, "New Holland" where they say "Fort Caroline", "When core hours end is
+/// not specified." (docs/bench/2026-12-05-grounding.md).
+const GROUNDED_ONE_IN: usize = 2;
+
+/// Own words of an answer (words its question does not have, see [`ground_units`]) that decide
+/// whether it is grounded: its start is held back until it has that many, or is whole.
+const GROUNDING_WORDS: usize = 4;
+
+/// `text`'s units as an answer's words are looked up in the passages: words stemmed
+/// ([`crate::evidence::stem`]: "replaced" is "replace"'s), small numbers in words as digits
+/// ("five" and "五" are "5"), Han characters one by one; [`STOP_WORDS`] and
+/// [`FUNCTION_CHARS`] left out. With `growing`, a word `text` ends in is left out too: it may
+/// not be whole yet.
+fn ground_units(text: &str, growing: bool) -> Vec<String> {
+    let mut raw = units(text);
+    let open = text
+        .chars()
+        .next_back()
+        .is_some_and(|c| c.is_alphanumeric() && !crate::dedup::is_han(c));
+    if growing && open {
+        raw.pop();
+    }
+    raw.into_iter()
+        .filter(|u| {
+            let function = u.chars().count() == 1 && FUNCTION_CHARS.contains(u.as_str());
+            !(function || STOP_WORDS.contains(&u.as_str()))
+        })
+        .map(|u| match NUMBER_WORDS.iter().find(|(w, _)| *w == u) {
+            Some((_, digits)) => (*digits).to_owned(),
+            None if u.chars().any(crate::dedup::is_han) => u,
+            None => crate::evidence::stem(&u),
+        })
+        .collect()
 }
 
 /// [`strip_lead`] for streamed text: holds the start of the answer back while it could still be
@@ -689,6 +816,10 @@ struct AnswerStart {
     check: bool,
     /// Whether the answer was replaced for its start: generation ends there.
     replaced: bool,
+    /// The question's [`ground_units`], and those of the passages the answer is to come from
+    /// (`None`: not given, no answer is judged by them; see [`Self::grounded`]).
+    ground_question: std::collections::HashSet<String>,
+    passages: Option<std::collections::HashSet<String>>,
 }
 
 impl AnswerStart {
@@ -707,7 +838,30 @@ impl AnswerStart {
             wanted: None,
             check: true,
             replaced: false,
+            ground_question: ground_units(question, false).into_iter().collect(),
+            passages: None,
         }
+    }
+
+    /// Whether an answer that is `text` so far (all of it, with `whole`) comes from the
+    /// passages: at least one in [`GROUNDED_ONE_IN`] of its first [`GROUNDING_WORDS`] own words (those
+    /// the question does not have, [`ground_units`]) are in them. `None` while the answer has
+    /// fewer own words and may still get more; an answer without own words is not judged here
+    /// (it may say that what the question asks is so).
+    fn grounded(&self, text: &str, whole: bool) -> Option<bool> {
+        let Some(passages) = &self.passages else {
+            return Some(true);
+        };
+        let own: Vec<String> = ground_units(text, !whole)
+            .into_iter()
+            .filter(|u| !self.ground_question.contains(u))
+            .take(GROUNDING_WORDS)
+            .collect();
+        if own.len() < GROUNDING_WORDS && !whole {
+            return None;
+        }
+        let found = own.iter().filter(|u| passages.contains(*u)).count();
+        Some(found * GROUNDED_ONE_IN >= own.len())
     }
 
     /// Whether an answer that is `text` so far (all of it, with `whole`) is not supported by the
@@ -716,7 +870,8 @@ impl AnswerStart {
     /// it starts with a number in its first [`NUMBER_WINDOW`] bytes that neither the sentence
     /// nor the question states, or with a bare "yes" or "no" (the default 135M model answers
     /// "No" to nearly every yes-or-no question, and the sentence is what such a question is
-    /// answered by). `None` while that may still change.
+    /// answered by), or its own words are not the passages' ([`Self::grounded`]). `None` while
+    /// that may still change.
     fn unsupported(&self, text: &str, whole: bool) -> Option<bool> {
         if !(self.sentence && self.check) {
             return Some(false);
@@ -725,6 +880,10 @@ impl AnswerStart {
         // is held back, and without it the whole answer is the sentence's to give.
         if self.wanted.is_some_and(|k| !holds(k, text)) {
             return whole.then_some(true);
+        }
+        // An answer whose own words are not the passages' is the model's, not theirs.
+        if !self.grounded(text, whole)? {
+            return Some(true);
         }
         let stated = &self.stated;
         match early_number(text) {
@@ -948,6 +1107,20 @@ impl OutputText {
         lead.stated = stated_numbers(sentence);
         lead.stated.extend(lead.asked.iter().cloned());
         lead.wanted = lead.asks.iter().copied().find(|&k| holds(k, sentence));
+    }
+
+    /// The passages the answer is to come from: with the evidence sentence
+    /// ([`Self::or_sentence`]) and the start check on, an answer most of whose first own words
+    /// none of them has is the sentence ([`AnswerStart::grounded`]). The start is held back until
+    /// it has [`GROUNDING_WORDS`] words the question does not have, or is whole.
+    pub fn from_passages<'a>(&mut self, passages: impl IntoIterator<Item = &'a str>) {
+        if let Some(lead) = self.lead.as_mut() {
+            let mut found = std::collections::HashSet::new();
+            for p in passages {
+                found.extend(ground_units(p, false));
+            }
+            lead.passages = Some(found);
+        }
     }
 
     /// Whether an answer's start (a number, a bare yes or no) is checked against the evidence
@@ -1381,6 +1554,128 @@ mod tests {
             )
             .0,
             "1,230 km"
+        );
+    }
+
+    #[test]
+    fn a_question_for_a_date_wants_an_answer_that_names_one() {
+        use Wanted::*;
+        assert_eq!(
+            wanted("Until what date can carried-over days be used?"),
+            vec![Date, Quantity]
+        );
+        assert_eq!(
+            wanted("Until when can carried-over days be used?"),
+            vec![Date]
+        );
+        assert_eq!(wanted("结转的年假哪天作废？"), vec![Date]);
+        assert_eq!(
+            wanted("How often do passwords expire?"),
+            vec![Duration, Quantity]
+        );
+        for date in [
+            "31 March",
+            "on March 31",
+            "January 27, 1967",
+            "3 月 31 日",
+            "三月三十一日",
+            "5号",
+            "2024-03-31",
+            "31/3/2024",
+        ] {
+            assert!(holds(Date, date), "{date}");
+        }
+        for other in [
+            "in March",
+            "every 180 days",
+            "三个月",
+            "4357",
+            "1.5.",
+            "10:00 to 15:00",
+        ] {
+            assert!(!holds(Date, other), "{other}");
+        }
+        let sentence = "Up to 5 unused days can be carried over into the next year; carried-over                         days expire on 31 March.";
+        let q = "Until what date can carried-over days be used?";
+        let answer = |pieces: &[&str]| {
+            let mut out = OutputText::answer(q, &[]);
+            out.or_sentence(sentence);
+            let mut text: String = pieces.iter().map(|p| out.push(p).0).collect();
+            text.push_str(&out.finish().0);
+            text
+        };
+        assert_eq!(
+            answer(&[
+                "Up to 5 unused days",
+                " can be carried over into the next year."
+            ]),
+            sentence
+        );
+        assert_eq!(answer(&["Until 31", " March."]), "Until 31 March.");
+    }
+
+    #[test]
+    fn an_answer_whose_own_words_the_passages_lack_is_the_sentence() {
+        let passages = [
+            "In 1564 the French established Fort Caroline on the St. Johns River, the first \
+             French colony in what is now the United States.",
+            "The Spanish founded St. Augustine in 1565 and destroyed the colony.",
+        ];
+        let sentence = "In 1564 the French established Fort Caroline on the St. Johns River.";
+        let answer = |q: &str, pieces: &[&str], check: bool| {
+            let mut out = OutputText::answer(q, &[]);
+            out.or_sentence(sentence);
+            out.from_passages(passages);
+            out.check_start(check);
+            let mut text = String::new();
+            for p in pieces {
+                let (piece, end) = out.push(p);
+                text.push_str(&piece);
+                if end {
+                    return (text, out.fell_back());
+                }
+            }
+            text.push_str(&out.finish().0);
+            (text, out.fell_back())
+        };
+        let q = "What is the name of the French colony established in 1564?";
+        assert_eq!(
+            answer(q, &["New", " Holland"], true),
+            (sentence.to_owned(), true)
+        );
+        assert_eq!(
+            answer(q, &["Fort", " Caroline"], true),
+            ("Fort Caroline".to_owned(), false)
+        );
+        // Words of other passages, and inflections, are the passages' too.
+        assert_eq!(
+            answer(q, &["The Spanish destroy", "ed it."], true).0,
+            "The Spanish destroyed it."
+        );
+        assert_eq!(answer(q, &["New Holland"], false).0, "New Holland");
+        // Held back until four own words have come, then streamed.
+        let mut out = OutputText::answer(q, &[]);
+        out.or_sentence(sentence);
+        out.from_passages(passages);
+        assert_eq!(out.push("It was Fort").0, "");
+        assert_eq!(out.push(" Caroline on the").0, "");
+        assert_eq!(
+            out.push(" St. Johns River").0,
+            "It was Fort Caroline on the St. Johns River"
+        );
+        // A Chinese question answered by an English formula.
+        let zh = "1564年，法国人建立了卡罗琳堡。";
+        let mut out = OutputText::answer("1564年法国人建立的殖民地叫什么？", &[]);
+        out.or_sentence(zh);
+        out.from_passages([zh]);
+        let mut text = out.push("The answer to this question is:").0;
+        text.push_str(&out.finish().0);
+        assert_eq!((text.as_str(), out.fell_back()), (zh, true));
+        // An answer with no words of its own is not judged by the passages.
+        let q = "Was Fort Caroline French?";
+        assert_eq!(
+            answer(q, &["Fort Caroline was French."], true).0,
+            "Fort Caroline was French."
         );
     }
 

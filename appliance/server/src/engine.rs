@@ -1165,6 +1165,9 @@ impl Engine {
             Prompt::Tokens { ids } => (self.token_prompt(ids)?, Policy::Full, None),
         };
         out.or_sentence(&prompt.evidence_text);
+        if let Prompt::Rag { passages, .. } = &job.prompt {
+            out.from_passages(passages.iter().map(String::as_str));
+        }
         out.check_start(self.opts.check_start);
         let context = self.model.config().context_length;
         if prompt.len() >= context {

@@ -75,7 +75,8 @@ pub struct QaResponse {
     /// quoted from the cited passages: the model wrote no answer, or its answer started with
     /// what the sentence does not support (a number in its first words that neither the
     /// sentence nor the question states, a bare yes or no), or it lacks the kind of value the
-    /// question asks for and the sentence holds (an email address, a length of time, a number).
+    /// question asks for and the sentence holds (an email address, a length of time, a date, a
+    /// number), or most of its own words are in no retrieved passage.
     #[schema(value_type = Object)]
     pub timings: serde_json::Value,
 }
