@@ -203,6 +203,14 @@ fn units(text: &str) -> Vec<String> {
     out
 }
 
+/// Whether `text` ends in a letter or digit of a word (not a Han character): streamed, that
+/// word may still grow.
+fn ends_in_word(text: &str) -> bool {
+    text.chars()
+        .next_back()
+        .is_some_and(|c| c.is_alphanumeric() && !crate::dedup::is_han(c))
+}
+
 /// The distinct pairs of neighbouring `units`, without pairs of two [`FUNCTION_CHARS`].
 fn pairs(units: &[String]) -> std::collections::HashSet<(String, String)> {
     let function = |u: &str| u.chars().count() == 1 && FUNCTION_CHARS.contains(u);
@@ -765,11 +773,7 @@ const GROUNDING_WORDS: usize = 4;
 /// not be whole yet.
 fn ground_units(text: &str, growing: bool) -> Vec<String> {
     let mut raw = units(text);
-    let open = text
-        .chars()
-        .next_back()
-        .is_some_and(|c| c.is_alphanumeric() && !crate::dedup::is_han(c));
-    if growing && open {
+    if growing && ends_in_word(text) {
         raw.pop();
     }
     raw.into_iter()
@@ -844,8 +848,8 @@ impl AnswerStart {
     }
 
     /// Whether an answer that is `text` so far (all of it, with `whole`) comes from the
-    /// passages: at least one in [`GROUNDED_ONE_IN`] of its first [`GROUNDING_WORDS`] own words (those
-    /// the question does not have, [`ground_units`]) are in them. `None` while the answer has
+    /// passages: at least one in [`GROUNDED_ONE_IN`] of its first [`GROUNDING_WORDS`] own
+    /// words (those the question does not have, [`ground_units`]) are in them. `None` while the answer has
     /// fewer own words and may still get more; an answer without own words is not judged here
     /// (it may say that what the question asks is so).
     fn grounded(&self, text: &str, whole: bool) -> Option<bool> {
@@ -926,11 +930,7 @@ impl AnswerStart {
     /// ("3" of "32M").
     fn in_question_so_far(&self, text: &str, partial: bool) -> bool {
         let mut found = units(text);
-        let growing = partial
-            && text
-                .chars()
-                .next_back()
-                .is_some_and(|c| c.is_alphanumeric() && !crate::dedup::is_han(c));
+        let growing = partial && ends_in_word(text);
         let last = if growing { found.pop() } else { None };
         let last_ok = last.is_none_or(|w| self.units.iter().any(|u| u.starts_with(&w)));
         (!found.is_empty() || growing) && last_ok && found.iter().all(|u| self.units.contains(u))
@@ -1193,6 +1193,21 @@ impl OutputText {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `pieces` through `out` as engramd streams them: until one ends the answer, then the end
+    /// of generation; the text that went out, and whether it is the evidence sentence.
+    fn streamed(mut out: OutputText, pieces: &[&str]) -> (String, bool) {
+        let mut text = String::new();
+        for p in pieces {
+            let (piece, end) = out.push(p);
+            text.push_str(&piece);
+            if end {
+                return (text, out.fell_back());
+            }
+        }
+        text.push_str(&out.finish().0);
+        (text, out.fell_back())
+    }
 
     /// The answer without what comes before it: leading labels ("Answer:"), and the question
     /// repeated (with or without a "Question:" label). An answer that is nothing but the question
@@ -1480,16 +1495,7 @@ mod tests {
             let mut out = OutputText::answer(q, &[]);
             out.or_sentence(sentence);
             out.check_start(check);
-            let mut text = String::new();
-            for p in pieces {
-                let (piece, end) = out.push(p);
-                text.push_str(&piece);
-                if end {
-                    return (text, out.fell_back());
-                }
-            }
-            text.push_str(&out.finish().0);
-            (text, out.fell_back())
+            streamed(out, pieces)
         };
         let q = "What is the email address of the helpdesk?";
         // Held back until the address comes, then the model's answer.
@@ -1595,14 +1601,13 @@ mod tests {
         ] {
             assert!(!holds(Date, other), "{other}");
         }
-        let sentence = "Up to 5 unused days can be carried over into the next year; carried-over                         days expire on 31 March.";
+        let sentence = "Up to 5 unused days can be carried over into the next year; carried-over \
+                        days expire on 31 March.";
         let q = "Until what date can carried-over days be used?";
         let answer = |pieces: &[&str]| {
             let mut out = OutputText::answer(q, &[]);
             out.or_sentence(sentence);
-            let mut text: String = pieces.iter().map(|p| out.push(p).0).collect();
-            text.push_str(&out.finish().0);
-            text
+            streamed(out, pieces).0
         };
         assert_eq!(
             answer(&[
@@ -1627,16 +1632,7 @@ mod tests {
             out.or_sentence(sentence);
             out.from_passages(passages);
             out.check_start(check);
-            let mut text = String::new();
-            for p in pieces {
-                let (piece, end) = out.push(p);
-                text.push_str(&piece);
-                if end {
-                    return (text, out.fell_back());
-                }
-            }
-            text.push_str(&out.finish().0);
-            (text, out.fell_back())
+            streamed(out, pieces)
         };
         let q = "What is the name of the French colony established in 1564?";
         assert_eq!(
@@ -1668,9 +1664,10 @@ mod tests {
         let mut out = OutputText::answer("1564年法国人建立的殖民地叫什么？", &[]);
         out.or_sentence(zh);
         out.from_passages([zh]);
-        let mut text = out.push("The answer to this question is:").0;
-        text.push_str(&out.finish().0);
-        assert_eq!((text.as_str(), out.fell_back()), (zh, true));
+        assert_eq!(
+            streamed(out, &["The answer to this question is:"]),
+            (zh.to_owned(), true)
+        );
         // An answer with no words of its own is not judged by the passages.
         let q = "Was Fort Caroline French?";
         assert_eq!(
