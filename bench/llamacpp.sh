@@ -48,8 +48,17 @@ fetch_llamacpp_source() {
     llamacpp_src="$src"
 }
 
+# Without AMX: some virtual machines (this project's Firecracker VMs on Sapphire Rapids) list
+# amx_tile in /proc/cpuinfo but fault on its instructions, and llama-server then dies of SIGILL
+# in its AMX matmul at the first prompt. Engram does not use AMX either. A build made before
+# these flags is rebuilt.
+LLAMACPP_CPU_FLAGS="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+
 build_llamacpp() {
     local missing=() t
+    if ! grep -qs -- "$LLAMACPP_CPU_FLAGS" "$llamacpp_root/build/CMakeCache.txt"; then
+        rm -rf "$llamacpp_root/build"
+    fi
     for t in "$@"; do
         [[ -x "$llamacpp_bin/$t" ]] || missing+=("$t")
     done
@@ -70,6 +79,7 @@ build_llamacpp() {
         -DCMAKE_BUILD_TYPE=Release \
         -DBUILD_SHARED_LIBS=OFF \
         -DGGML_NATIVE=ON \
+        -DCMAKE_C_FLAGS="$LLAMACPP_CPU_FLAGS" -DCMAKE_CXX_FLAGS="$LLAMACPP_CPU_FLAGS" \
         -DGGML_CUDA=OFF -DGGML_METAL=OFF -DGGML_VULKAN=OFF \
         -DGGML_CCACHE=OFF \
         -DLLAMA_OPENSSL=OFF \

@@ -755,6 +755,133 @@ pub(crate) fn holds(kind: Wanted, text: &str) -> bool {
     }
 }
 
+/// What a "how many" question counts: its first two words after "how many" or "how much"
+/// that are not [`STOP_WORDS`], stemmed ("How many of my last passwords ..." counts "last"
+/// and "passwords"), and the Han character after "多少" or "几" ("多少欧元" counts "欧"). The
+/// number the evidence sentence gives one of them is the answer's to state
+/// ([`counted_number`]).
+fn counted_units(question: &str) -> Vec<String> {
+    let lower = question.to_lowercase();
+    let mut counted = Vec::new();
+    for phrase in ["how many", "how much"] {
+        for (at, _) in lower.match_indices(phrase) {
+            let rest = &lower[at + phrase.len()..];
+            if lower[..at].ends_with(char::is_alphanumeric)
+                || rest.starts_with(char::is_alphanumeric)
+            {
+                continue;
+            }
+            counted.extend(
+                rest.split(|c: char| !c.is_alphanumeric())
+                    .filter(|w| !w.is_empty() && !STOP_WORDS.contains(w))
+                    .take(2)
+                    .map(crate::evidence::stem),
+            );
+        }
+    }
+    for asks in ["多少", "几"] {
+        for (at, _) in question.match_indices(asks) {
+            let next = question[at + asks.len()..].chars().next();
+            // "几乎" is "almost"; a function character ("多少的") counts nothing, but "个", "年",
+            // "月" and "日" are units.
+            let unit = |c: char| {
+                crate::dedup::is_han(c)
+                    && c != '乎'
+                    && (!FUNCTION_CHARS.contains(c) || "个年月日".contains(c))
+            };
+            if let Some(c) = next.filter(|&c| unit(c)) {
+                counted.push(c.to_string());
+            }
+        }
+    }
+    counted
+}
+
+/// The number `sentence` gives what a question counts ([`counted_units`], in order): the
+/// number the first of them that follows a number in the sentence follows, within two words
+/// ("the last five passwords" gives "passwords" 5, "1.7 million people" gives "people" 1), or
+/// as a Han character, right after it ("25 欧元", "五次"); as [`first_run`] writes it. `None`
+/// when none follows a number, or the first that does follows more than one: then which value
+/// is asked for is not plain.
+fn counted_number(sentence: &str, counted: &[String]) -> Option<String> {
+    let words: Vec<&str> = sentence
+        .split(|c: char| c.is_whitespace() || (c.is_ascii_punctuation() && !",.:".contains(c)))
+        .map(|w| w.trim_matches(|c: char| !c.is_alphanumeric()))
+        .filter(|w| !w.is_empty())
+        .collect();
+    let stems: Vec<String> = words
+        .iter()
+        .map(|w| crate::evidence::stem(&w.to_lowercase()))
+        .collect();
+    counted.iter().find_map(|unit| {
+        let found = if unit.chars().all(crate::dedup::is_han) {
+            numbers_before_han(sentence, unit)
+        } else {
+            numbers_before_word(&words, &stems, unit)
+        };
+        let mut found = found.into_iter();
+        match (found.next(), found.next()) {
+            (None, _) => None,
+            (Some(n), None) => Some(Some(n)),
+            (Some(_), Some(_)) => Some(None),
+        }
+    })?
+}
+
+/// The numbers (digits, or small numbers in words) that `unit`, a stemmed word, follows within
+/// two of `words` (whose stems are `stems`).
+fn numbers_before_word(
+    words: &[&str],
+    stems: &[String],
+    unit: &str,
+) -> std::collections::HashSet<String> {
+    let mut found = std::collections::HashSet::new();
+    for (i, word) in words.iter().enumerate() {
+        if !stems[i + 1..].iter().take(2).any(|s| s == unit) {
+            continue;
+        }
+        let lower = word.to_lowercase();
+        if word.starts_with(|c: char| c.is_ascii_digit()) {
+            found.insert(first_run(word.as_bytes()));
+        } else if let Some((_, digits)) = NUMBER_WORDS.iter().find(|(w, _)| *w == lower) {
+            found.insert((*digits).to_owned());
+        }
+    }
+    found
+}
+
+/// The numbers right before `unit`, a Han character, in `sentence`: digits or one Chinese
+/// numeral, with "万", "亿", "千" or "百" between them allowed ("3 万人" gives 人 3). A run of
+/// numerals ("二十五") is not read.
+fn numbers_before_han(sentence: &str, unit: &str) -> std::collections::HashSet<String> {
+    let mut found = std::collections::HashSet::new();
+    for (at, _) in sentence.match_indices(unit) {
+        let before = sentence[..at]
+            .trim_end()
+            .trim_end_matches(['万', '亿', '千', '百']);
+        let zh: String = before
+            .chars()
+            .rev()
+            .take_while(|&c| NUMBER_CHARS_ZH.contains(c))
+            .collect();
+        if !zh.is_empty() {
+            if let Some((_, digits)) = NUMBER_WORDS.iter().find(|(w, _)| *w == zh) {
+                found.insert((*digits).to_owned());
+            }
+            continue;
+        }
+        let b = before.as_bytes();
+        let start = b
+            .iter()
+            .rposition(|c| !(c.is_ascii_digit() || b",.:".contains(c)))
+            .map_or(0, |p| p + 1);
+        if b.get(start).is_some_and(u8::is_ascii_digit) {
+            found.insert(first_run(&b[start..]));
+        }
+    }
+    found
+}
+
 /// One in this many of an answer's own words (its first [`GROUNDING_WORDS`]) must be in the
 /// retrieved passages for the answer to be the passages' ([`AnswerStart::grounded`]). An answer
 /// with fewer came from the model, not from the passages: "The answer to this question is:" to
@@ -814,6 +941,12 @@ struct AnswerStart {
     /// evidence sentence holds: an answer without such a value is not the passages'.
     asks: Vec<Wanted>,
     wanted: Option<Wanted>,
+    /// What the question counts ([`counted_units`]), and the number the evidence sentence gives
+    /// it ([`counted_number`]): an answer that does not state that number is not the passages'
+    /// ("12" to "How many old passwords may not be reused?" where the sentence says "the last
+    /// five passwords").
+    counts: Vec<String>,
+    counted: Option<String>,
     /// Whether the answer's start is checked against the evidence sentence
     /// ([`Self::unsupported`]): an answer that starts with a number it does not state, or with
     /// a bare yes or no, is not the passages' and the sentence takes its place.
@@ -840,6 +973,8 @@ impl AnswerStart {
             asked: stated_numbers(question),
             asks: wanted(question),
             wanted: None,
+            counts: counted_units(question),
+            counted: None,
             check: true,
             replaced: false,
             ground_question: ground_units(question, false).into_iter().collect(),
@@ -871,6 +1006,7 @@ impl AnswerStart {
     /// Whether an answer that is `text` so far (all of it, with `whole`) is not supported by the
     /// evidence sentence: it lacks the kind of value the question asks for and the sentence
     /// holds ([`Wanted`]: held back until the value comes, judged when the answer is whole), or
+    /// the number the sentence gives what the question counts ([`counted_number`], likewise), or
     /// it starts with a number in its first [`NUMBER_WINDOW`] bytes that neither the sentence
     /// nor the question states, or with a bare "yes" or "no" (the default 135M model answers
     /// "No" to nearly every yes-or-no question, and the sentence is what such a question is
@@ -883,6 +1019,14 @@ impl AnswerStart {
         // The value the question asks for, which the sentence holds: until it comes the answer
         // is held back, and without it the whole answer is the sentence's to give.
         if self.wanted.is_some_and(|k| !holds(k, text)) {
+            return whole.then_some(true);
+        }
+        // So is the number the sentence gives what the question counts.
+        if self
+            .counted
+            .as_ref()
+            .is_some_and(|n| !stated_numbers(text).contains(n))
+        {
             return whole.then_some(true);
         }
         // An answer whose own words are not the passages' is the model's, not theirs.
@@ -1107,6 +1251,7 @@ impl OutputText {
         lead.stated = stated_numbers(sentence);
         lead.stated.extend(lead.asked.iter().cloned());
         lead.wanted = lead.asks.iter().copied().find(|&k| holds(k, sentence));
+        lead.counted = counted_number(sentence, &lead.counts);
     }
 
     /// The passages the answer is to come from: with the evidence sentence
@@ -1561,6 +1706,86 @@ mod tests {
             .0,
             "1,230 km"
         );
+    }
+
+    #[test]
+    fn an_answer_without_the_number_of_what_is_counted_is_the_sentence() {
+        assert_eq!(
+            counted_units("How many of my last passwords can I not repeat?"),
+            vec!["last".to_owned(), crate::evidence::stem("passwords")]
+        );
+        assert_eq!(
+            counted_units("每一项费用超过多少欧元需要收据？"),
+            vec!["欧"]
+        );
+        assert_eq!(counted_units("未休完的年假可以结转几天？"), vec!["天"]);
+        assert!(counted_units("他几乎每天都来吗？").is_empty());
+        assert!(counted_units("Somehow many were lost?").is_empty());
+
+        let passwords = "A new password must be at least 12 characters long and must not repeat \
+                         any of the last five passwords.";
+        let euros = "费用报销须在购买后 30 天内提交，每一项超过 25 欧元的费用都需要附上收据。";
+        let counted = |q: &str, s: &str| counted_number(s, &counted_units(q));
+        assert_eq!(
+            counted("How many old passwords may not be reused?", passwords),
+            Some("5".to_owned())
+        );
+        assert_eq!(
+            counted("How many characters must a password have?", passwords),
+            Some("12".to_owned())
+        );
+        assert_eq!(
+            counted("每一项费用超过多少欧元需要收据？", euros),
+            Some("25".to_owned())
+        );
+        assert_eq!(counted("几天内提交？", euros), Some("30".to_owned()));
+        assert_eq!(
+            counted("结转的年假最多几天？", "最多可以结转五天。"),
+            Some("5".to_owned())
+        );
+        assert_eq!(
+            counted(
+                "How many people live there?",
+                "About 1.7 million people live in the city."
+            ),
+            Some("1".to_owned())
+        );
+        // Two numbers of what is counted, or none: which one is asked for is not plain.
+        assert_eq!(
+            counted(
+                "How many days?",
+                "25 days a year, 5 unused days carried over."
+            ),
+            None
+        );
+        assert_eq!(counted("How many cars?", passwords), None);
+
+        let answer = |q: &str, pieces: &[&str], sentence: &str| {
+            let mut out = OutputText::answer(q, &[]);
+            out.or_sentence(sentence);
+            streamed(out, pieces)
+        };
+        let q = "How many old passwords may not be reused?";
+        assert_eq!(answer(q, &["12"], passwords), (passwords.to_owned(), true));
+        assert_eq!(
+            answer(q, &["The last ", "five", "."], passwords),
+            ("The last five.".to_owned(), false)
+        );
+        assert_eq!(answer(q, &["5"], passwords), ("5".to_owned(), false));
+        let q = "每一项费用超过多少欧元需要收据？";
+        assert_eq!(
+            answer(q, &["30 天内提交", "最多收据 150 欧元"], euros),
+            (euros.to_owned(), true)
+        );
+        assert_eq!(
+            answer(q, &["25 欧元"], euros),
+            ("25 欧元".to_owned(), false)
+        );
+        // Held back until the number comes.
+        let mut out = OutputText::answer(q, &[]);
+        out.or_sentence(euros);
+        assert_eq!(out.push("超过 ").0, "");
+        assert_eq!(out.push("25 欧元").0, "超过 25 欧元");
     }
 
     #[test]

@@ -76,7 +76,8 @@ pub struct QaResponse {
     /// what the sentence does not support (a number in its first words that neither the
     /// sentence nor the question states, a bare yes or no), or it lacks the kind of value the
     /// question asks for and the sentence holds (an email address, a length of time, a date, a
-    /// number), or most of its own words are in no retrieved passage.
+    /// number, or the number the sentence gives what a "how many" question counts), or most of
+    /// its own words are in no retrieved passage.
     #[schema(value_type = Object)]
     pub timings: serde_json::Value,
 }
