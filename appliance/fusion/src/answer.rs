@@ -757,9 +757,10 @@ pub(crate) fn holds(kind: Wanted, text: &str) -> bool {
 
 /// What a "how many" question counts: its first two words after "how many" or "how much"
 /// that are not [`STOP_WORDS`], stemmed ("How many of my last passwords ..." counts "last"
-/// and "passwords"), and the Han character after "多少" or "几" ("多少欧元" counts "欧"). The
-/// number the evidence sentence gives one of them is the answer's to state
-/// ([`counted_number`]).
+/// and "passwords"), and the Han character after "多少" or "几" ("多少欧元" counts "欧"); then,
+/// for a question about money ([`asks_money`]) that does not ask for a length of time or a
+/// date, the currencies. The number the evidence sentence gives one of them is the answer's
+/// to state ([`counted_number`]).
 fn counted_units(question: &str) -> Vec<String> {
     let lower = question.to_lowercase();
     let mut counted = Vec::new();
@@ -794,7 +795,47 @@ fn counted_units(question: &str) -> Vec<String> {
             }
         }
     }
+    // "报销要在购买后多久内提交？" is about money but asks for a length of time.
+    let for_time = wanted(question)
+        .iter()
+        .any(|k| matches!(k, Wanted::Duration | Wanted::Date));
+    if asks_money(&lower) && !for_time {
+        counted.extend(CURRENCIES.iter().map(|c| crate::evidence::stem(c)));
+        counted.extend(CURRENCY_SIGNS.iter().map(|c| c.to_string()));
+        counted.extend(CURRENCIES_ZH.iter().map(|c| c.to_string()));
+    }
     counted
+}
+
+/// Words that make a question one about money ("Above what amount is a receipt required?",
+/// "多少钱以上的费用需要收据？"): the currencies then count as what it asks for
+/// ([`counted_units`]), after its own words.
+const MONEY_WORDS: [&str; 10] = [
+    "amount",
+    "cost",
+    "costs",
+    "price",
+    "money",
+    "pay",
+    "paid",
+    "spend",
+    "spent",
+    "reimbursed",
+];
+const MONEY_WORDS_ZH: [&str; 8] = ["钱", "金额", "费用", "价格", "价钱", "成本", "花费", "报销"];
+
+/// Currencies in words (stemmed where used), as signs, and in Chinese (the character a number
+/// comes right before: "25 欧元", "150 元", "3 美元").
+const CURRENCIES: [&str; 8] = [
+    "euros", "dollars", "pounds", "yuan", "yen", "francs", "rupees", "cents",
+];
+const CURRENCY_SIGNS: [char; 4] = ['$', '€', '£', '¥'];
+const CURRENCIES_ZH: [char; 5] = ['欧', '美', '元', '镑', '块'];
+
+/// Whether the lower-cased `question` asks about money ([`MONEY_WORDS`]).
+fn asks_money(lower: &str) -> bool {
+    MONEY_WORDS.iter().any(|w| contains_words(lower, w))
+        || MONEY_WORDS_ZH.iter().any(|w| lower.contains(w))
 }
 
 /// The number `sentence` gives what a question counts ([`counted_units`], in order): the
@@ -816,6 +857,8 @@ fn counted_number(sentence: &str, counted: &[String]) -> Option<String> {
     counted.iter().find_map(|unit| {
         let found = if unit.chars().all(crate::dedup::is_han) {
             numbers_before_han(sentence, unit)
+        } else if let Some(sign) = unit.chars().next().filter(|c| CURRENCY_SIGNS.contains(c)) {
+            numbers_by_sign(sentence, sign)
         } else {
             numbers_before_word(&words, &stems, unit)
         };
@@ -845,6 +888,25 @@ fn numbers_before_word(
             found.insert(first_run(word.as_bytes()));
         } else if let Some((_, digits)) = NUMBER_WORDS.iter().find(|(w, _)| *w == lower) {
             found.insert((*digits).to_owned());
+        }
+    }
+    found
+}
+
+/// The numbers right after `sign` in `sentence`, or right before it ("$25", "€ 1,500", "25 €").
+fn numbers_by_sign(sentence: &str, sign: char) -> std::collections::HashSet<String> {
+    let mut found = std::collections::HashSet::new();
+    for (at, _) in sentence.match_indices(sign) {
+        let after = sentence[at + sign.len_utf8()..].trim_start().as_bytes();
+        let before = sentence[..at].trim_end().as_bytes();
+        let start = before
+            .iter()
+            .rposition(|c| !(c.is_ascii_digit() || b",.:".contains(c)))
+            .map_or(0, |p| p + 1);
+        if after.first().is_some_and(u8::is_ascii_digit) {
+            found.insert(first_run(&after[..number_end(after)]));
+        } else if before.get(start).is_some_and(u8::is_ascii_digit) {
+            found.insert(first_run(&before[start..]));
         }
     }
     found
@@ -1714,9 +1776,14 @@ mod tests {
             counted_units("How many of my last passwords can I not repeat?"),
             vec!["last".to_owned(), crate::evidence::stem("passwords")]
         );
+        assert_eq!(counted_units("每一项超过多少欧元需要收据？"), vec!["欧"]);
+        // A question about money also counts the currencies, after its own words.
+        let money = counted_units("每一项费用超过多少欧元需要收据？");
+        assert_eq!(money[0], "欧");
+        assert!(money.contains(&"元".to_owned()) && money.contains(&"euro".to_owned()));
         assert_eq!(
-            counted_units("每一项费用超过多少欧元需要收据？"),
-            vec!["欧"]
+            counted_units("报销要在购买后多久内提交？"),
+            Vec::<String>::new()
         );
         assert_eq!(counted_units("未休完的年假可以结转几天？"), vec!["天"]);
         assert!(counted_units("他几乎每天都来吗？").is_empty());
@@ -1759,6 +1826,29 @@ mod tests {
             None
         );
         assert_eq!(counted("How many cars?", passwords), None);
+        // A question about money counts the currencies, after its own words.
+        let receipts = "Expense claims are submitted within 30 days of the purchase, with a \
+                        receipt for every item above 25 euros.";
+        assert_eq!(
+            counted("Above what amount is a receipt required?", receipts),
+            Some("25".to_owned())
+        );
+        assert_eq!(
+            counted("多少钱以上的费用需要收据？", euros),
+            Some("25".to_owned())
+        );
+        assert_eq!(
+            counted(
+                "How much does a night cost?",
+                "The hotel costs $150 a night."
+            ),
+            Some("150".to_owned())
+        );
+        assert_eq!(
+            counted("What did the hotel cost?", "It cost 1,500 € in 2010."),
+            Some("1500".to_owned())
+        );
+        assert_eq!(counted("What did it cost?", "It was built in 1990."), None);
 
         let answer = |q: &str, pieces: &[&str], sentence: &str| {
             let mut out = OutputText::answer(q, &[]);
