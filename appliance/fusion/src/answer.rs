@@ -898,15 +898,10 @@ fn numbers_by_sign(sentence: &str, sign: char) -> std::collections::HashSet<Stri
     let mut found = std::collections::HashSet::new();
     for (at, _) in sentence.match_indices(sign) {
         let after = sentence[at + sign.len_utf8()..].trim_start().as_bytes();
-        let before = sentence[..at].trim_end().as_bytes();
-        let start = before
-            .iter()
-            .rposition(|c| !(c.is_ascii_digit() || b",.:".contains(c)))
-            .map_or(0, |p| p + 1);
         if after.first().is_some_and(u8::is_ascii_digit) {
             found.insert(first_run(&after[..number_end(after)]));
-        } else if before.get(start).is_some_and(u8::is_ascii_digit) {
-            found.insert(first_run(&before[start..]));
+        } else if let Some(n) = number_ending(sentence[..at].trim_end()) {
+            found.insert(n);
         }
     }
     found
@@ -932,16 +927,23 @@ fn numbers_before_han(sentence: &str, unit: &str) -> std::collections::HashSet<S
             }
             continue;
         }
-        let b = before.as_bytes();
-        let start = b
-            .iter()
-            .rposition(|c| !(c.is_ascii_digit() || b",.:".contains(c)))
-            .map_or(0, |p| p + 1);
-        if b.get(start).is_some_and(u8::is_ascii_digit) {
-            found.insert(first_run(&b[start..]));
+        if let Some(n) = number_ending(before) {
+            found.insert(n);
         }
     }
     found
+}
+
+/// The number in digits `text` ends with, as [`first_run`] writes it ("... 1,500" is "1500").
+fn number_ending(text: &str) -> Option<String> {
+    let b = text.as_bytes();
+    let start = b
+        .iter()
+        .rposition(|c| !(c.is_ascii_digit() || b",.:".contains(c)))
+        .map_or(0, |p| p + 1);
+    b.get(start)
+        .is_some_and(u8::is_ascii_digit)
+        .then(|| first_run(&b[start..]))
 }
 
 /// One in this many of an answer's own words (its first [`GROUNDING_WORDS`]) must be in the
