@@ -132,6 +132,8 @@ struct Tally {
     kv_load_ms: Vec<f64>,
     recompute_ms: Vec<f64>,
     rank_ms: Vec<f64>,
+    /// Each question's stage times (`FuseStats::timings_json`'s names), for their medians.
+    stage_ms: BTreeMap<&'static str, Vec<f64>>,
     n: usize,
 }
 
@@ -325,6 +327,16 @@ pub fn run(a: FusionArgs) -> Result<()> {
             t.kv_load_ms.push(ms(s.kv_load_time()));
             t.recompute_ms.push(ms(s.recompute_time + s.suffix_time));
             t.rank_ms.push(ms(s.rank_time));
+            for (stage, d) in [
+                ("kv_read", s.kv_read_time),
+                ("kv_decode", s.kv_decode_time),
+                ("kv_place", s.kv_place_time),
+                ("rank", s.rank_time),
+                ("recompute", s.recompute_time),
+                ("question_prefill", s.suffix_time),
+            ] {
+                t.stage_ms.entry(stage).or_default().push(ms(d));
+            }
             if s.chunks_computed > 0 && policy != Policy::Full {
                 eprintln!(
                     "question {qi}: {} chunks had no stored KV and were computed",
@@ -400,6 +412,11 @@ pub fn run(a: FusionArgs) -> Result<()> {
                 "kv_load_ms_median": median(&t.kv_load_ms),
                 "compute_ms_median": median(&t.recompute_ms),
                 "rank_ms_median": median(&t.rank_ms),
+                "stage_ms_median": t
+                    .stage_ms
+                    .iter()
+                    .map(|(k, v)| (k.to_string(), serde_json::json!(median(v))))
+                    .collect::<serde_json::Map<_, _>>(),
                 "questions": t.n,
                 "per_question": {
                     "question": t.question,

@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use engram_kvstore::{
-    BlobKey, ChunkKv, KvDtype, KvLayout, KvStore, KvTier, ModelFingerprint, TierKind,
+    BlobKey, ChunkKv, KvDtype, KvLayout, KvStore, KvTier, ModelFingerprint, SharedKv, TierKind,
 };
 use engram_model::{KvCache, Logits, Model};
 use half::f16;
@@ -156,7 +156,8 @@ pub enum Source {
 
 /// One fetched chunk.
 pub struct Fetched {
-    pub kv: ChunkKv,
+    /// Read in place from a stored f16 blob, or decoded (int8, or computed here).
+    pub kv: SharedKv,
     pub source: Source,
     /// Stored bytes read (0 when computed).
     pub bytes: u64,
@@ -333,7 +334,12 @@ impl ChunkStore {
         let t = Instant::now();
         let decoded = model.pool().map(found.len(), |i| {
             found[i].as_ref().map(|(bytes, _)| {
-                engram_kvstore::decode(bytes, &self.fingerprint, chunks[i], &expected(chunks[i]))
+                engram_kvstore::decode_shared(
+                    bytes,
+                    &self.fingerprint,
+                    chunks[i],
+                    &expected(chunks[i]),
+                )
             })
         });
         times.decode = t.elapsed();
@@ -370,7 +376,7 @@ impl ChunkStore {
             let (bytes, _) = self.encode_and_put(&kv);
             // Serve what a later request will read back (int8 rounding included), so an
             // answer does not depend on whether the chunk was stored before.
-            let kv = engram_kvstore::decode(&bytes, &self.fingerprint, tokens, &expected)?;
+            let kv = engram_kvstore::decode(&bytes, &self.fingerprint, tokens, &expected)?.into();
             times.compute += t.elapsed();
             out.push(Fetched {
                 kv,

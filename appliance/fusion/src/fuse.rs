@@ -385,8 +385,8 @@ pub fn fused_prefill_on(
         let mut chunk_slots = Vec::with_capacity(prompt.chunk_tokens());
         for ((f, &s), &at) in fetched.iter().zip(&skip).zip(&starts) {
             let c = &f.kv;
-            let hd = c.layout.head_dim;
-            let n = c.layout.n_tokens;
+            let hd = c.layout().head_dim;
+            let n = c.layout().n_tokens;
             let positions: Vec<i32> = ((at + s)..(at + n)).map(|p| p as i32).collect();
             let first = kv.append_prerope(
                 model.rope(),

@@ -66,8 +66,8 @@ mod tier;
 mod tests;
 
 pub use blob::{
-    decode, encode, encoded_len, inspect, token_fingerprint, try_encode, BlobInfo, BlobKey,
-    CHECKSUM_LEN, FORMAT_VERSION, HEADER_LEN, MAGIC,
+    decode, decode_shared, encode, encoded_len, inspect, token_fingerprint, try_encode, BlobInfo,
+    BlobKey, SharedKv, CHECKSUM_LEN, FORMAT_VERSION, HEADER_LEN, MAGIC,
 };
 pub use dram::DramTier;
 pub use error::{KvStoreError, Result};
