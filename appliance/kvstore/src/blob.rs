@@ -377,20 +377,14 @@ impl SharedKv {
 
     /// Side 0 (K) or 1 (V) of one (layer, KV head).
     fn side(&self, side: usize, layer: usize, head: usize) -> &[f16] {
-        let l = &self.layout;
-        assert!(
-            layer < l.n_layer && head < l.n_head_kv,
-            "layer {layer} head {head} out of range for {l}"
-        );
-        let n = l.values_per_head();
-        let start = (layer * l.n_head_kv + head) * n;
+        let r = self.layout.head_range(layer, head);
         match &self.sides {
-            Sides::Owned { k, v } => &[k, v][side][start..start + n],
+            Sides::Owned { k, v } => &[k, v][side][r],
             Sides::InPlace { bytes, k_at } => {
-                let at = k_at + 2 * (side * l.values_per_side() + start);
+                let at = k_at + 2 * (side * self.layout.values_per_side() + r.start);
                 // `decode_shared` checked the payload's length and alignment, and every head
                 // starts an even number of bytes into it.
-                <[f16]>::ref_from_bytes(&bytes[at..at + 2 * n])
+                <[f16]>::ref_from_bytes(&bytes[at..at + 2 * r.len()])
                     .expect("a verified, aligned f16 payload")
             }
         }

@@ -50,6 +50,20 @@ impl KvLayout {
         self.n_tokens * self.head_dim
     }
 
+    /// Where one (layer, head) lies within a side, in values (`[layer][head][token][dim]`).
+    ///
+    /// # Panics
+    /// If `layer` or `head` is out of range.
+    pub fn head_range(&self, layer: usize, head: usize) -> std::ops::Range<usize> {
+        assert!(
+            layer < self.n_layer && head < self.n_head_kv,
+            "layer {layer} head {head} out of range for {self}"
+        );
+        let n = self.values_per_head();
+        let start = (layer * self.n_head_kv + head) * n;
+        start..start + n
+    }
+
     /// Checks every dimension against the format limits (layers, heads and head dimension must
     /// also be non-zero).
     pub fn check_limits(&self) -> Result<()> {
@@ -211,7 +225,7 @@ impl ChunkKv {
     /// # Panics
     /// If `layer` or `head` is out of range.
     pub fn k_head(&self, layer: usize, head: usize) -> &[f16] {
-        &self.k[self.head_range(layer, head)]
+        &self.k[self.layout.head_range(layer, head)]
     }
 
     /// Values of one (layer, KV head): `n_tokens * head_dim` values, `[token][dim]`.
@@ -219,18 +233,7 @@ impl ChunkKv {
     /// # Panics
     /// If `layer` or `head` is out of range.
     pub fn v_head(&self, layer: usize, head: usize) -> &[f16] {
-        &self.v[self.head_range(layer, head)]
-    }
-
-    fn head_range(&self, layer: usize, head: usize) -> std::ops::Range<usize> {
-        let l = &self.layout;
-        assert!(
-            layer < l.n_layer && head < l.n_head_kv,
-            "layer {layer} head {head} out of range for {l}"
-        );
-        let n = l.values_per_head();
-        let start = (layer * l.n_head_kv + head) * n;
-        start..start + n
+        &self.v[self.layout.head_range(layer, head)]
     }
 }
 
