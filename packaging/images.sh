@@ -2,6 +2,7 @@
 # Builds Engram's offline media from this checkout (root: mmdebstrap, xorriso):
 #
 #   packaging/images.sh [--version V] [--previous DEB] [--installer] [--no-build] [--out DIR]
+#   packaging/images.sh --prefetch
 #
 # into DIR (target/appliance):
 #   engram_V_amd64.deb        the package (packaging/deb/build.sh)
@@ -19,6 +20,9 @@
 #                             configures it for the server, unattended with an answer file
 #                             (packaging/installer/answers.example.conf)
 #
+# --prefetch only downloads, ahead of the build: the Debian packages of the repository and of
+# the installer's live system, into target/appliance/cache/debs (CI runs it while it compiles).
+#
 # Signing: ENGRAM_ARCHIVE_GNUPGHOME (see packaging/repo/build.sh); without it a throwaway key.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -27,9 +31,11 @@ VERSION=$(sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -1)
 OUT=target/appliance
 PREVIOUS=
 INSTALLER=0
+PREFETCH=0
 DEB_ARGS=()
 while [[ $# -gt 0 ]]; do
     case $1 in
+        --prefetch) PREFETCH=1; shift ;;
         --version) VERSION=$2; shift 2 ;;
         --previous) PREVIOUS=$2; shift 2 ;;
         --out) OUT=$2; shift 2 ;;
@@ -43,14 +49,57 @@ command -v mmdebstrap >/dev/null && command -v xorriso >/dev/null && command -v 
     || die "needs mmdebstrap, xorriso and apt-utils (apt-get install mmdebstrap xorriso apt-utils)"
 mkdir -p "$OUT"
 
+I=$PWD/packaging/installer
+# What the repository carries beside the packages' own dependencies: what the installer puts on
+# a disk.
+REPO_PACKAGES="systemd systemd-sysv dbus apt udev kmod e2fsprogs dosfstools linux-image-amd64 initramfs-tools grub-pc grub-efi-amd64-bin"
+# The installer's live system.
+LIVE_PACKAGES="linux-image-amd64 live-boot systemd-sysv udev kmod squashfs-tools gpgv grub-pc-bin grub-efi-amd64-bin grub2-common e2fsprogs dosfstools fdisk util-linux"
+if [[ $PREFETCH == 1 ]]; then
+    packaging/repo/build.sh --resolve-only --packages "$REPO_PACKAGES" \
+        --depends "$(packaging/deb/build.sh --print-depends)"
+    packaging/repo/build.sh --resolve-only --packages "$LIVE_PACKAGES"
+    exit 0
+fi
+
+# The installer's live system, into $LIVE: built once per package list and installer files
+# (cached), from the Debian packages the repository script downloaded where it has them.
+key=$( (echo "$LIVE_PACKAGES"; cat "$I/engram-install" "$I/engram-installer.service") | sha256sum | cut -c1-16)
+LIVE=$(realpath -m "$OUT/cache/live-$key")
+DEBS_CACHE=$(realpath -m "$OUT/cache/debs")
+build_live() {
+    [[ -s $LIVE/filesystem.squashfs ]] && return 0
+    echo "images: building the installer's live system" >&2
+    rm -rf "$OUT"/cache/live-*
+    mkdir -p "$LIVE"
+    mmdebstrap --quiet --variant=minbase --include="${LIVE_PACKAGES// /,}" \
+        --setup-hook='mkdir -p "$1/var/cache/apt/archives"; cp '"$DEBS_CACHE"'/*.deb "$1/var/cache/apt/archives/" 2>/dev/null || true' \
+        --customize-hook='install -m 0755 '"$I"'/engram-install "$1/usr/sbin/engram-install"' \
+        --customize-hook='install -m 0644 '"$I"'/engram-installer.service "$1/lib/systemd/system/"' \
+        --customize-hook='ln -s /lib/systemd/system/engram-installer.service "$1/etc/systemd/system/multi-user.target.wants/"' \
+        --customize-hook='echo engram-installer >"$1/etc/hostname"' \
+        --customize-hook='cp "$1"/boot/vmlinuz-* '"$LIVE"'/vmlinuz; cp "$1"/boot/initrd.img-* '"$LIVE"'/initrd.img' \
+        --customize-hook='rm -rf "$1"/boot/* "$1"/var/cache/apt/archives/*.deb "$1"/var/lib/apt/lists/*' \
+        bookworm "$LIVE/root" "${ENGRAM_DEBIAN_MIRROR:-http://deb.debian.org/debian}" >&2 \
+        || die "mmdebstrap could not build the live system"
+    # zstd level 6, as the system image's (CI builds it every run).
+    mksquashfs "$LIVE/root" "$LIVE/filesystem.squashfs" -comp zstd -Xcompression-level 6 \
+        -quiet -no-progress -noappend >&2 || die "mksquashfs"
+    rm -rf "$LIVE/root"
+}
+# It needs nothing of this build: it runs beside the package and the system image (each mostly
+# one dpkg at a time).
+LIVE_PID=
+if [[ $INSTALLER == 1 ]]; then
+    build_live &
+    LIVE_PID=$!
+fi
+
 DEB=$(packaging/deb/build.sh --version "$VERSION" --out "$OUT" "${DEB_ARGS[@]}")
 debs=("$DEB")
 [[ -n $PREVIOUS ]] && debs+=("$PREVIOUS")
 REPO=$OUT/repo-$VERSION
-# What the installer puts on a disk, beside what the package needs.
-packaging/repo/build.sh --out "$REPO" \
-    --packages "systemd systemd-sysv dbus apt udev kmod e2fsprogs dosfstools linux-image-amd64 initramfs-tools grub-pc grub-efi-amd64-bin" \
-    "${debs[@]}"
+packaging/repo/build.sh --out "$REPO" --packages "$REPO_PACKAGES" "${debs[@]}"
 
 install -m 0755 packaging/media/install.sh "$REPO/install.sh"
 cat >"$REPO/README.txt" <<README
@@ -87,7 +136,6 @@ echo "$ISO"
 # initramfs, 580 s of 640 s under QEMU), here it is native. What differs between servers (the
 # disk's UUIDs, hostname, network, listen address, boot loaders, the first admin, the machine
 # id) is set by `engram-install`, so the image holds nothing of one server.
-I=$PWD/packaging/installer
 SYSTEM_PACKAGES="systemd,systemd-sysv,dbus,apt,udev,kmod,e2fsprogs,dosfstools,linux-image-amd64,initramfs-tools,grub-pc,grub-efi-amd64-bin,engram"
 SYSTEM=$(realpath -m "$OUT/system-$VERSION")
 rm -rf "$SYSTEM" "$SYSTEM.squashfs"
@@ -114,27 +162,7 @@ mksquashfs "$SYSTEM" "$SYSTEM.squashfs" -comp zstd -Xcompression-level 6 -quiet 
     || die "mksquashfs (system image)"
 rm -rf "$SYSTEM"
 
-# The installer's live system: built once per package list and installer files (cached).
-LIVE_PACKAGES="linux-image-amd64,live-boot,systemd-sysv,udev,kmod,squashfs-tools,gpgv,grub-pc-bin,grub-efi-amd64-bin,grub2-common,e2fsprogs,dosfstools,fdisk,util-linux"
-key=$( (echo "$LIVE_PACKAGES"; cat "$I/engram-install" "$I/engram-installer.service") | sha256sum | cut -c1-16)
-LIVE=$(realpath -m "$OUT/cache/live-$key")
-if [[ ! -s $LIVE/filesystem.squashfs ]]; then
-    echo "images: building the installer's live system" >&2
-    rm -rf "$OUT"/cache/live-*
-    mkdir -p "$LIVE"
-    mmdebstrap --quiet --variant=minbase --include="$LIVE_PACKAGES" \
-        --customize-hook='install -m 0755 '"$I"'/engram-install "$1/usr/sbin/engram-install"' \
-        --customize-hook='install -m 0644 '"$I"'/engram-installer.service "$1/lib/systemd/system/"' \
-        --customize-hook='ln -s /lib/systemd/system/engram-installer.service "$1/etc/systemd/system/multi-user.target.wants/"' \
-        --customize-hook='echo engram-installer >"$1/etc/hostname"' \
-        --customize-hook='cp "$1"/boot/vmlinuz-* '"$LIVE"'/vmlinuz; cp "$1"/boot/initrd.img-* '"$LIVE"'/initrd.img' \
-        --customize-hook='rm -rf "$1"/boot/* "$1"/var/cache/apt/archives/*.deb "$1"/var/lib/apt/lists/*' \
-        bookworm "$LIVE/root" "${ENGRAM_DEBIAN_MIRROR:-http://deb.debian.org/debian}" >&2 \
-        || die "mmdebstrap could not build the live system"
-    mksquashfs "$LIVE/root" "$LIVE/filesystem.squashfs" -comp zstd -quiet -no-progress -noappend >&2 \
-        || die "mksquashfs"
-    rm -rf "$LIVE/root"
-fi
+wait "$LIVE_PID" || die "the installer's live system was not built"
 
 STAGE=$OUT/installer-$VERSION
 rm -rf "$STAGE"

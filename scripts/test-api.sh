@@ -5,7 +5,8 @@
 # (temporary data directory, a fresh admin key, a free port) and stops it at the end.
 #
 # Python packages live in target/py-venv (created once per pin set; pip needs PyPI the first
-# time). ENGRAM_MODELS_DIR defaults to ./models (scripts/fetch-models.sh).
+# time; `--prepare` creates it and stops). ENGRAM_MODELS_DIR defaults to ./models
+# (scripts/fetch-models.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -22,10 +23,13 @@ if [[ ! -f $STAMP ]]; then
         "schemathesis==$SCHEMATHESIS_VERSION"
     touch "$STAMP"
 fi
+[[ ${1:-} == --prepare ]] && exit 0
 
-# The build scripts/test.sh's release tests and the .deb use: after them it compiles nothing.
-cargo build --quiet --locked --release -p engram-server -p engram-cli
-ENGRAMD=target/release/engramd
+# The build scripts/test.sh's tests and the .deb use (profile ENGRAM_PROFILE, default release):
+# after them it compiles nothing.
+PROFILE=${ENGRAM_PROFILE:-release}
+cargo build --quiet --locked --profile "$PROFILE" -p engram-server -p engram-cli
+ENGRAMD=target/$PROFILE/engramd
 export ENGRAM_MODELS_DIR="${ENGRAM_MODELS_DIR:-$PWD/models}"
 
 WORK=$(mktemp -d)

@@ -5,7 +5,8 @@
 # test, stops the daemon. Screenshots of every page land in target/ui-screenshots/.
 #
 # Installs what is missing: chromium and a CJK font (apt, as root), the pinned playwright-core
-# (npm ci in tests/e2e). ENGRAM_MODELS_DIR defaults to ./models (scripts/fetch-models.sh).
+# (npm ci in tests/e2e); `--prepare` installs them and stops. ENGRAM_MODELS_DIR defaults to
+# ./models (scripts/fetch-models.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -19,10 +20,13 @@ fi
 if [[ ! -d tests/e2e/node_modules/playwright-core ]]; then
     (cd tests/e2e && npm ci --no-audit --no-fund --loglevel=error)
 fi
+[[ ${1:-} == --prepare ]] && exit 0
 
-# The build scripts/test.sh's release tests and the .deb use: after them it compiles nothing.
-cargo build --quiet --locked --release -p engram-server -p engram-cli
-ENGRAMD=target/release/engramd
+# The build scripts/test.sh's tests and the .deb use (profile ENGRAM_PROFILE, default release):
+# after them it compiles nothing.
+PROFILE=${ENGRAM_PROFILE:-release}
+cargo build --quiet --locked --profile "$PROFILE" -p engram-server -p engram-cli
+ENGRAMD=target/$PROFILE/engramd
 export ENGRAM_MODELS_DIR="${ENGRAM_MODELS_DIR:-$PWD/models}"
 
 WORK=$(mktemp -d)

@@ -2,12 +2,16 @@
 # Builds the engram .deb (amd64) with dpkg-deb from a release build and the default models:
 #
 #   packaging/deb/build.sh [--version V] [--out DIR] [--no-build]
+#   packaging/deb/build.sh --print-depends      (the package's Depends field, for the media)
 #
 # writes DIR/engram_V_amd64.deb (DIR: target/appliance; V: the workspace version) and prints
-# its path. A V other than the workspace's is built into the binaries too (ENGRAM_VERSION:
-# `engramd --version`, the version history, backups), which rebuilds engram-server. Why dpkg-deb and not cargo-deb: the package carries more than the crates (the
-# models, the hardened unit, sysusers/tmpfiles, maintainer scripts), it needs nothing beyond
-# Debian's own dpkg, and every file of the package is in this folder to read.
+# its path. A V other than the workspace's is built into engramd too (ENGRAM_VERSION: `engramd
+# --version`, the version history, backups), which recompiles engramd's main.rs and links it.
+# The binaries come from the release profile, or the cargo profile ENGRAM_PROFILE names (CI
+# packages the `ci` build it tested). Why dpkg-deb and not cargo-deb: the package carries more
+# than the crates (the models, the hardened unit, sysusers/tmpfiles, maintainer scripts), it
+# needs nothing beyond Debian's own dpkg, and every file of the package is in this folder to
+# read.
 #
 # Layout: /usr/bin/{engramd,engram}; /lib/systemd/system/engramd.service;
 # /usr/lib/{sysusers,tmpfiles}.d/engram.conf; /etc/engram/engramd.toml (conffile);
@@ -21,8 +25,13 @@ WORKSPACE_VERSION=$(sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -1)
 VERSION=$WORKSPACE_VERSION
 OUT=target/appliance
 BUILD=1
+PROFILE=${ENGRAM_PROFILE:-release}
+BIN=target/$PROFILE
+# The package's dependencies (the offline repository carries their closure).
+DEPENDS="libc6 (>= 2.34), libgcc-s1 (>= 4.2), systemd (>= 252)"
 while [[ $# -gt 0 ]]; do
     case $1 in
+        --print-depends) echo "$DEPENDS"; exit 0 ;;
         --version) VERSION=$2; shift 2 ;;
         --out) OUT=$2; shift 2 ;;
         --no-build) BUILD=0; shift ;;
@@ -39,13 +48,13 @@ else
     export ENGRAM_VERSION=$VERSION
 fi
 if [[ $BUILD == 1 ]]; then
-    cargo build --quiet --locked --release -p engram-server -p engram-cli
+    cargo build --quiet --locked --profile "$PROFILE" -p engram-server -p engram-cli
 fi
 for b in engramd engram; do
-    [[ -x target/release/$b ]] || die "target/release/$b is missing (build it, or drop --no-build)"
+    [[ -x $BIN/$b ]] || die "$BIN/$b is missing (build it, or drop --no-build)"
 done
-built=$(target/release/engramd --version | cut -d' ' -f2)
-[[ $built == "$VERSION" ]] || die "target/release/engramd is version $built, not $VERSION (drop --no-build)"
+built=$("$BIN/engramd" --version | cut -d' ' -f2)
+[[ $built == "$VERSION" ]] || die "$BIN/engramd is version $built, not $VERSION (drop --no-build)"
 
 ROOT=$(mktemp -d)
 trap 'rm -rf "$ROOT"' EXIT
@@ -56,7 +65,7 @@ install -d -m 0755 "$P/DEBIAN" "$P/usr/bin" "$P/lib/systemd/system" "$P/usr/lib/
     "$P/usr/share/engram/firmware-profiles" "$P/usr/share/doc/engram"
 for b in engramd engram; do
     # Debug symbols stay in the build tree; the package gets stripped binaries.
-    objcopy --strip-debug --strip-unneeded --remove-section=.comment "target/release/$b" "$P/usr/bin/$b"
+    objcopy --strip-debug --strip-unneeded --remove-section=.comment "$BIN/$b" "$P/usr/bin/$b"
     chmod 0755 "$P/usr/bin/$b"
 done
 install -m 0644 systemd/engramd.service "$P/lib/systemd/system/engramd.service"
@@ -96,7 +105,7 @@ Version: $VERSION
 Architecture: amd64
 Maintainer: Engram team <engram@example.com>
 Installed-Size: $SIZE
-Depends: libc6 (>= 2.34), libgcc-s1 (>= 4.2), systemd (>= 252)
+Depends: $DEPENDS
 Section: net
 Priority: optional
 Homepage: https://github.com/engram/engram

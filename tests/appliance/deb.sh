@@ -5,6 +5,7 @@
 # install it on this machine: tests/appliance/run.sh installs it into booted systems.
 #
 #   tests/appliance/deb.sh [--no-build]
+#   tests/appliance/deb.sh --prepare        (installs lintian and stops)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -15,6 +16,7 @@ if ! command -v lintian >/dev/null; then
     $SUDO apt-get update -qq
     DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq lintian >/dev/null
 fi
+[[ ${1:-} == --prepare ]] && exit 0
 DEB=$(packaging/deb/build.sh "$@")
 echo "deb: built $DEB ($(du -h "$DEB" | cut -f1))"
 fail() { echo "deb: FAILED: $*" >&2; exit 1; }

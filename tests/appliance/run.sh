@@ -2,9 +2,12 @@
 # The appliance's lifecycle end to end, as root, with no network for the installed system:
 #
 #   tests/appliance/run.sh [--reuse-media]
+#   tests/appliance/run.sh --prepare
 #
 # (--reuse-media: take the images, and the installed VM disk, a previous run left in
-# target/appliance, to iterate on the later steps; CI always builds them.)
+# target/appliance, to iterate on the later steps; CI always builds them. --prepare installs
+# the tools and prefetches what the media need from the network, then stops: CI runs it while
+# it compiles.)
 #
 # 1. Media: packaging/images.sh builds the .deb, the signed repository and the offline bundle
 #    ISO of this version (V1), then of a second build whose version the test bumps (V2), whose
@@ -17,20 +20,23 @@
 # 5. Upgrade to V2 from its bundle (install.sh, as an admin would): a snapshot first, the
 #    document still there, the history says upgrade. Roll back to V1: still there. Back up,
 #    wipe /var/lib/engram, restore: still there.
-# 6. The installer ISO with a damaged system image refused before it touches the disk; the
-#    installer ISO in QEMU on a blank disk, answers on a second disk: INSTALL COMPLETE;
-#    the installed root booted with nspawn (engramd over TLS, the tty's banner, sign-in).
-# 7. The installed disk booted in QEMU under UEFI and under BIOS to engramd started and the
-#    login prompt with its banner.
+# 6. The installer ISO in QEMU on a blank disk, answers on a second disk: INSTALL COMPLETE;
+#    beside it (a second VM at the same time) a copy with a damaged system image, refused
+#    before it touches its disk; the installed root booted with nspawn (engramd over TLS, the
+#    tty's banner, sign-in).
+# 7. The installed disk booted in QEMU under UEFI and under BIOS (two VMs at once) to engramd
+#    started and the login prompt with its banner.
 # Everything it makes stays in target/appliance/ (images, logs, the installed root).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
 REUSE=0
+PREPARE=0
 [[ ${1:-} == --reuse-media ]] && REUSE=1
+[[ ${1:-} == --prepare ]] && PREPARE=1
 if [[ $(id -u) -ne 0 ]]; then
     echo "appliance: mmdebstrap, nspawn and loop devices need root: running under sudo" >&2
-    exec sudo --preserve-env=PATH,CARGO_HOME,RUSTUP_HOME "$0" "$@"
+    exec sudo --preserve-env=PATH,CARGO_HOME,RUSTUP_HOME,ENGRAM_PROFILE,ENGRAM_CHECKED "$0" "$@"
 fi
 T0=$(date +%s)
 step() { echo "appliance: [$(($(date +%s) - T0)) s] $*"; }
@@ -55,6 +61,18 @@ if [[ ${#need[@]} -gt 0 ]]; then
     step "installing ${need[*]}"
     apt-get update -qq
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
+fi
+if ! command -v qemu-system-x86_64 >/dev/null; then
+    step "installing qemu-system-x86 (bookworm-backports: bookworm's conflicts with qemu-utils)"
+    grep -rqs bookworm-backports /etc/apt/sources.list /etc/apt/sources.list.d \
+        || echo "deb http://deb.debian.org/debian bookworm-backports main" >/etc/apt/sources.list.d/engram-backports.list
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq -t bookworm-backports qemu-system-x86 >/dev/null
+fi
+if [[ $PREPARE == 1 ]]; then
+    step "prefetching the media's Debian packages and the installer's live system"
+    packaging/images.sh --prefetch
+    exit 0
 fi
 
 OUT=target/appliance
@@ -283,13 +301,6 @@ NSPAWN_PID=
 # with the media, so what runs emulated is the live system's boot, the checksum, the copy and
 # GRUB (docs/bench/2026-11-28-ci-time.md). The timeout only has to catch a hung installer, not
 # a slow host.
-if ! command -v qemu-system-x86_64 >/dev/null; then
-    step "installing qemu-system-x86 (bookworm-backports: bookworm's conflicts with qemu-utils)"
-    grep -rqs bookworm-backports /etc/apt/sources.list /etc/apt/sources.list.d \
-        || echo "deb http://deb.debian.org/debian bookworm-backports main" >/etc/apt/sources.list.d/engram-backports.list
-    apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq -t bookworm-backports qemu-system-x86 >/dev/null
-fi
 VM=$OUT/vm
 # Every VM here: TCG, one vCPU, no network card, the serial port into a log.
 QEMU=(qemu-system-x86_64 -machine q35 -accel tcg -cpu max -m 3072 -smp 1 -nic none -display none
@@ -322,37 +333,42 @@ else
     mkfs.vfat -n ENGRAM-CFG "$VM/answers.img" >/dev/null
     mcopy -i "$VM/answers.img" "$VM/engram-install.conf" ::engram-install.conf
 
-    # A medium written badly: 4 KiB of the system image overwritten in a copy of the ISO. The
-    # installer must stop on the checksum, say why, and leave the disk as it was (a marker on
-    # it survives).
-    step "installer ISO with a damaged system image in QEMU: refused, the disk untouched"
+    # Two VMs at once, one vCPU each: the installer on a blank disk, and beside it the same ISO
+    # written badly (4 KiB of the system image overwritten in a copy), which must stop on the
+    # checksum, say why, and leave its disk as it was (a marker on it survives).
+    step "installer ISO in QEMU (TCG, no network card, answers on ENGRAM-CFG), beside a copy with a damaged system image"
     read -r lba size < <(xorriso -indev "$INSTALLER" -find /install/system.squashfs -exec report_lba -- 2>/dev/null \
         | awk -F' *, *' '/^File data lba:/ { print $2, $4 }')
     [[ -n $lba && -n $size ]] || fail "install/system.squashfs not found on $INSTALLER"
     cp "$INSTALLER" "$VM/damaged.iso"
     head -c 4096 /dev/urandom | dd of="$VM/damaged.iso" bs=4096 seek=$((lba * 2048 / 4096 + size / 8192)) \
         conv=notrunc status=none
-    truncate -s 8G "$VM/disk.raw"
-    echo "engram-test: this disk must survive a refused install" | dd of="$VM/disk.raw" conv=notrunc status=none
+    truncate -s 8G "$VM/damaged-disk.raw"
+    echo "engram-test: this disk must survive a refused install" | dd of="$VM/damaged-disk.raw" conv=notrunc status=none
+    # Its own copy of the answers: QEMU locks a writable image against a second VM.
+    cp "$VM/answers.img" "$VM/damaged-answers.img"
     qemu_until "$VM/damaged.log" 'engram-install: FAILED' \
         -drive "file=$VM/damaged.iso,media=cdrom,readonly=on" \
-        -drive "file=$VM/disk.raw,format=raw,if=virtio" \
-        -drive "file=$VM/answers.img,format=raw,if=virtio" -boot d \
-        || { grep -a 'engram-install' "$VM/damaged.log" | tail -10; fail "the damaged medium was not refused"; }
-    grep -a 'engram-install: FAILED' "$VM/damaged.log" | grep -q 'does not match its signed SHA256SUMS' \
-        || fail "the damaged medium was refused for another reason: $(grep -a 'engram-install: FAILED' "$VM/damaged.log")"
-    head -c 64 "$VM/disk.raw" | grep -aq 'this disk must survive a refused install' \
-        || fail "the refused install changed the disk"
-    grep -a 'engram-install: FAILED' "$VM/damaged.log" | tr -d '\r' | sed 's/^/  /'
-    rm -f "$VM/damaged.iso" "$VM/disk.raw"
-
-    step "installer ISO in QEMU (TCG, no network card, answers on ENGRAM-CFG)"
+        -drive "file=$VM/damaged-disk.raw,format=raw,if=virtio" \
+        -drive "file=$VM/damaged-answers.img,format=raw,if=virtio" -boot d &
+    DAMAGED_PID=$!
     truncate -s 8G "$VM/disk.raw"
+    installed=0
     timeout 1500 "${QEMU[@]}" -serial "file:$VM/serial.log" \
         -drive "file=$INSTALLER,media=cdrom,readonly=on" \
         -drive "file=$VM/disk.raw,format=raw,if=virtio" \
-        -drive "file=$VM/answers.img,format=raw,if=virtio" -boot d \
-        || { tail -30 "$VM/serial.log"; fail "QEMU ($?)"; }
+        -drive "file=$VM/answers.img,format=raw,if=virtio" -boot d || installed=$?
+    wait "$DAMAGED_PID" \
+        || { grep -a 'engram-install' "$VM/damaged.log" | tail -10; fail "the damaged medium was not refused"; }
+    grep -a 'engram-install: FAILED' "$VM/damaged.log" | grep -q 'does not match its signed SHA256SUMS' \
+        || fail "the damaged medium was refused for another reason: $(grep -a 'engram-install: FAILED' "$VM/damaged.log")"
+    head -c 64 "$VM/damaged-disk.raw" | grep -aq 'this disk must survive a refused install' \
+        || fail "the refused install changed the disk"
+    step "the damaged medium was refused, its disk untouched:"
+    grep -a 'engram-install: FAILED' "$VM/damaged.log" | tr -d '\r' | sed 's/^/  /'
+    rm -f "$VM/damaged.iso" "$VM/damaged-disk.raw" "$VM/damaged-answers.img"
+
+    [[ $installed == 0 ]] || { tail -30 "$VM/serial.log"; fail "QEMU ($installed)"; }
     grep -aq 'engram-install: INSTALL COMPLETE' "$VM/serial.log" \
         || { grep -a 'engram-install' "$VM/serial.log" | tail -30; fail "the installer did not complete (see $VM/serial.log)"; }
 fi
@@ -420,15 +436,23 @@ trap - EXIT
 # initramfs and systemd to engramd started and the login prompt, whose banner on the serial port
 # must show the console URL, the certificate's fingerprint and the first admin. (engramd's first
 # start, which makes the certificate, was the nspawn boot above.)
-boot_vm() {
-    local fw=$1 log=$VM/boot-$1.log firmware=()
+# Both at once, one vCPU each: -snapshot keeps each VM's writes in a temporary overlay, so
+# neither changes the disk the other boots.
+declare -A BOOT_PID=()
+start_boot() {
+    local fw=$1 firmware=()
     if [[ $fw == uefi ]]; then
         cp /usr/share/OVMF/OVMF_VARS_4M.fd "$VM/efivars.fd"
         firmware=(-drive if=pflash,format=raw,readonly=on,file=/usr/share/OVMF/OVMF_CODE_4M.fd
             -drive "if=pflash,format=raw,file=$VM/efivars.fd")
     fi
-    qemu_until "$log" 'engram-vm login: ' "${firmware[@]}" -drive "file=$VM/disk.raw,format=raw,if=virtio" \
-        || { tail -30 "$log"; fail "$fw boot: no login prompt within 900 s (see $log)"; }
+    qemu_until "$VM/boot-$fw.log" 'engram-vm login: ' "${firmware[@]}" -snapshot \
+        -drive "file=$VM/disk.raw,format=raw,if=virtio" &
+    BOOT_PID[$fw]=$!
+}
+check_boot() {
+    local fw=$1 log=$VM/boot-$1.log
+    wait "${BOOT_PID[$fw]}" || { tail -30 "$log"; fail "$fw boot: no login prompt within 900 s (see $log)"; }
     if [[ $fw == uefi ]]; then
         grep -aq 'efi: EFI v' "$log" || fail "uefi boot: the kernel did not start under UEFI"
     else
@@ -439,10 +463,15 @@ boot_vm() {
     grep -aq "SHA-256: $FPR" "$log" || fail "$fw boot: no certificate fingerprint on the serial console"
     grep -aq "First admin: operator1  password: $PASSWORD" "$log" || fail "$fw boot: no first admin on the serial console"
 }
+# A failed check leaves no VM behind.
+trap 'for p in "${BOOT_PID[@]}"; do pkill -P "$p" 2>/dev/null; kill "$p" 2>/dev/null; done' EXIT
+step "booting the installed disk in QEMU under UEFI and under BIOS (two VMs at once)"
+start_boot uefi
+start_boot bios
 for fw in uefi bios; do
-    step "booting the installed disk in QEMU ($fw firmware)"
-    boot_vm "$fw"
+    check_boot "$fw"
     step "$fw boot: engramd started, the login prompt shows the console URL, the fingerprint and the first admin"
 done
+trap - EXIT
 
 step "all checks passed; images in $OUT"

@@ -517,7 +517,7 @@ def scenario_disk_full_data(args, work):
         http.call("POST", "/api/v1/collections", {"name": "s"})
         # Another program takes most of the disk, so uploads reach its end in a bounded time
         # however fast ingestion keeps up.
-        fill(mnt, leave=4 << 20)
+        fill(mnt, leave=args.fill_free_mib << 20)
         rng = random.Random(11)
         corpus = Corpus()
         statuses = {}
@@ -734,6 +734,8 @@ def main():
     ap.add_argument("--cli-docs", type=int, default=60)
     ap.add_argument("--doc-words", type=int, default=6000,
                     help="words per document that fills the small disk")
+    ap.add_argument("--fill-free-mib", type=int, default=4,
+                    help="MiB left free on disk_full_data's 24 MiB disk before the uploads fill it")
     ap.add_argument("--drain-timeout", type=int, default=900,
                     help="seconds allowed for the queue to drain after the faults")
     ap.add_argument("--only", nargs="*", choices=sorted(SCENARIOS), help="run these only")

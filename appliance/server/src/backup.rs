@@ -201,7 +201,7 @@ pub fn write_archive(staged: &Staged, kv: bool, out: impl Write) -> Result<Manif
     let manifest = Manifest {
         format: FORMAT.into(),
         version: FORMAT_VERSION,
-        engram_version: crate::versions::VERSION.into(),
+        engram_version: crate::versions::version().into(),
         created_unix_s: SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| d.as_secs()),

@@ -7,8 +7,17 @@ use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 use engram_server::{backup, Daemon, KeyStore, Overrides, Scope, ServerError};
 
+/// This build's version: `ENGRAM_VERSION` at build time (the packaging sets it to the package's
+/// version), else the workspace's. Read here, in the binary's crate, and stamped into the library
+/// at start ([`engram_server::versions::stamp`]), so a build of another version recompiles this
+/// file only.
+const VERSION: &str = match option_env!("ENGRAM_VERSION") {
+    Some(v) => v,
+    None => env!("CARGO_PKG_VERSION"),
+};
+
 #[derive(Parser)]
-#[command(name = "engramd", version = engram_server::versions::VERSION, about = "Engram's daemon")]
+#[command(name = "engramd", version = VERSION, about = "Engram's daemon")]
 struct Cli {
     #[command(subcommand)]
     command: Option<Command>,
@@ -98,6 +107,7 @@ fn init_logging() {
 }
 
 fn main() -> Result<()> {
+    engram_server::versions::stamp(VERSION);
     let cli = Cli::parse();
     let overrides = Overrides {
         listen: cli.serve.listen.clone(),

@@ -7,6 +7,7 @@
 
 use std::cmp::Ordering;
 use std::path::Path;
+use std::sync::OnceLock;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use serde::{Deserialize, Serialize};
@@ -14,12 +15,24 @@ use utoipa::ToSchema;
 
 use crate::error::{Result, ServerError};
 
-/// This build's version: `ENGRAM_VERSION` at build time (the packaging sets it to the
-/// package's version), else the workspace's.
-pub const VERSION: &str = match option_env!("ENGRAM_VERSION") {
-    Some(v) => v,
-    None => env!("CARGO_PKG_VERSION"),
-};
+/// The version this library reports until a binary stamps its own ([`stamp`]).
+pub const WORKSPACE_VERSION: &str = env!("CARGO_PKG_VERSION");
+
+static STAMPED: OnceLock<&'static str> = OnceLock::new();
+
+/// Sets this process's version, once, before anything reads it: `engramd`'s `main` passes
+/// `ENGRAM_VERSION` as it was at build time (the packaging sets it to the package's version).
+/// The binary's own crate reads that variable, not this library, so a package of another
+/// version recompiles `main.rs` and links, instead of compiling this crate again. A second
+/// call is ignored.
+pub fn stamp(version: &'static str) {
+    let _ = STAMPED.set(version);
+}
+
+/// This process's version: the one [`stamp`]ed, else the workspace's.
+pub fn version() -> &'static str {
+    STAMPED.get().copied().unwrap_or(WORKSPACE_VERSION)
+}
 
 /// The history file in the data directory.
 pub const HISTORY_FILE: &str = "versions.json";
@@ -102,7 +115,7 @@ pub fn history(data_dir: &Path) -> Result<Vec<VersionEvent>> {
 /// Records this version's start when it differs from the last one recorded (or a snapshot
 /// marker is waiting) and returns the new event, if any.
 pub fn record_start(data_dir: &Path) -> Result<Option<VersionEvent>> {
-    record(data_dir, VERSION, Formats::current(), now_ms())
+    record(data_dir, version(), Formats::current(), now_ms())
 }
 
 fn record(

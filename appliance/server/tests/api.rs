@@ -1176,13 +1176,13 @@ fn the_version_and_its_history_are_served_to_admins() {
     let r = s.call("GET", "/api/v1/admin/version", Some(&s.admin), None);
     assert_eq!(r.status, 200, "{}", r.text());
     let v = r.json();
-    assert_eq!(v["version"], engram_server::versions::VERSION);
+    assert_eq!(v["version"], engram_server::versions::version());
     assert_eq!(v["formats"]["catalog_schema"], engram_kb::SCHEMA_VERSION);
     // This data directory's first start is its install.
     let history = v["history"].as_array().unwrap();
     assert_eq!(history.len(), 1, "{v}");
     assert_eq!(history[0]["kind"], "install");
-    assert_eq!(history[0]["version"], engram_server::versions::VERSION);
+    assert_eq!(history[0]["version"], engram_server::versions::version());
     assert!(history[0]["previous"].is_null());
 }
 
@@ -1211,7 +1211,7 @@ fn a_restore_is_verified_and_staged_for_the_next_start() {
     assert_eq!(r.status, 202, "{}", r.text());
     let v = r.json();
     assert_eq!(v["staged"], true);
-    assert_eq!(v["engram_version"], engram_server::versions::VERSION);
+    assert_eq!(v["engram_version"], engram_server::versions::version());
     assert!(v["files"].as_u64().unwrap() > 3, "{v}");
     assert!(backup::restore_staged(s._dir.path()));
     let r = s.call(

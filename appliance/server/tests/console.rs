@@ -950,7 +950,7 @@ fn an_admin_downloads_a_backup_from_the_settings_page() {
 fn the_settings_page_shows_the_version_and_its_history() {
     let admin = sign_in("root", ADMIN_PW);
     let page = request("GET", "/console/settings", &admin.cookie, &[], None);
-    let version = engram_server::versions::VERSION;
+    let version = engram_server::versions::version();
     assert!(
         page.body.contains(&format!(
             "<span class=\"badge mono\" id=\"version-current\">{version}</span>"

@@ -47,6 +47,33 @@
 
 #![warn(missing_docs)]
 
+/// `assert!` of a condition a raw pointer's bounds rest on: checked in debug builds and in any
+/// build made with `ENGRAM_CHECKED` set (CI's, `scripts/test.sh`), compiled out of the
+/// release build. `debug_assert!` would need the profile's `debug-assertions`, which also turns
+/// on the standard library's precondition checks of every `unsafe` call inlined here: a build
+/// with them ran prefill 22 % and decode 40 % slower (docs/bench/2026-12-07-ci-time.md).
+/// Exported for `engram-kernels-cuda`'s launches (expanded there, so its build reads the
+/// variable too).
+#[doc(hidden)]
+#[macro_export]
+macro_rules! guard {
+    ($($arg:tt)*) => {
+        if cfg!(debug_assertions) || option_env!("ENGRAM_CHECKED").is_some() {
+            assert!($($arg)*);
+        }
+    };
+}
+
+/// [`guard!`] for `assert_eq!`.
+#[allow(unused_macros)]
+macro_rules! guard_eq {
+    ($($arg:tt)*) => {
+        if cfg!(debug_assertions) || option_env!("ENGRAM_CHECKED").is_some() {
+            assert_eq!($($arg)*);
+        }
+    };
+}
+
 mod act;
 mod attention;
 mod blocks;

@@ -529,7 +529,7 @@ impl Buffer {
 
     /// The device address `offset` bytes in (for kernel arguments).
     pub(crate) fn at(&self, offset: usize) -> sys::CUdeviceptr {
-        debug_assert!(offset <= self.bytes);
+        engram_kernels::guard!(offset <= self.bytes);
         self.ptr + offset as u64
     }
 }

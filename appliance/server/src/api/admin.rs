@@ -144,7 +144,7 @@ pub async fn version_info(s: &AppState) -> Result<VersionInfo, ApiError> {
         .map_err(ApiError::internal)?
         .map_err(ApiError::internal)?;
     Ok(VersionInfo {
-        version: versions::VERSION.into(),
+        version: versions::version().into(),
         formats: Formats::current(),
         history,
     })

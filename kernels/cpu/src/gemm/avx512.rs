@@ -57,7 +57,7 @@ const PREFETCH_L2_BYTES: usize = 4096;
 
 /// Computes `s` into `out` with the VNNI kernels (`V`) or the AVX-512BW ones.
 pub(super) fn run_span<const V: bool>(s: &Span<'_>, out: OutPtr) {
-    debug_assert_eq!(s.g.q8_bias, V && s.g.fmt == Q8_0);
+    guard_eq!(s.g.q8_bias, V && s.g.fmt == Q8_0);
     if V {
         // SAFETY: `Isa::Avx512` (the only dispatch arm with `V`) is chosen only after runtime
         // detection of every feature `vnni::run` enables.

@@ -75,10 +75,10 @@ pub(crate) fn matmul(
     out: &mut [f32],
     pool: &ThreadPool,
 ) -> Result<()> {
-    debug_assert!(has_tiled(isa));
-    debug_assert_eq!(w.len(), rows * cols * 4);
-    debug_assert_eq!(x.len(), n_tokens * cols);
-    debug_assert_eq!(out.len(), rows * n_tokens);
+    guard!(has_tiled(isa));
+    guard_eq!(w.len(), rows * cols * 4);
+    guard_eq!(x.len(), n_tokens * cols);
+    guard_eq!(out.len(), rows * n_tokens);
     let row_tasks = rows.div_ceil(ROWS_PER_TASK);
     let tok_chunks = n_tokens.div_ceil(TOKENS_PER_CHUNK);
     let optr = super::OutPtr::new(out, rows);

@@ -126,7 +126,7 @@ impl<'a, const F: u8, const R: usize> RawK<'a, F, R> {
     /// Pointer to super-block `sb` of row `r`: `BS` readable bytes when `sb < nsb` (see `new`).
     #[inline(always)]
     pub(super) fn ptr(&self, r: usize, sb: usize) -> *const u8 {
-        debug_assert!(sb < self.nsb);
+        guard!(sb < self.nsb);
         self.rows[r].as_ptr().wrapping_add(sb * Self::BS)
     }
 

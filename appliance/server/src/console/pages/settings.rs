@@ -58,7 +58,7 @@ fn settings_page(s: &AppState, v: &Viewer, flash: Option<&str>) -> SettingsPage 
         max_tokens: s.limits.max_tokens,
         config: s.console.facts.config.clone(),
         error: None,
-        version: crate::versions::VERSION,
+        version: crate::versions::version(),
         history,
         history_error,
     }

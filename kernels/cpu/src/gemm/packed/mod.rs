@@ -171,7 +171,7 @@ impl PackedF32 {
 
     /// Panel `p`'s first value; the panel holds `cols * PANEL` values.
     fn panel_ptr(&self, p: usize) -> *const f32 {
-        debug_assert!(p < self.rows.div_ceil(PANEL));
+        guard!(p < self.rows.div_ceil(PANEL));
         self.data[p * self.cols * LINES_PER_COL..]
             .as_ptr()
             .cast::<f32>()
