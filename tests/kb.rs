@@ -504,6 +504,83 @@ fn a_collection_never_returns_another_collections_chunks() {
 }
 
 #[test]
+fn several_collections_rank_on_one_scale() {
+    // Normalised per collection, every collection's best hit scored 1: a lone chunk barely
+    // about the question outranked another collection's chunk that answers it, higher on
+    // BM25 and on cosine, because a paraphrase there scored the better cosine.
+    let dir = common::temp_dir("kb-across");
+    let mut kb = open(&dir);
+    ingest(
+        &mut kb,
+        "office",
+        vec![NewDocument::new(
+            "chairs.txt",
+            "Office chairs are replaced every five years.",
+        )],
+    );
+    ingest(
+        &mut kb,
+        "plant",
+        vec![
+            NewDocument::new("pumps.txt", PUMPS),
+            NewDocument::new(
+                "intake.txt",
+                "How frequently should the intake gate be swapped? Intake gates get changed yearly.",
+            ),
+        ],
+    );
+    let query = "how often is the inlet valve replaced";
+    let reqs = ["office", "plant"].map(|c| SearchRequest::new(c, query));
+    let hits = kb.search_many(&reqs).unwrap();
+    let names: Vec<&str> = hits.iter().map(|(_, h)| h.doc_name.as_str()).collect();
+    let pumps = hits
+        .iter()
+        .find(|(_, h)| h.doc_name == "pumps.txt")
+        .unwrap();
+    let chairs = hits
+        .iter()
+        .find(|(_, h)| h.doc_name == "chairs.txt")
+        .unwrap();
+    assert_eq!(reqs[pumps.0].collection, "plant");
+    assert_eq!(reqs[chairs.0].collection, "office");
+    // The answer has the higher BM25 and cosine of the two, so it ranks above.
+    assert!(
+        pumps.1.bm25 > chairs.1.bm25 && pumps.1.dense > chairs.1.dense,
+        "{hits:?}"
+    );
+    let rank = |n: &str| names.iter().position(|x| *x == n).unwrap();
+    assert!(rank("pumps.txt") < rank("chairs.txt"), "{names:?}");
+    // Searched one collection at a time and merged by score (as engramd did), the lone chunk
+    // came first: this data has the failure one ranking fixes.
+    let alone = |c: &str, doc: &str| {
+        let hits = kb.search(&SearchRequest::new(c, query)).unwrap().hits;
+        hits.iter().find(|h| h.doc_name == doc).unwrap().score
+    };
+    assert!(
+        alone("office", "chairs.txt") > alone("plant", "pumps.txt"),
+        "{hits:?}"
+    );
+    // No hit beats the first on both raw scores, and every fused score is on 0..=1.
+    let top = &hits[0].1;
+    for (_, h) in &hits {
+        assert!(!(h.bm25 > top.bm25 && h.dense > top.dense), "{hits:?}");
+        assert!((0.0..=1.0).contains(&h.score), "{hits:?}");
+    }
+    // A BM25 search's score is on the same scale (its raw score stays in `bm25`).
+    let mut bm25 = SearchRequest::new("plant", query);
+    bm25.mode = SearchMode::Bm25;
+    let res = kb.search(&bm25).unwrap();
+    assert_eq!(res.hits[0].score, 1.0);
+    assert!(res.hits[0].bm25.unwrap() > 1.0, "{:?}", res.hits[0]);
+    // Requests that ask different things of their collections are one search no more.
+    let mut other = SearchRequest::new("plant", "bread");
+    other.k = 3;
+    assert!(kb
+        .search_many(&[SearchRequest::new("office", "bread"), other])
+        .is_err());
+}
+
+#[test]
 fn metadata_filters_restrict_the_documents() {
     let dir = common::temp_dir("kb-meta");
     let mut kb = open(&dir);

@@ -261,53 +261,15 @@ impl KnowledgeBase {
     /// Ranked chunk ids and scores, without reading their text: the cheap half of
     /// [`search`](Self::search), for evaluation.
     pub fn retrieve(&self, req: &SearchRequest) -> Result<Retrieved> {
-        if req.query.len() > MAX_QUERY_BYTES {
-            return Err(crate::KbError::invalid(
-                "query",
-                format!(
-                    "{} bytes, more than the {MAX_QUERY_BYTES} a query may have",
-                    req.query.len()
-                ),
-            ));
-        }
-        let coll = self.collection(&req.collection)?;
-        let idx = self.indexes(&coll)?;
-        let filter = self.metadata_filter(&coll, &req.metadata)?;
-        let signal = match req.mode {
-            SearchMode::Hybrid => self.dense_signal(&req.query)?,
-            _ => DenseSignal::from_blind_share(0.0),
-        };
-        let dense_weight = match req.mode {
-            SearchMode::Bm25 => 0.0,
-            SearchMode::Dense => 1.0,
-            SearchMode::Hybrid => req.dense_weight * signal.scale,
-        };
-        if filter.as_ref().is_some_and(HashSet::is_empty) {
-            return Ok(Retrieved {
-                hits: Vec::new(),
-                signal,
-                dense_weight,
-                query_vector: None,
-            });
-        }
-        let query_vector = if dense_weight > 0.0 {
-            Some(self.models.embedder.embed_one(&req.query)?)
-        } else {
-            None
-        };
-        let hits = rank(
-            &idx.bm25,
-            &idx.vectors,
-            req,
-            query_vector.as_deref(),
-            dense_weight,
-            filter.as_ref(),
-        )?;
+        let plan = self.plan(req)?;
+        let (lexical, dense) = self.candidates(req, &plan)?;
+        let mut hits = fuse_sides(&lexical, &dense, req, plan.dense_weight);
+        hits.truncate(req.k);
         Ok(Retrieved {
             hits,
-            signal,
-            dense_weight,
-            query_vector,
+            signal: plan.signal,
+            dense_weight: plan.dense_weight,
+            query_vector: plan.query_vector,
         })
     }
 
@@ -315,12 +277,82 @@ impl KnowledgeBase {
     /// pages, scores and highlight ranges. A chunk that only BM25 found still gets its cosine
     /// similarity (from its stored vector) when the query was embedded.
     pub fn search(&self, req: &SearchRequest) -> Result<SearchResults> {
-        let r = self.retrieve(req)?;
-        let coll = self.collection(&req.collection)?;
-        let idx = self.indexes(&coll)?;
+        let (hits, plan) = self.search_in(std::slice::from_ref(req))?;
+        Ok(SearchResults {
+            hits: hits.into_iter().map(|(_, h)| h).collect(),
+            signal: plan.signal,
+            dense_weight: plan.dense_weight,
+        })
+    }
+
+    /// One search over several collections: `reqs` ask the same (query, mode, fusion, weights,
+    /// `k`) of one collection each, with its own metadata filter. Each side's candidates from
+    /// every collection are ranked together, so the fused score is on one scale across them:
+    /// normalised per collection, every collection's best hit would score 1 and a weak
+    /// collection's best would outrank a strong one's second. Returns the top `k`, each with the
+    /// index of the request (the collection) it came from.
+    pub fn search_many(&self, reqs: &[SearchRequest]) -> Result<Vec<(usize, SearchHit)>> {
+        if let Some(first) = reqs.first() {
+            let same = |r: &SearchRequest| {
+                (&r.query, r.mode, r.k, r.candidates, r.fusion)
+                    == (
+                        &first.query,
+                        first.mode,
+                        first.k,
+                        first.candidates,
+                        first.fusion,
+                    )
+                    && r.bm25_weight == first.bm25_weight
+                    && r.dense_weight == first.dense_weight
+            };
+            if !reqs.iter().all(same) {
+                return Err(crate::KbError::invalid(
+                    "collections",
+                    "a search over several collections asks the same of each (query, mode, \
+                     fusion, weights, k)",
+                ));
+            }
+        }
+        Ok(self.search_in(reqs)?.0)
+    }
+
+    /// [`search_many`](Self::search_many), and the query's plan.
+    fn search_in(&self, reqs: &[SearchRequest]) -> Result<(Vec<(usize, SearchHit)>, Plan)> {
+        let Some(first) = reqs.first() else {
+            return Ok((Vec::new(), Plan::none()));
+        };
+        let plan = self.plan(first)?;
+        let mut colls = Vec::with_capacity(reqs.len());
+        let mut lexical = Vec::new();
+        let mut dense = Vec::new();
+        let mut source: HashMap<u64, usize> = HashMap::new();
+        for (i, req) in reqs.iter().enumerate() {
+            let coll = self.collection(&req.collection)?;
+            let (l, d) = self.candidates(req, &plan)?;
+            for h in l.iter().chain(&d) {
+                source.insert(h.chunk_id, i);
+            }
+            lexical.extend(l);
+            dense.extend(d);
+            colls.push(coll);
+        }
+        // Several collections' lists merged, best first as one collection's are (ties: the
+        // lower chunk id); one collection's stay in the order its indexes gave.
+        if reqs.len() > 1 {
+            for side in [&mut lexical, &mut dense] {
+                side.sort_by(|a, b| {
+                    b.score
+                        .total_cmp(&a.score)
+                        .then(a.chunk_id.cmp(&b.chunk_id))
+                });
+            }
+        }
+        let mut fused = fuse_sides(&lexical, &dense, first, plan.dense_weight);
+        fused.truncate(first.k);
         let mut docs: HashMap<u64, Document> = HashMap::new();
-        let mut hits = Vec::with_capacity(r.hits.len());
-        for f in &r.hits {
+        let mut hits = Vec::with_capacity(fused.len());
+        for f in &fused {
+            let i = source[&f.chunk_id];
             // An index entry the catalog no longer has (never expected) is skipped, not shown.
             let Some(chunk) = self.catalog.chunk(f.chunk_id)? else {
                 continue;
@@ -334,32 +366,83 @@ impl KnowledgeBase {
                     e.insert(d)
                 }
             };
-            let dense = match (f.dense, &r.query_vector) {
+            let dense = match (f.dense, &plan.query_vector) {
                 (Some(d), _) => Some(d),
                 (None, Some(q)) => self.catalog.embedding(chunk.id)?.map(|v| cosine(&v, q)),
                 (None, None) => None,
             };
-            hits.push(SearchHit {
-                chunk_id: chunk.id,
-                doc_id: doc.id,
-                doc_name: doc.name.clone(),
-                doc_title: doc.title.clone(),
-                ordinal: chunk.ordinal,
-                highlights: idx.bm25.highlight(&req.query, &chunk.text),
-                bytes: chunk.bytes,
-                chars: chunk.chars,
-                page: chunk.page,
-                text: chunk.text,
-                bm25: f.bm25,
-                dense,
-                score: f.score,
-            });
+            let idx = self.indexes(&colls[i])?;
+            hits.push((
+                i,
+                SearchHit {
+                    chunk_id: chunk.id,
+                    doc_id: doc.id,
+                    doc_name: doc.name.clone(),
+                    doc_title: doc.title.clone(),
+                    ordinal: chunk.ordinal,
+                    highlights: idx.bm25.highlight(&first.query, &chunk.text),
+                    bytes: chunk.bytes,
+                    chars: chunk.chars,
+                    page: chunk.page,
+                    text: chunk.text,
+                    bm25: f.bm25,
+                    dense,
+                    score: f.score,
+                },
+            ));
         }
-        Ok(SearchResults {
-            hits,
-            signal: r.signal,
-            dense_weight: r.dense_weight,
+        Ok((hits, plan))
+    }
+
+    /// The query's side of a search: how much the dense side can say about it, the dense
+    /// weight it gets, and its vector when the dense side runs.
+    fn plan(&self, req: &SearchRequest) -> Result<Plan> {
+        if req.query.len() > MAX_QUERY_BYTES {
+            return Err(crate::KbError::invalid(
+                "query",
+                format!(
+                    "{} bytes, more than the {MAX_QUERY_BYTES} a query may have",
+                    req.query.len()
+                ),
+            ));
+        }
+        let signal = match req.mode {
+            SearchMode::Hybrid => self.dense_signal(&req.query)?,
+            _ => DenseSignal::from_blind_share(0.0),
+        };
+        let dense_weight = match req.mode {
+            SearchMode::Bm25 => 0.0,
+            SearchMode::Dense => 1.0,
+            SearchMode::Hybrid => req.dense_weight * signal.scale,
+        };
+        let query_vector = if dense_weight > 0.0 {
+            Some(self.models.embedder.embed_one(&req.query)?)
+        } else {
+            None
+        };
+        Ok(Plan {
+            signal,
+            dense_weight,
+            query_vector,
         })
+    }
+
+    /// Each side's candidates in `req`'s collection, among the documents its metadata allows.
+    fn candidates(&self, req: &SearchRequest, plan: &Plan) -> Result<(Vec<Hit>, Vec<Hit>)> {
+        let coll = self.collection(&req.collection)?;
+        let idx = self.indexes(&coll)?;
+        let filter = self.metadata_filter(&coll, &req.metadata)?;
+        if filter.as_ref().is_some_and(HashSet::is_empty) {
+            return Ok((Vec::new(), Vec::new()));
+        }
+        candidates(
+            &idx.bm25,
+            &idx.vectors,
+            req,
+            plan.query_vector.as_deref(),
+            plan.dense_weight,
+            filter.as_ref(),
+        )
     }
 
     /// Mean recall@k of the HNSW search against exact search, over these queries.
@@ -393,6 +476,24 @@ impl KnowledgeBase {
     }
 }
 
+/// The query's side of a search ([`KnowledgeBase::plan`]).
+struct Plan {
+    signal: DenseSignal,
+    dense_weight: f32,
+    query_vector: Option<Vec<f32>>,
+}
+
+impl Plan {
+    /// The plan of no search at all.
+    fn none() -> Plan {
+        Plan {
+            signal: DenseSignal::from_blind_share(0.0),
+            dense_weight: 0.0,
+            query_vector: None,
+        }
+    }
+}
+
 /// The ranking half of [`KnowledgeBase::retrieve`], on one collection's two indexes: BM25's
 /// and the vector index's top `req.candidates` (at least `req.k`) among the documents `filter`
 /// allows, fused as `req` says with the dense side weighed `dense_weight` (hybrid), cut to
@@ -408,6 +509,22 @@ pub fn rank(
     dense_weight: f32,
     filter: DocFilter<'_>,
 ) -> Result<Vec<Fused>> {
+    let (lexical, dense) = candidates(bm25, vectors, req, query_vector, dense_weight, filter)?;
+    let mut hits = fuse_sides(&lexical, &dense, req, dense_weight);
+    hits.truncate(req.k);
+    Ok(hits)
+}
+
+/// BM25's and the vector index's top `req.candidates` (at least `req.k`), best first: the
+/// sides `req.mode` and `dense_weight` run.
+fn candidates(
+    bm25: &Bm25Index,
+    vectors: &VectorIndex,
+    req: &SearchRequest,
+    query_vector: Option<&[f32]>,
+    dense_weight: f32,
+    filter: DocFilter<'_>,
+) -> Result<(Vec<Hit>, Vec<Hit>)> {
     let candidates = req.candidates.max(req.k);
     let lexical: Vec<Hit> = match req.mode {
         SearchMode::Dense => Vec::new(),
@@ -417,32 +534,38 @@ pub fn rank(
         Some(q) if dense_weight > 0.0 => vectors.search(q, candidates, filter)?,
         _ => Vec::new(),
     };
-    let mut hits = match req.mode {
-        SearchMode::Bm25 => lexical.iter().map(|h| single(h, true)).collect(),
-        SearchMode::Dense => dense.iter().map(|h| single(h, false)).collect(),
-        SearchMode::Hybrid if dense.is_empty() => lexical.iter().map(|h| single(h, true)).collect(),
+    Ok((lexical, dense))
+}
+
+/// The ranking of a search's candidates, best first: hybrid fuses both sides as `req` says; a
+/// search of one side, or a hybrid one whose dense side was skipped, ranks by that side's
+/// scores min-max normalised over the candidates. Either way `score` is on one scale, 0 to 1
+/// (RRF aside), and each side's raw score stays beside it (`bm25`, `dense`): a BM25 score of
+/// 11.3 and a fused 0.8 are not put side by side.
+fn fuse_sides(
+    lexical: &[Hit],
+    dense: &[Hit],
+    req: &SearchRequest,
+    dense_weight: f32,
+) -> Vec<Fused> {
+    let alone = |bm25_weight: f32| Fusion {
+        mode: FusionMode::Weighted,
+        bm25_weight,
+        dense_weight: 1.0 - bm25_weight,
+    };
+    match req.mode {
+        SearchMode::Bm25 => fuse(lexical, &[], alone(1.0)),
+        SearchMode::Dense => fuse(&[], dense, alone(0.0)),
+        SearchMode::Hybrid if dense.is_empty() => fuse(lexical, &[], alone(1.0)),
         SearchMode::Hybrid => fuse(
-            &lexical,
-            &dense,
+            lexical,
+            dense,
             Fusion {
                 mode: req.fusion,
                 bm25_weight: req.bm25_weight,
                 dense_weight,
             },
         ),
-    };
-    hits.truncate(req.k);
-    Ok(hits)
-}
-
-/// One side's hit as a fused candidate.
-fn single(h: &Hit, is_bm25: bool) -> Fused {
-    Fused {
-        chunk_id: h.chunk_id,
-        doc_id: h.doc_id,
-        bm25: is_bm25.then_some(h.score),
-        dense: (!is_bm25).then_some(h.score),
-        score: h.score,
     }
 }
 

@@ -115,8 +115,9 @@ impl Hit {
     }
 }
 
-/// Searches every collection (each checked against the key's grants), merges by score and
-/// keeps the best `top_k`.
+/// Searches every collection (each checked against the key's grants) as one ranking
+/// ([`engram_kb::KnowledgeBase::search_many`]: scores on one scale across them) and keeps the
+/// best `top_k`.
 pub async fn retrieve(
     s: &AppState,
     caller: &Principal,
@@ -158,19 +159,17 @@ pub async fn retrieve(
             r
         })
         .collect();
-    let results =
+    let hits =
         s.kb.call(move |kb| {
-            reqs.iter()
-                .map(|r| kb.search(r).map(|res| (r.collection.clone(), res.hits)))
-                .collect::<engram_kb::Result<Vec<_>>>()
+            let found = kb.search_many(&reqs)?;
+            Ok::<_, engram_kb::KbError>(
+                found
+                    .into_iter()
+                    .map(|(i, h)| Hit::new(&reqs[i].collection, h))
+                    .collect::<Vec<_>>(),
+            )
         })
         .await??;
-    let mut hits: Vec<Hit> = results
-        .into_iter()
-        .flat_map(|(c, hits)| hits.into_iter().map(move |h| Hit::new(&c, h)))
-        .collect();
-    hits.sort_by(|a, b| b.score.total_cmp(&a.score));
-    hits.truncate(top_k);
     Ok(hits)
 }
 

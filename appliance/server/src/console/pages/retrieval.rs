@@ -243,22 +243,20 @@ async fn run(s: &AppState, v: &Viewer, p: &Params) -> Result<(Vec<HitRow>, f64),
         })
         .collect();
     let t = Instant::now();
-    let results =
+    let hits =
         s.kb.call(move |kb| {
-            reqs.iter()
-                .map(|r| kb.search(r).map(|res| (r.collection.clone(), res.hits)))
-                .collect::<engram_kb::Result<Vec<_>>>()
+            let found = kb.search_many(&reqs)?;
+            Ok::<_, engram_kb::KbError>(
+                found
+                    .into_iter()
+                    .map(|(i, h)| (reqs[i].collection.clone(), h))
+                    .collect::<Vec<_>>(),
+            )
         })
         .await
         .map_err(|e| e.to_string())?
         .map_err(|e| e.to_string())?;
     let took = t.elapsed().as_secs_f64() * 1e3;
-    let mut hits: Vec<_> = results
-        .into_iter()
-        .flat_map(|(c, hs)| hs.into_iter().map(move |h| (c.clone(), h)))
-        .collect();
-    hits.sort_by(|a, b| b.1.score.total_cmp(&a.1.score));
-    hits.truncate(p.top_k);
     s.console.queries.record(
         "console",
         &v.user,
