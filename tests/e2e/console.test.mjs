@@ -36,6 +36,8 @@ const context = await chromium.launchPersistentContext(profile, {
   ],
   locale: "en-US",
   viewport: { width: 1366, height: 900 },
+  // The API key's copy button.
+  permissions: ["clipboard-read", "clipboard-write"],
 });
 const page = context.pages()[0] ?? (await context.newPage());
 page.setDefaultTimeout(30_000);
@@ -65,6 +67,16 @@ try {
 
   step("create a knowledge base");
   await page.goto(`${URL}/console/kb`);
+  // A name the rule refuses says the rule, not the browser's "Please match the requested
+  // format.", and is not sent.
+  await page.fill('#kb-create input[name="name"]', "my kb");
+  await page.click('#kb-create button[type="submit"]');
+  assert.match(
+    await page.$eval('#kb-create input[name="name"]', (el) => el.validationMessage),
+    /letters, digits/,
+    "the name's rule is the message",
+  );
+  assert.match(page.url(), /\/console\/kb$/, "a refused name is not sent");
   await page.fill('#kb-create input[name="name"]', KB);
   await Promise.all([page.waitForURL(/\/console\/kb\/handbook/), page.click('#kb-create button[type="submit"]')]);
   assert.ok(await page.isVisible(".flash.ok"), "a notice says the knowledge base exists");
@@ -89,10 +101,40 @@ try {
   assert.doesNotMatch(page.url(), /ok=/, "the notice leaves the address");
   await page.waitForSelector('tr[data-doc="leave-policy.md"][data-stage="done"]', { timeout: 180_000 });
   await shot("03-documents");
+
+  step("uploads no parser reads are refused; a failed document keeps its row one line high");
+  await page.setInputFiles("#upload-files", [
+    { name: "scan.png", mimeType: "image/png", buffer: Buffer.from("89504e470d0a1a0a0000000d49484452", "hex") },
+    { name: "broken.pdf", mimeType: "application/pdf", buffer: Buffer.from("%PDF-1.4 not really a PDF") },
+  ]);
+  await page.click('#upload-form button[type="submit"]');
+  await page.waitForSelector("#upload-progress li.flash.error");
+  assert.match(
+    await page.innerText("#upload-progress"),
+    /scan\.png: not a format Engram reads; upload PDF, DOCX, HTML, Markdown or plain text/,
+    "the refused file's reason stays on the page",
+  );
+  await page.waitForSelector('tr[data-doc="broken.pdf"][data-stage="failed"]', { timeout: 60_000 });
+  assert.equal(await page.locator('tr[data-doc="scan.png"]').count(), 0, "the image was not stored");
+  const height = async (doc) => (await page.locator(`tr[data-doc="${doc}"]`).boundingBox()).height;
+  const [failedRow, doneRow] = [await height("broken.pdf"), await height("leave-policy.md")];
+  assert.ok(failedRow <= doneRow * 1.25, `the failed row is ${failedRow} px high, the done one ${doneRow} px`);
+  assert.ok(
+    (await page.getAttribute('tr[data-doc="broken.pdf"] .error-text', "title")).length > 0,
+    "the failure's message is the label's tooltip",
+  );
+  assert.deepEqual(
+    [await page.innerText('tr[data-doc="broken.pdf"] td.actions'), await page.innerText('tr[data-doc="leave-policy.md"] td.actions')].map((t) => t.match(/Retry|Re-index/g)),
+    [["Retry"], ["Re-index"]],
+    "Retry on the failed document, Re-index on the done one",
+  );
+  assert.match(await page.innerText("#kb-counts"), /^2 \(1 failed\)/, "the settings card counts both documents");
+  await shot("03b-documents-failed");
   await page.click('tr[data-doc="leave-policy.md"] a');
   await page.waitForSelector("article.chunk");
   await shot("04-document-chunks");
   await page.goto(`${URL}/console/kb`);
+  assert.match(await page.innerText(`tr:has(a[href="/console/kb/${KB}"])`), /2 \(1 failed\)/, "the list counts failed documents and says so");
   await shot("05-knowledge-bases");
 
   step("retrieval test");
@@ -136,6 +178,9 @@ try {
   await page.click('#key-form button[type="submit"]');
   const key = (await page.innerText("#new-key-value")).trim();
   assert.match(key, /^egk_[A-Za-z0-9]{8}_[A-Za-z0-9]{32}$/);
+  await page.click("#copy-key");
+  await page.waitForFunction(() => document.getElementById("copy-key").textContent === "Copied");
+  assert.equal(await page.evaluate(() => navigator.clipboard.readText()), key, "the copy button copies the key");
   const id = key.slice(4, 12);
   assert.match(await page.innerText(`tr[data-key="${id}"]`), /e2e reader[\s\S]*never/);
   const check = await fetch(`${URL}/api/v1/collections`, { headers: { Authorization: `Bearer ${key}` } });
@@ -168,6 +213,11 @@ try {
   const after = await fetch(`${URL}/api/v1/collections`, { headers: { Authorization: `Bearer ${key}` } });
   assert.equal(after.status, 401, "the revoked key is refused");
   await shot("10-api-key-revoked");
+
+  step("dashboard: refused keys counted apart from the generation queue");
+  await page.goto(`${URL}/console/`);
+  assert.match(await page.innerText("#auth-refused"), /^[1-9]\d* refused: missing or wrong key$/);
+  assert.equal(await page.innerText("#queue-rejected"), "0 turned away (queue full)");
 
   step("users, settings, audit");
   for (const [path, name] of [
@@ -230,6 +280,12 @@ try {
   await shot("15-documents-zh");
   await page.goto(`${URL}/console/chat`);
   await shot("16-chat-zh");
+  // No knowledge base ticked: the message is in Chinese (it was the API's English).
+  for (const box of await page.locator('#chat-form input[name="collections"]').all()) await box.uncheck();
+  await page.fill('#chat-form textarea[name="question"]', "年假有多少天？");
+  await page.click("#chat-submit");
+  await page.waitForSelector("#answer-error:not([hidden])");
+  assert.match(await page.innerText("#answer-error"), /请至少勾选一个知识库/);
   await page.goto(`${URL}/console/audit`);
   await shot("17-audit-zh");
 
@@ -276,6 +332,13 @@ try {
     if (runs.length) found[path] = [...new Set(runs)];
   }
   assert.deepEqual(found, {}, "untranslated text on the Chinese pages");
+
+  step("delete a knowledge base: a notice says so");
+  await page.goto(`${URL}/console/kb/manual/delete`);
+  await page.fill('input[name="confirm"]', "manual");
+  await Promise.all([page.waitForURL(/\/console\/kb(\?|$)/), page.click('form button[type="submit"].danger')]);
+  assert.match(await page.innerText(".flash.ok"), /知识库已删除/);
+  assert.equal(await page.locator('a[href="/console/kb/manual"]').count(), 0, "the knowledge base is gone");
 
   assert.deepEqual(errors, [], "no script errors in the pages");
   step("ok");

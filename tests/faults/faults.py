@@ -515,6 +515,31 @@ def scenario_disk_full_data(args, work):
         d, http = new_daemon(args, work, "dfd", os.path.join(mnt, "data"), small_reserve=False)
         d.start()
         http.call("POST", "/api/v1/collections", {"name": "s"})
+        # Filled by another program while the daemon is down: the next start gives the ballast
+        # back, which must leave the catalog what it needs to open (half a small disk's reserve
+        # did not, and the knowledge base retried for ever). It serves read-only, and takes
+        # writes again once the space is back, without a restart.
+        d.term()
+        fill(mnt, name="while-down")
+        d.start()
+        kb_open = None
+        for _ in range(60):
+            st, ready = http.call("GET", "/readyz")
+            kb_open = ready.get("checks", {}).get("knowledge_base", {}) if isinstance(ready, dict) else {}
+            if kb_open.get("ok"):
+                break
+            time.sleep(0.5)
+        check(kb_open.get("ok"), f"a disk filled while the daemon was down: the knowledge base "
+                                 f"did not open: {ready}")
+        os.remove(os.path.join(mnt, "while-down"))
+        writable = False
+        for _ in range(60):
+            st, _ = http.text("s", "after-full.txt", "written once the disk had room again")
+            if st == 202:
+                writable = True
+                break
+            time.sleep(0.5)
+        check(writable, "writes did not resume after the disk filled while down had room again")
         # Another program takes most of the disk, so uploads reach its end in a bounded time
         # however fast ingestion keeps up.
         fill(mnt, leave=args.fill_free_mib << 20)

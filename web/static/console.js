@@ -13,6 +13,36 @@
     history.replaceState(null, "", location.pathname + (rest ? "?" + rest : "") + location.hash);
   }
 
+  // A field with a rule (a pattern and a title) states the rule in the page's language when
+  // its value breaks it, instead of the browser's own "Please match the requested format.".
+  document.querySelectorAll("input[pattern][title]").forEach(function (input) {
+    input.addEventListener("invalid", function () {
+      if (input.validity.patternMismatch) input.setCustomValidity(input.title);
+    });
+    input.addEventListener("input", function () { input.setCustomValidity(""); });
+  });
+
+  // Copy buttons: <button data-copy="ID" data-copied="label"> copies the element's text. The
+  // clipboard API needs a secure context (HTTPS or localhost); over plain HTTP the text is
+  // selected and copied the old way.
+  document.querySelectorAll("button[data-copy]").forEach(function (b) {
+    b.addEventListener("click", function () {
+      var el = document.getElementById(b.getAttribute("data-copy"));
+      var text = el.textContent.trim();
+      var done = function () { b.textContent = b.getAttribute("data-copied"); };
+      var fallback = function () {
+        var range = document.createRange();
+        range.selectNodeContents(el);
+        var sel = window.getSelection();
+        sel.removeAllRanges();
+        sel.addRange(range);
+        if (document.execCommand("copy")) done();
+      };
+      if (navigator.clipboard && window.isSecureContext) navigator.clipboard.writeText(text).then(done, fallback);
+      else fallback();
+    });
+  });
+
   // Irreversible actions (revoking a key, deleting a user) ask first: <form data-confirm="...">.
   document.querySelectorAll("form[data-confirm]").forEach(function (f) {
     f.addEventListener("submit", function (e) {
@@ -64,7 +94,28 @@
       form.querySelector("button[type=submit]").disabled = true;
       var next = function (i) {
         if (i === files.length) {
-          location.href = location.pathname + "?ok=" + (failed ? "flash.upload_partial" : "flash.uploaded");
+          if (!failed) {
+            location.href = location.pathname + "?ok=flash.uploaded";
+            return;
+          }
+          // A refused file's reason stays on the page (a redirect would take it away); the
+          // document list refreshes with the files that were taken.
+          var note = document.createElement("li");
+          note.className = "flash error";
+          note.setAttribute("role", "alert");
+          note.textContent = form.getAttribute("data-partial");
+          list.appendChild(note);
+          form.querySelector("button[type=submit]").disabled = false;
+          input.value = "";
+          fetch(location.href, { credentials: "same-origin" })
+            .then(function (r) { return r.text(); })
+            .then(function (html) {
+              var page = new DOMParser().parseFromString(html, "text/html");
+              ["docs", "kb-settings"].forEach(function (id) {
+                var el = document.getElementById(id), fresh = page.getElementById(id);
+                if (el && fresh) { el.replaceWith(fresh); live(fresh); }
+              });
+            });
           return;
         }
         var f = files[i];
@@ -189,7 +240,8 @@
             else if (typeof v === "number") td.textContent = f.slice(-3) === "_ms" ? v.toFixed(1) + " ms" : String(v);
           });
         } else if (event === "done") {
-          status.textContent = d.policy + " · " + d.finish_reason;
+          // "none": no passage was about the question, and no policy ran.
+          status.textContent = d.policy === "none" ? chat.getAttribute("data-no-passages") : d.policy + " · " + d.finish_reason;
           answer.setAttribute("data-done", "1");
         } else if (event === "error") {
           errBox.textContent = (d.error && d.error.message) || data;

@@ -1048,9 +1048,11 @@ impl AnswerStart {
 
     /// Whether an answer that is `text` so far (all of it, with `whole`) comes from the
     /// passages: at least one in [`GROUNDED_ONE_IN`] of its first [`GROUNDING_WORDS`] own
-    /// words (those the question does not have, [`ground_units`]) are in them. `None` while the answer has
-    /// fewer own words and may still get more; an answer without own words is not judged here
-    /// (it may say that what the question asks is so).
+    /// words (those the question does not have, [`ground_units`]) are in them. An answer
+    /// without own words is not judged here (it may say that what the question asks is so).
+    /// Decided as soon as no word still to come can change it: enough own words already
+    /// found, or too many missed, however many of the [`GROUNDING_WORDS`] follow (a short
+    /// answer's start goes out then, not when the answer ends); `None` until then.
     fn grounded(&self, text: &str, whole: bool) -> Option<bool> {
         let Some(passages) = &self.passages else {
             return Some(true);
@@ -1060,11 +1062,21 @@ impl AnswerStart {
             .filter(|u| !self.ground_question.contains(u))
             .take(GROUNDING_WORDS)
             .collect();
-        if own.len() < GROUNDING_WORDS && !whole {
-            return None;
-        }
         let found = own.iter().filter(|u| passages.contains(*u)).count();
-        Some(found * GROUNDED_ONE_IN >= own.len())
+        let grounded = |found: usize, words: usize| found * GROUNDED_ONE_IN >= words;
+        if whole || own.len() == GROUNDING_WORDS {
+            return Some(grounded(found, own.len()));
+        }
+        // The answer ends with between `own.len()` and GROUNDING_WORDS own words, each still
+        // to come found or not: the outcome is known when it is the same at both ends.
+        let to_come = GROUNDING_WORDS - own.len();
+        if grounded(found, GROUNDING_WORDS) {
+            Some(true)
+        } else if !grounded(found, own.len()) && !grounded(found + to_come, GROUNDING_WORDS) {
+            Some(false)
+        } else {
+            None
+        }
     }
 
     /// Whether an answer that is `text` so far (all of it, with `whole`) is not supported by the
@@ -1966,16 +1978,23 @@ mod tests {
             "The Spanish destroyed it."
         );
         assert_eq!(answer(q, &["New Holland"], false).0, "New Holland");
-        // Held back until four own words have come, then streamed.
+        // Held back until no own word still to come can change the outcome (two of the four
+        // are the passages' here: "Fort" and "Caroline"), then streamed.
         let mut out = OutputText::answer(q, &[]);
         out.or_sentence(sentence);
         out.from_passages(passages);
         assert_eq!(out.push("It was Fort").0, "");
-        assert_eq!(out.push(" Caroline on the").0, "");
         assert_eq!(
-            out.push(" St. Johns River").0,
-            "It was Fort Caroline on the St. Johns River"
+            out.push(" Caroline on the").0,
+            "It was Fort Caroline on the"
         );
+        assert_eq!(out.push(" St. Johns River").0, " St. Johns River");
+        // Three own words none of them has: the sentence, before a fourth can come.
+        let mut out = OutputText::answer(q, &[]);
+        out.or_sentence(sentence);
+        out.from_passages(passages);
+        assert_eq!(out.push("New Holland, Dutch").0, "");
+        assert_eq!(out.push(" traders").0, sentence);
         // A Chinese question answered by an English formula.
         let zh = "1564年，法国人建立了卡罗琳堡。";
         let mut out = OutputText::answer("1564年法国人建立的殖民地叫什么？", &[]);

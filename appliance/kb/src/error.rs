@@ -94,6 +94,11 @@ pub enum KbError {
         reason: String,
     },
 
+    /// An upload in a format no parser reads (by its name's extension and its first bytes):
+    /// refused before it is stored. The message names the formats that are read.
+    #[error("{0}")]
+    UnsupportedFormat(engram_parse::ParseError),
+
     /// The embedder failed.
     #[error("embedding: {0}")]
     Embed(#[from] engram_embed::EmbedError),

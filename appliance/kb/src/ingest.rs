@@ -502,6 +502,9 @@ impl KnowledgeBase {
     /// existing name does.
     pub fn accept(&mut self, collection: &str, nd: NewDocument) -> Result<Accepted> {
         validate_doc(&nd)?;
+        // A format nothing reads (an image, an archive) is refused now, not failed a moment
+        // after the upload was acknowledged.
+        engram_parse::detect_format(&nd.name, &nd.bytes).map_err(KbError::UnsupportedFormat)?;
         let mut coll = self.collection(collection)?;
         let (id, outcome) = self.store_doc(&mut coll, &nd, true)?;
         if outcome != Admission::Unchanged {

@@ -67,7 +67,28 @@ pub struct RawConfig {
     pub storage: RawStorage,
     #[serde(default)]
     pub gpu: RawGpu,
+    #[serde(default)]
+    pub openai: RawOpenAi,
 }
+
+/// `[openai]`: the OpenAI-compatible endpoints.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawOpenAi {
+    /// Model names `/v1/embeddings` answers with the served embedder, beside its own id, its
+    /// plain name and `engram`: what OpenAI's clients send by default (LangChain's
+    /// `OpenAIEmbeddings()` asks for `text-embedding-ada-002`). Default
+    /// [`DEFAULT_EMBEDDING_ALIASES`]; `[]` turns them off. Listed in `/v1/models`.
+    pub embedding_aliases: Option<Vec<String>>,
+}
+
+/// OpenAI's embedding models, which clients name by default: answered by the served embedder
+/// (its own vectors, 384 wide for all-MiniLM-L6-v2, not OpenAI's).
+pub const DEFAULT_EMBEDDING_ALIASES: [&str; 3] = [
+    "text-embedding-ada-002",
+    "text-embedding-3-small",
+    "text-embedding-3-large",
+];
 
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -205,6 +226,8 @@ pub struct Config {
     pub tls: crate::tls::TlsSetting,
     /// `[gpu] serving = "auto"`: decode on a GPU when one is usable.
     pub gpu_serving: bool,
+    /// See [`RawOpenAi::embedding_aliases`].
+    pub embedding_aliases: Vec<String>,
 }
 
 /// Prefix cache budget when the file says nothing: the system prompt and chat template of
@@ -410,6 +433,26 @@ impl RawConfig {
                 ))
             }
         };
+        let embedding_aliases = self
+            .openai
+            .embedding_aliases
+            .unwrap_or_else(|| DEFAULT_EMBEDDING_ALIASES.map(str::to_owned).to_vec());
+        for (i, a) in embedding_aliases.iter().enumerate() {
+            if a.trim().is_empty() || a.trim() != a || a == "engram" {
+                return Err(ServerError::config(
+                    "openai.embedding_aliases",
+                    format!(
+                        "{a:?}: an alias is a model name without spaces around it, not `engram`"
+                    ),
+                ));
+            }
+            if embedding_aliases[..i].contains(a) {
+                return Err(ServerError::config(
+                    "openai.embedding_aliases",
+                    format!("{a:?} is listed twice"),
+                ));
+            }
+        }
         Ok(Config {
             tls,
             listen,
@@ -440,6 +483,7 @@ impl RawConfig {
             max_query_bytes,
             storage_reserve_bytes: self.storage.reserve_mib.map(|m| m << 20),
             gpu_serving,
+            embedding_aliases,
         })
     }
 }

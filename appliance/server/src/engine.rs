@@ -185,6 +185,8 @@ impl Sampling {
 /// The end of a job.
 #[derive(Clone, Debug)]
 pub struct Summary {
+    /// The fusion policy the prefill ran under (`full` when fusion did not apply), or
+    /// [`NO_PREFILL`].
     pub policy: String,
     pub fusion_disabled: Option<String>,
     pub prompt_tokens: usize,
@@ -195,6 +197,10 @@ pub struct Summary {
     pub finish_reason: &'static str,
     pub timings: serde_json::Value,
 }
+
+/// [`Summary::policy`] of an answer no model wrote: no retrieved passage was about the
+/// question, and the answer is "I don't know" without a prefill.
+pub const NO_PREFILL: &str = "none";
 
 /// Facts about the loaded model, fixed at start.
 #[derive(Clone, Debug)]
@@ -313,7 +319,8 @@ impl EngineHandle {
             if passages.is_empty() {
                 let _ = events.try_send(Event::Token(no_answer(question).to_owned()));
                 let _ = events.try_send(Event::Done(Summary {
-                    policy: Policy::Full.name(),
+                    // No prefill ran, under any policy: the answer is the fixed one.
+                    policy: NO_PREFILL.to_owned(),
                     fusion_disabled: None,
                     prompt_tokens: 0,
                     cached_tokens: 0,
@@ -455,6 +462,10 @@ struct Active<'t> {
     started: Instant,
     decode_start: Instant,
     first_token: Option<Duration>,
+    /// When the first text went out: after the first token for most answers, later where a
+    /// RAG answer's start is held back until its checks decide
+    /// (`engram_fusion::OutputText`).
+    first_visible: Option<Duration>,
     policy: Policy,
     fusion_disabled: Option<String>,
     prompt_tokens: usize,
@@ -773,6 +784,7 @@ impl Engine {
             if a.job.events.try_send(Event::Token(piece)).is_err() {
                 return Advance::Cancelled;
             }
+            a.first_visible.get_or_insert_with(|| a.started.elapsed());
         }
         if ended || finished {
             return Advance::Finished("stop");
@@ -952,8 +964,11 @@ impl Engine {
         {
             return;
         }
-        if !tail.is_empty() && a.job.events.try_send(Event::Token(tail)).is_err() {
-            return;
+        if !tail.is_empty() {
+            if a.job.events.try_send(Event::Token(tail)).is_err() {
+                return;
+            }
+            a.first_visible.get_or_insert_with(|| a.started.elapsed());
         }
         self.metrics
             .generated_tokens
@@ -968,6 +983,11 @@ impl Engine {
         timings.insert(
             "first_token_ms".into(),
             a.first_token.map_or(0.0, ms).into(),
+        );
+        // What a reader waits for: the first text that went out (0 when none did).
+        timings.insert(
+            "first_visible_ms".into(),
+            a.first_visible.map_or(0.0, ms).into(),
         );
         timings.insert("decode_ms".into(), ms(a.decode_start.elapsed()).into());
         timings.insert("generated_tokens".into(), a.generated.into());
@@ -1286,6 +1306,7 @@ impl Engine {
             started,
             decode_start: Instant::now(),
             first_token: None,
+            first_visible: None,
             policy,
             fusion_disabled,
             prompt_tokens: prompt.len(),

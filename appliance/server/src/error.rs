@@ -110,6 +110,10 @@ pub enum ApiError {
     #[error("request body larger than the limit of {limit} bytes")]
     PayloadTooLarge { limit: usize },
 
+    /// A request header (or all of them) larger than the server reads.
+    #[error("request headers larger than the limit of {limit} bytes")]
+    HeadersTooLarge { limit: usize },
+
     #[error("{what} not found")]
     NotFound { what: String },
 
@@ -161,6 +165,7 @@ impl ApiError {
             }
             ApiError::Invalid { .. } | ApiError::BadJson { .. } => StatusCode::BAD_REQUEST,
             ApiError::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            ApiError::HeadersTooLarge { .. } => StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
             ApiError::NotFound { .. } | ApiError::ModelNotFound { .. } => StatusCode::NOT_FOUND,
             ApiError::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
             ApiError::InsufficientStorage { .. } => StatusCode::INSUFFICIENT_STORAGE,
@@ -173,6 +178,7 @@ impl ApiError {
                     StatusCode::CONFLICT
                 }
                 KbError::Invalid { .. } => StatusCode::BAD_REQUEST,
+                KbError::UnsupportedFormat(_) => StatusCode::UNSUPPORTED_MEDIA_TYPE,
                 _ => StatusCode::INTERNAL_SERVER_ERROR,
             },
             ApiError::Fusion(e) => match e {
@@ -196,6 +202,7 @@ impl ApiError {
             ApiError::Invalid { .. } => "invalid_request",
             ApiError::BadJson { .. } => "invalid_json",
             ApiError::PayloadTooLarge { .. } => "payload_too_large",
+            ApiError::HeadersTooLarge { .. } => "headers_too_large",
             ApiError::NotFound { .. } => "not_found",
             ApiError::ModelNotFound { .. } => "model_not_found",
             ApiError::MethodNotAllowed => "method_not_allowed",
@@ -207,6 +214,7 @@ impl ApiError {
                 }
                 KbError::CollectionExists { .. } | KbError::WrongStage { .. } => "conflict",
                 KbError::Invalid { .. } => "invalid_request",
+                KbError::UnsupportedFormat(_) => "unsupported_media_type",
                 _ => "knowledge_base_error",
             },
             ApiError::Fusion(e) => match e {

@@ -18,6 +18,7 @@ mod decode;
 mod engine;
 mod error;
 pub mod gpu;
+mod http;
 mod kbtask;
 mod lifecycle;
 mod metrics;

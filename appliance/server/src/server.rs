@@ -159,7 +159,15 @@ impl Daemon {
             },
             metrics.clone(),
         )?;
-        tracing::info!(embedder = %kb.embed_model, "knowledge base open");
+        // Not open yet on a disk too full for the catalog: the knowledge-base thread said why
+        // (ERROR) and tries again; the daemon serves what needs no knowledge base meanwhile.
+        match kb.unavailable() {
+            None => tracing::info!(embedder = %kb.embed_model, "knowledge base open"),
+            Some(_) => tracing::warn!(
+                embedder = %kb.embed_model,
+                "serving without the knowledge base until it can open"
+            ),
+        }
         let (engine, engine_thread) = EngineHandle::spawn(
             EngineOptions {
                 llm: config.llm.clone(),
@@ -243,6 +251,7 @@ impl Daemon {
             kv_dir: (kv_nvme_gib > 0).then(|| config.kv_dir.clone()),
             token_vocab: token_vocab(&config.token_vocab),
             gpu,
+            embedding_aliases: config.embedding_aliases.clone().into(),
         };
         Ok(Daemon {
             listener,
@@ -281,23 +290,10 @@ impl Daemon {
             }
         });
         let app = api::router(self.state);
-        let served = match self.tls {
-            Some(tls) => {
-                tracing::info!(%addr, scheme = "https", "listening");
-                crate::lifecycle::sd_notify("READY=1");
-                crate::tls::serve(self.listener, app, tls, shutdown).await
-            }
-            None => {
-                tracing::info!(%addr, scheme = "http", "listening");
-                crate::lifecycle::sd_notify("READY=1");
-                axum::serve(
-                    self.listener,
-                    app.into_make_service_with_connect_info::<SocketAddr>(),
-                )
-                .with_graceful_shutdown(shutdown)
-                .await
-            }
-        };
+        let scheme = if self.tls.is_some() { "https" } else { "http" };
+        tracing::info!(%addr, scheme, "listening");
+        crate::lifecycle::sd_notify("READY=1");
+        let served = crate::http::serve(self.listener, app, self.tls, shutdown).await;
         flusher.abort();
         let _ = tokio::task::spawn_blocking(move || auth.flush_uses()).await;
         served.map_err(|e| ServerError::io("serving", addr.to_string(), e))?;

@@ -9,9 +9,10 @@
 //!   uploads get 507, queries go on, `/readyz` says why; at the whole reserve again it resumes;
 //! - the NVMe KV tier, when it shares the file system, keeps twice the reserve free and
 //!   evicts its least recently used blobs to do so, so chunk KV never takes the catalog's room;
-//! - a ballast file ([`BALLAST_FILE`]) holds part of the reserve. Should the disk still fill up
-//!   (another program, a tiny file system), start-up gives the ballast back so the catalog
-//!   opens and the daemon serves read-only; it is written again once space returns.
+//! - a ballast file ([`BALLAST_FILE`], [`ballast_size`]: at least what the catalog needs to
+//!   open) holds part of the reserve. Should the disk still fill up (another program, a tiny
+//!   file system), start-up gives the ballast back so the catalog opens and the daemon serves
+//!   read-only; it is written again once space returns.
 
 use std::fs::{self, File};
 use std::io::Write;
@@ -81,6 +82,19 @@ pub fn default_reserve(total: u64) -> u64 {
     ((total as f64 * RESERVE_SHARE) as u64).clamp(MIN_RESERVE, MAX_RESERVE)
 }
 
+/// The ballast file's size for a reserve: half of it, and never less than what the catalog
+/// needs free to open ([`engram_kb::MIN_OPEN_FREE`]) plus [`START_WRITES`]. Half the 1 MiB
+/// minimum reserve was less than that: on a small disk filled while the daemon was down, the
+/// ballast given back at the next start left the catalog short, and the knowledge base never
+/// opened.
+pub fn ballast_size(reserve: u64) -> u64 {
+    (reserve / 2).max(engram_kb::MIN_OPEN_FREE + START_WRITES)
+}
+
+/// What a start writes before the catalog opens, beside it (the version history, the key
+/// use times, the files of a first start): a few KiB, rounded up generously.
+const START_WRITES: u64 = 256 << 10;
+
 /// Whether two paths are on the same file system.
 pub fn same_file_system(a: &Path, b: &Path) -> bool {
     use std::os::unix::fs::MetadataExt;
@@ -112,6 +126,17 @@ impl Storage {
         };
         if space.available < reserve {
             s.give_back_ballast();
+            // The ballast's room is the catalog's to open in, not room for new writes: the
+            // daemon starts read-only, until the reserve and the ballast's room are free.
+            s.enter_read_only(format!(
+                "the disk under {} had {} free at start, short of the {} reserve: the ballast \
+                 file was given back so the catalog could open; uploads and ingestion are \
+                 paused (queries go on) until {} is free",
+                dir.display(),
+                mib(space.available),
+                mib(reserve),
+                mib(s.resume_at())
+            ));
         }
         s.refresh_now();
         Ok(s)
@@ -143,6 +168,25 @@ impl Storage {
     /// The reserve plus the index commit headroom: what must stay free.
     fn floor(&self) -> u64 {
         self.reserve + self.headroom.load(Ordering::Relaxed)
+    }
+
+    /// What must be free for writes to resume after read-only mode: the [`Self::floor`], and
+    /// while the ballast is given back, its room too (the catalog may have opened in it; new
+    /// writes must not take it).
+    fn resume_at(&self) -> u64 {
+        let ballast = if self.ballast_given_back.load(Ordering::Relaxed) {
+            ballast_size(self.reserve)
+        } else {
+            0
+        };
+        self.floor() + ballast
+    }
+
+    /// Enters read-only mode for `reason` (logged, and shown by `/readyz`).
+    fn enter_read_only(&self, reason: String) {
+        tracing::error!("{reason}");
+        *self.reason.lock().unwrap_or_else(PoisonError::into_inner) = Some(reason);
+        self.read_only.store(true, Ordering::Relaxed);
     }
 
     /// Free bytes at the last reading.
@@ -180,7 +224,8 @@ impl Storage {
     }
 
     /// Reads the disk, lets the KV tier make room when the disk is below twice the reserve,
-    /// and enters read-only mode below half the reserve (leaving it at the whole reserve).
+    /// and enters read-only mode below half the reserve (leaving it at the whole reserve, and
+    /// the ballast's room when it was given back: [`Self::resume_at`]).
     fn refresh_now(&self) {
         let mut available = self.read();
         if let Some(kv) = self.kv.get() {
@@ -202,7 +247,7 @@ impl Storage {
         let was = self.read_only();
         let headroom = self.headroom.load(Ordering::Relaxed);
         if !was && available < self.reserve / 2 + headroom {
-            let reason = format!(
+            self.enter_read_only(format!(
                 "the disk under {} has {} free, below half the {} reserve kept for the catalog \
                  plus the {} the next index commit may need: uploads and ingestion are paused \
                  (queries go on) until space is freed",
@@ -210,14 +255,11 @@ impl Storage {
                 mib(available),
                 mib(self.reserve),
                 mib(headroom)
-            );
-            tracing::error!("{reason}");
-            *self.reason.lock().unwrap_or_else(PoisonError::into_inner) = Some(reason);
-            self.read_only.store(true, Ordering::Relaxed);
+            ));
             // Writes already under way (the catalog's background flush, a commit) get the
             // ballast's room rather than a full disk.
             self.give_back_ballast();
-        } else if was && available >= self.floor() {
+        } else if was && available >= self.resume_at() {
             tracing::info!(
                 free = available,
                 "disk space is back above the reserve: writes resume"
@@ -298,10 +340,10 @@ impl Storage {
         Ok(())
     }
 
-    /// Writes the ballast file (half the reserve) unless it is there; best effort.
+    /// Writes the ballast file ([`ballast_size`]) unless it is there; best effort.
     pub fn ensure_ballast(&self) {
         let path = self.dir.join(BALLAST_FILE);
-        let size = self.reserve / 2;
+        let size = ballast_size(self.reserve);
         if fs::metadata(&path).is_ok_and(|m| m.len() == size) {
             self.ballast_given_back.store(false, Ordering::Relaxed);
             return;
@@ -426,7 +468,10 @@ mod tests {
         let s = Storage::open(dir.path(), Some(1 << 20)).unwrap();
         s.ensure_ballast();
         let path = dir.path().join(BALLAST_FILE);
-        assert_eq!(fs::metadata(&path).unwrap().len(), 1 << 19);
+        // Half of a 1 MiB reserve would be less than the catalog needs to open: given back on
+        // a full disk, the ballast must leave at least that.
+        assert!(fs::metadata(&path).unwrap().len() > engram_kb::MIN_OPEN_FREE);
+        assert_eq!(ballast_size(64 << 20), 32 << 20);
         s.give_back_ballast();
         assert!(!path.exists());
     }

@@ -9,14 +9,12 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::extract::ConnectInfo;
 use axum::http::{header, HeaderValue};
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use sha2::{Digest, Sha256};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio_rustls::TlsAcceptor;
-use tower::ServiceExt;
 
 use crate::error::{Result, ServerError};
 
@@ -24,8 +22,6 @@ use crate::error::{Result, ServerError};
 pub const TLS_DIR: &str = "tls";
 /// How long a client may take to finish its handshake or send a plain request's head.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
-/// How long in-flight requests get to finish at shutdown.
-const DRAIN_TIMEOUT: Duration = Duration::from_secs(110);
 /// `Strict-Transport-Security`: a year.
 const HSTS: &str = "max-age=31536000";
 
@@ -144,15 +140,39 @@ fn fingerprint(cert: &CertificateDer<'_>) -> String {
         .join(":")
 }
 
-/// Serves `app` over TLS on `listener` until `shutdown` resolves, then lets in-flight requests
-/// finish (up to [`DRAIN_TIMEOUT`]).
-pub async fn serve(
-    listener: tokio::net::TcpListener,
-    app: axum::Router,
-    tls: Tls,
-    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
-) -> std::io::Result<()> {
-    let app = app.layer(axum::middleware::map_response(
+impl Tls {
+    /// The TLS stream of a connection to the TLS port, once its handshake is done (within
+    /// [`HANDSHAKE_TIMEOUT`]); `None` when it ends first, fails, or turns out to be plain HTTP
+    /// (answered with a redirect to `https://`).
+    pub(crate) async fn accept(
+        &self,
+        tcp: tokio::net::TcpStream,
+        peer: SocketAddr,
+    ) -> Option<tokio_rustls::server::TlsStream<tokio::net::TcpStream>> {
+        let mut first = [0u8; 1];
+        match tokio::time::timeout(HANDSHAKE_TIMEOUT, tcp.peek(&mut first)).await {
+            Ok(Ok(1)) => {}
+            _ => return None,
+        }
+        // A TLS record starts with 0x16 (handshake); anything else is plain HTTP.
+        if first[0] != 0x16 {
+            let _ = tokio::time::timeout(HANDSHAKE_TIMEOUT, redirect_plain(tcp)).await;
+            return None;
+        }
+        match tokio::time::timeout(HANDSHAKE_TIMEOUT, self.acceptor.accept(tcp)).await {
+            Ok(Ok(s)) => Some(s),
+            Ok(Err(e)) => {
+                tracing::debug!(%peer, "TLS handshake failed: {e}");
+                None
+            }
+            Err(_) => None,
+        }
+    }
+}
+
+/// `app` with `Strict-Transport-Security` on every response, for the TLS listener.
+pub(crate) fn with_hsts(app: axum::Router) -> axum::Router {
+    app.layer(axum::middleware::map_response(
         |mut res: axum::response::Response| async move {
             res.headers_mut().insert(
                 header::STRICT_TRANSPORT_SECURITY,
@@ -160,69 +180,7 @@ pub async fn serve(
             );
             res
         },
-    ));
-    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
-    tokio::pin!(shutdown);
-    loop {
-        let (tcp, peer) = tokio::select! {
-            accepted = listener.accept() => match accepted {
-                Ok(a) => a,
-                Err(e) => {
-                    // Out of descriptors and the like: wait a little rather than spin.
-                    tracing::warn!("accept: {e}");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    continue;
-                }
-            },
-            () = &mut shutdown => break,
-        };
-        let acceptor = tls.acceptor.clone();
-        let app = app.clone();
-        let watcher = graceful.watcher();
-        tokio::spawn(async move {
-            let mut first = [0u8; 1];
-            match tokio::time::timeout(HANDSHAKE_TIMEOUT, tcp.peek(&mut first)).await {
-                Ok(Ok(1)) => {}
-                _ => return,
-            }
-            // A TLS record starts with 0x16 (handshake); anything else is plain HTTP.
-            if first[0] != 0x16 {
-                let _ = tokio::time::timeout(HANDSHAKE_TIMEOUT, redirect_plain(tcp)).await;
-                return;
-            }
-            let stream = match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
-                Ok(Ok(s)) => s,
-                Ok(Err(e)) => {
-                    tracing::debug!(%peer, "TLS handshake failed: {e}");
-                    return;
-                }
-                Err(_) => return,
-            };
-            let service =
-                hyper::service::service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
-                    let mut req = req.map(axum::body::Body::new);
-                    req.extensions_mut().insert(ConnectInfo(peer));
-                    // What the console reads to mark its cookies Secure (as behind a TLS
-                    // proxy); set here, so a client cannot say otherwise.
-                    req.headers_mut()
-                        .insert("x-forwarded-proto", HeaderValue::from_static("https"));
-                    app.clone().oneshot(req)
-                });
-            let conn = hyper::server::conn::http1::Builder::new()
-                .serve_connection(hyper_util::rt::TokioIo::new(stream), service);
-            if let Err(e) = watcher.watch(conn).await {
-                tracing::debug!(%peer, "connection: {e}");
-            }
-        });
-    }
-    drop(listener);
-    if tokio::time::timeout(DRAIN_TIMEOUT, graceful.shutdown())
-        .await
-        .is_err()
-    {
-        tracing::warn!("requests still running after {DRAIN_TIMEOUT:?}: closing them");
-    }
-    Ok(())
+    ))
 }
 
 /// Answers a plain-HTTP request on the TLS port with a permanent redirect to the same path

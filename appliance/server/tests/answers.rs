@@ -165,6 +165,8 @@ fn the_sample_corpus_is_answered_from_its_passages() {
         "{r}"
     );
     assert_eq!(r["citations"], json!([]), "{r}");
+    // No policy ran (it was reported as `full` whatever the request asked).
+    assert_eq!(r["policy"], "none", "{r}");
     // The same in Chinese, which the English embedder cannot judge: too little of the
     // question's wording is in any retrieved passage (`engram_fusion::COVERAGE_FLOOR`).
     let r = ask(addr, &key, "2018年世界杯足球赛的冠军是哪个国家？");

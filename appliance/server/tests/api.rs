@@ -388,7 +388,12 @@ fn qa_returns_an_answer_with_citations() {
     let v = r.json();
     assert!(v["answer"].is_string());
     assert_eq!(v["citations"][0]["doc_name"], "leave.md");
-    assert!(v["timings"]["first_token_ms"].as_f64().unwrap() > 0.0);
+    let first_token = v["timings"]["first_token_ms"].as_f64().unwrap();
+    assert!(first_token > 0.0);
+    // The first text that went out: at or after the first token (an answer's start may be
+    // held back until its checks decide).
+    let first_visible = v["timings"]["first_visible_ms"].as_f64().unwrap();
+    assert!(first_visible >= first_token, "{v}");
     assert!(v["timings"]["retrieve_ms"].is_number());
 }
 
@@ -402,10 +407,11 @@ fn qa_stream_ends_with_done() {
         Some(json!({"question": "When does unused leave expire?", "collections": ["a"], "top_k": 2, "max_tokens": 4, "stream": true})),
     );
     assert_eq!(r.status, 200, "{}", r.text());
-    assert!(r
-        .header("content-type")
-        .unwrap()
-        .starts_with("text/event-stream"));
+    // With its charset: Python's `requests` reads a `text/` type without one as ISO-8859-1.
+    assert_eq!(
+        r.header("content-type"),
+        Some("text/event-stream; charset=utf-8")
+    );
     let text = r.text();
     let events: Vec<&str> = text
         .lines()
@@ -488,8 +494,43 @@ fn openai_models_and_embeddings() {
         .iter()
         .map(|m| m["id"].as_str().unwrap().to_owned())
         .collect();
-    assert_eq!(ids.len(), 3, "{ids:?}");
     assert_eq!(ids[0], "engram");
+    let embedder = ids
+        .iter()
+        .find(|id| id.starts_with("all-MiniLM-L6-v2@"))
+        .expect("the embedder's id")
+        .clone();
+    // The embedder answers to its plain name, `engram` and OpenAI's names (what clients send
+    // by default), each listed once.
+    for name in [
+        "all-MiniLM-L6-v2",
+        "text-embedding-ada-002",
+        "text-embedding-3-small",
+    ] {
+        assert_eq!(ids.iter().filter(|id| *id == name).count(), 1, "{ids:?}");
+    }
+    for model in [
+        embedder.as_str(),
+        "all-MiniLM-L6-v2",
+        "engram",
+        "text-embedding-ada-002",
+        "text-embedding-3-small",
+    ] {
+        let r = s.call(
+            "POST",
+            "/v1/embeddings",
+            Some(&s.search_only),
+            Some(json!({"input": "paid leave", "model": model})),
+        );
+        assert_eq!(r.status, 200, "{model}: {}", r.text());
+    }
+    let r = s.call(
+        "POST",
+        "/v1/embeddings",
+        Some(&s.search_only),
+        Some(json!({"input": "paid leave", "model": "gpt-4o"})),
+    );
+    assert_eq!(r.error_type(), "model_not_found");
     for id in &ids {
         let r = s.call(
             "GET",
@@ -546,6 +587,9 @@ fn openai_models_and_embeddings() {
         json!([[1.5]]),
         json!([[]]),
         json!([]),
+        // As OpenAI: no embedding of nothing.
+        json!(""),
+        json!(["paid leave", ""]),
     ] {
         let r = s.call(
             "POST",
@@ -612,6 +656,138 @@ fn errors_share_one_shape() {
         Some(json!({"name": "a"})),
     );
     assert_eq!((r.status, r.error_type().as_str()), (409, "conflict"));
+    // A value that does not fit names its field in plain words, not Rust's types or serde's
+    // position ("expected usize at line 1 column 77").
+    let r = s.call(
+        "POST",
+        "/api/v1/qa",
+        Some(&s.admin),
+        Some(json!({"question": "x", "collections": ["a"], "max_tokens": -1})),
+    );
+    assert_eq!(
+        (r.status, r.error_type().as_str()),
+        (400, "invalid_request")
+    );
+    assert_eq!(
+        r.json()["error"]["message"],
+        "invalid `max_tokens`: expected a whole number, 0 or more, got integer -1"
+    );
+    let r = s.call(
+        "POST",
+        "/api/v1/search",
+        Some(&s.admin),
+        Some(json!({"query": "x", "collections": ["a"], "mode": "fuzzy"})),
+    );
+    assert_eq!(
+        r.json()["error"]["message"],
+        "invalid `mode`: unknown value \"fuzzy\"; expected one of bm25, dense, hybrid"
+    );
+    let r = s.call(
+        "POST",
+        "/v1/chat/completions",
+        Some(&s.admin),
+        Some(json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": -1})),
+    );
+    assert_eq!(r.status, 400, "{}", r.text());
+    assert!(
+        r.text().contains("max_tokens") && !r.text().contains("usize"),
+        "{}",
+        r.text()
+    );
+    // A head larger than the daemon reads: the same shape (hyper's own 431 had no body).
+    let big = format!("Bearer {}", "k".repeat(1 << 20));
+    let r = common::send(
+        s.addr,
+        "GET",
+        "/api/v1/collections",
+        &[("Authorization", &big)],
+        None,
+    );
+    assert_eq!(
+        (r.status, r.error_type().as_str()),
+        (431, "headers_too_large"),
+        "{}",
+        r.text()
+    );
+}
+
+#[test]
+fn uploads_no_parser_reads_are_refused_naming_what_is_read() {
+    let s = server();
+    let r = s.call(
+        "POST",
+        "/api/v1/collections",
+        Some(&s.admin),
+        Some(json!({"name": "formats"})),
+    );
+    assert_eq!(r.status, 201, "{}", r.text());
+    let boundary = "FoRmAtS";
+    let ct = format!("multipart/form-data; boundary={boundary}");
+    let part = |name: &str, bytes: &[u8]| {
+        let mut p = format!(
+            "--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"{name}\"\r\n\r\n"
+        )
+        .into_bytes();
+        p.extend_from_slice(bytes);
+        p.extend_from_slice(b"\r\n");
+        p
+    };
+    // A PNG's signature and an IHDR chunk: binary, no format Engram reads.
+    let png: Vec<u8> = b"\x89PNG\r\n\x1a\n\0\0\0\rIHDR\0\0\0\x10\0\0\0\x10\x08\x02\0\0\0".to_vec();
+    let mut body = part("scan.png", &png);
+    body.extend_from_slice(format!("--{boundary}--\r\n").as_bytes());
+    let r = s.raw(
+        "POST",
+        "/api/v1/collections/formats/documents",
+        Some(&s.admin),
+        Some((&ct, body)),
+    );
+    assert_eq!(
+        (r.status, r.error_type().as_str()),
+        (415, "unsupported_media_type"),
+        "{}",
+        r.text()
+    );
+    let message = r.json()["error"]["message"].as_str().unwrap().to_owned();
+    assert!(
+        message.contains("scan.png") && message.contains("PDF, DOCX, HTML, Markdown or plain text"),
+        "{message}"
+    );
+    // Beside a readable file: that one is queued, the image refused by name, nothing stored
+    // of it.
+    let mut body = part("scan.png", &png);
+    body.extend(part("notes.txt", b"The loading dock closes at six."));
+    body.extend_from_slice(format!("--{boundary}--\r\n").as_bytes());
+    let r = s.raw(
+        "POST",
+        "/api/v1/collections/formats/documents",
+        Some(&s.admin),
+        Some((&ct, body)),
+    );
+    assert_eq!(r.status, 207, "{}", r.text());
+    let docs = r.json()["documents"].as_array().unwrap().clone();
+    assert_eq!(docs[0]["outcome"], "failed", "{docs:?}");
+    assert!(docs[0]["id"].is_null(), "{docs:?}");
+    assert!(docs[0]["reason"]
+        .as_str()
+        .unwrap()
+        .contains("unsupported format"));
+    assert_eq!(docs[1]["outcome"], "queued", "{docs:?}");
+    let r = s.call(
+        "GET",
+        "/api/v1/collections/formats/documents",
+        Some(&s.admin),
+        None,
+    );
+    let names: Vec<String> = r.json()["documents"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| d["name"].as_str().unwrap().to_owned())
+        .collect();
+    assert_eq!(names, ["notes.txt"], "{}", r.text());
+    let id = docs[1]["id"].as_u64().unwrap();
+    s.wait_for_stage("formats", id, "done");
 }
 
 #[test]
@@ -1116,9 +1292,24 @@ fn a_backup_taken_while_serving_restores_into_a_working_daemon() {
     let r = s.call("POST", "/api/v1/admin/backup", Some(&s.admin), None);
     assert_eq!(r.status, 200, "{}", r.text());
     assert_eq!(r.header("content-type"), Some("application/zstd"));
-    assert!(r
-        .header("content-disposition")
-        .is_some_and(|d| d.contains(".tar.zst")));
+    // Named by its UTC time (engram-backup-20261207T101500Z.tar.zst), not epoch seconds.
+    let disposition = r.header("content-disposition").unwrap();
+    let name = disposition
+        .split("filename=\"")
+        .nth(1)
+        .and_then(|n| n.strip_suffix('"'))
+        .unwrap();
+    let stamp = name
+        .strip_prefix("engram-backup-")
+        .and_then(|n| n.strip_suffix("Z.tar.zst"))
+        .unwrap_or_else(|| panic!("{disposition}"));
+    assert!(
+        stamp.len() == 15
+            && stamp.as_bytes()[8] == b'T'
+            && stamp.starts_with("20")
+            && stamp.chars().filter(char::is_ascii_digit).count() == 14,
+        "{disposition}"
+    );
     let m = backup::verify(&r.body[..]).unwrap();
     assert_eq!(
         (m.format.as_str(), m.version, m.kv),

@@ -755,6 +755,80 @@ fn refused_forms_stay_on_the_form_in_the_viewers_language() {
     assert!(!r.body.contains("value=\"short\""));
 }
 
+/// A request with a wrong key is no answer the generation queue dropped: the dashboard counts
+/// it apart ("Generation queue: 1 rejected" was an API call with a bad key).
+#[test]
+fn the_dashboard_counts_refused_keys_apart_from_the_queue() {
+    let s = sign_in("root", ADMIN_PW);
+    let r = request_raw(
+        "GET",
+        "/api/v1/collections",
+        "",
+        &[("Authorization", "Bearer egk_not_a_key")],
+        None,
+    );
+    assert_eq!(r.status, 401, "{}", r.body);
+    let page = request("GET", "/console/", &s.cookie, &[], None);
+    assert_eq!(page.status, 200);
+    let stat = |id: &str| {
+        let at = page.body.find(&format!("id=\"{id}\">")).expect(id) + id.len() + 6;
+        page.body[at..at + page.body[at..].find('<').unwrap()].to_owned()
+    };
+    let refused: u64 = stat("auth-refused")
+        .split_whitespace()
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(refused >= 1, "{}", stat("auth-refused"));
+    assert_eq!(stat("queue-rejected"), "0 turned away (queue full)");
+}
+
+/// The chat playground and the audit log in Chinese: a question with no knowledge base ticked
+/// is explained in the viewer's language (it was the API's English message), and an account's
+/// role is named in it (it was stored as "ops (operator)").
+#[test]
+fn the_playground_and_the_audit_log_speak_the_viewers_language() {
+    let s = sign_in("root", ADMIN_PW);
+    let zh = format!("{}; engram_lang=zh-CN", s.cookie);
+    let r = request(
+        "POST",
+        "/console/chat/stream",
+        &zh,
+        &[("X-CSRF-Token", &s.csrf)],
+        Some(&form_encode(&[
+            ("question", "几点开门？"),
+            ("csrf", &s.csrf),
+        ])),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert!(
+        r.body.contains("event: error") && r.body.contains("请至少勾选一个知识库"),
+        "{}",
+        r.body
+    );
+    let r = request(
+        "POST",
+        "/console/users",
+        &zh,
+        &[],
+        Some(&form_encode(&[
+            ("name", "ops-zh"),
+            ("role", "operator"),
+            ("password", "a long enough password 1"),
+            ("csrf", &s.csrf),
+        ])),
+    );
+    assert_eq!(r.status, 303, "{}", r.body);
+    let page = request("GET", "/console/audit", &zh, &[], None);
+    assert!(
+        page.body.contains("ops-zh (运维员（只读）)"),
+        "{}",
+        page.body
+    );
+    assert!(!page.body.contains("(operator)"), "{}", page.body);
+}
+
 /// A document that fails is explained in the viewer's language (the failure's kind from the
 /// catalog), with the pipeline's own message as a detail.
 #[test]

@@ -108,11 +108,12 @@ pub async fn stream_backup(s: &AppState, kv: bool) -> Result<Response, ApiError>
         drop(staged);
     });
     let stream = futures_util::stream::poll_fn(move |cx| rx.poll_recv(cx));
+    // Named by its UTC time, as the package's pre-upgrade snapshots are:
+    // engram-backup-20261207T101500Z.tar.zst.
+    let at = crate::console::view::datetime(crate::console::users::now_ms());
     let name = format!(
-        "engram-backup-{}.tar.zst",
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_secs())
+        "engram-backup-{}Z.tar.zst",
+        at.replace(['-', ':'], "").replace(' ', "T")
     );
     Ok((
         [

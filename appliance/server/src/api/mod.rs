@@ -90,6 +90,8 @@ pub struct AppState {
     pub token_vocab: Option<Arc<engram_tokenizer::TiktokenVocab>>,
     /// The GPUs found at start (`/readyz`, `/metrics`).
     pub gpu: Arc<crate::gpu::GpuStatus>,
+    /// Other names `/v1/embeddings` answers to (`[openai] embedding_aliases`).
+    pub embedding_aliases: Arc<[String]>,
 }
 
 /// The whole router.
@@ -159,7 +161,27 @@ pub fn router(state: AppState) -> Router {
         .layer(middleware::from_fn(search::dify_error_shape))
         // After the error-shape layer: console errors are HTML pages, not JSON.
         .merge(console)
+        .layer(middleware::map_response(sse_charset))
+        // Outermost, before anything reads a header: an oversized head gets the JSON 431.
+        .layer(middleware::from_fn(crate::http::limit_headers))
         .with_state(state)
+}
+
+/// Server-sent events (QA, chat, the console's playground) declared as UTF-8: without a
+/// charset, Python's `requests` reads a `text/` body as ISO-8859-1 and garbles every Chinese
+/// token.
+async fn sse_charset(mut res: Response) -> Response {
+    let sse = res
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .is_some_and(|v| v.as_bytes() == b"text/event-stream");
+    if sse {
+        res.headers_mut().insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("text/event-stream; charset=utf-8"),
+        );
+    }
+    res
 }
 
 /// Checks the bearer key and puts the [`Principal`] in the request's extensions.

@@ -126,13 +126,34 @@ pub struct ChatRequest {
     pub unknown: std::collections::BTreeMap<String, serde_json::Value>,
 }
 
-/// The model names `/v1/models` lists: `engram`, the chat model's id and the embedder's.
-fn model_ids(s: &AppState) -> [String; 3] {
-    [
-        "engram".to_owned(),
-        s.engine.info.model_id.clone(),
-        s.kb.embed_model.to_string(),
-    ]
+/// The names chat and text completions answer to: `engram` and the chat model's id.
+fn chat_models(s: &AppState) -> [String; 2] {
+    ["engram".to_owned(), s.engine.info.model_id.clone()]
+}
+
+/// The names `/v1/embeddings` answers to: the embedder's id (`all-MiniLM-L6-v2@0148057bd4e7`),
+/// its plain name (`all-MiniLM-L6-v2`), `engram`, and the configured aliases (OpenAI's
+/// embedding models by default, which clients send unless told otherwise).
+fn embedding_models(s: &AppState) -> Vec<String> {
+    let id = s.kb.embed_model.to_string();
+    let plain = id.split_once('@').map(|(name, _)| name.to_owned());
+    let mut names = vec![id];
+    names.extend(plain);
+    names.push("engram".to_owned());
+    names.extend(s.embedding_aliases.iter().cloned());
+    names
+}
+
+/// The model names `/v1/models` lists, each once: `engram`, the chat model's id, then the
+/// embedder's names.
+fn model_ids(s: &AppState) -> Vec<String> {
+    let mut ids = chat_models(s).to_vec();
+    for name in embedding_models(s) {
+        if !ids.contains(&name) {
+            ids.push(name);
+        }
+    }
+    ids
 }
 
 /// 404 `model_not_found` unless `model` is one of `allowed` (absent is fine).
@@ -575,7 +596,7 @@ fn model_object(id: &str) -> serde_json::Value {
 }
 
 /// The models served: `engram` and the chat model's own id (both answer chat completions),
-/// and the embedder's id (embeddings).
+/// and the embedder's id, plain name and aliases (embeddings; `engram` answers them too).
 #[utoipa::path(get, path = "/v1/models", tag = "openai",
     responses((status = 200, description = "OpenAI model list")), security(("bearer" = [])))]
 pub async fn models(State(s): State<AppState>) -> axum::Json<serde_json::Value> {
@@ -626,7 +647,7 @@ pub async fn chat(
     if let Some(u) = &b.user {
         tracing::info!(key = %caller.key_id, end_user = %u, "chat completion");
     }
-    check_model(b.model.as_deref(), &model_ids(&s)[..2])?;
+    check_model(b.model.as_deref(), &chat_models(&s))?;
     let stops = stop_strings(b.stop.as_ref())?;
     let include_usage = b.stream_options.as_ref().is_some_and(|o| o.include_usage);
     let max_tokens = b
@@ -1188,7 +1209,7 @@ pub async fn completions(
     if b.suffix.as_deref().is_some_and(|x| !x.is_empty()) {
         return no("suffix", "insertion (a suffix) is not implemented");
     }
-    check_model(b.model.as_deref(), &model_ids(&s)[..2])?;
+    check_model(b.model.as_deref(), &chat_models(&s))?;
     let prompts = completion_prompts(&b.prompt)?;
     let limit = MAX_BATCH_CANDIDATES.min(s.engine.queue_depth());
     if prompts.len() * best_of > limit {
@@ -1432,7 +1453,7 @@ pub async fn embeddings(
     if let Some(u) = &b.user {
         tracing::info!(key = %caller.key_id, end_user = %u, "embeddings");
     }
-    check_model(b.model.as_deref(), &model_ids(&s)[2..])?;
+    check_model(b.model.as_deref(), &embedding_models(&s))?;
     let dim = s.kb.embed_dim;
     if b.dimensions.is_some_and(|d| d != dim) {
         return Err(ApiError::invalid(
@@ -1455,6 +1476,14 @@ pub async fn embeddings(
         return Err(ApiError::invalid(
             "input",
             format!("{} inputs; 1..={MAX_EMBED_INPUTS} allowed", inputs.len()),
+        ));
+    }
+    // As OpenAI: an empty string has no embedding (a vector of it would be the model's
+    // [CLS] and [SEP] alone, close to every short text).
+    if let Some(i) = inputs.iter().position(|t| t.is_empty()) {
+        return Err(ApiError::invalid(
+            "input",
+            format!("input {i} is an empty string; every input needs text to embed"),
         ));
     }
     let (vectors, tokens) =

@@ -64,13 +64,17 @@ pub struct Citation {
 #[derive(Debug, Serialize, ToSchema)]
 pub struct QaResponse {
     pub answer: String,
+    /// The fusion policy the prefill ran under (`full` when fusion did not apply), or `none`
+    /// when no retrieved passage was about the question and the answer ("I don't know") was
+    /// not generated.
     pub policy: String,
     pub fusion_disabled: Option<String>,
     pub prompt_tokens: usize,
     pub finish_reason: String,
     pub citations: Vec<Citation>,
-    /// Stage timings in milliseconds (retrieve, KV load, recompute, prefill, first token,
-    /// decode) and counts; `no_relevant_passages: true` when nothing retrieved was about the
+    /// Stage timings in milliseconds (retrieve, KV load, recompute, prefill, first token, first
+    /// visible text (`first_visible_ms`: a held-back answer start shows after its first
+    /// token), decode) and counts; `no_relevant_passages: true` when nothing retrieved was about the
     /// question, `evidence_sentence_answer: true` when the answer is the evidence sentence,
     /// quoted from the cited passages: the model wrote no answer, or its answer started with
     /// what the sentence does not support (a number in its first words that neither the

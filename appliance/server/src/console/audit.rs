@@ -26,6 +26,10 @@ pub struct AuditEntry {
     /// `document_deleted`, `documents_uploaded`, `settings_changed`, ...
     pub action: String,
     pub target: String,
+    /// The role an account event is about (`admin`, `operator`, ...): a name, shown in the
+    /// reader's language, not English words baked into `target` (absent in older entries).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub role: Option<String>,
     pub ip: String,
 }
 
@@ -45,14 +49,24 @@ impl AuditLog {
 
     /// Appends and fsyncs one entry; a failure is logged (the action itself already happened).
     pub fn record(&self, actor: &str, action: &str, target: &str, ip: &str) {
+        self.append(actor, action, target, None, ip);
+    }
+
+    /// [`Self::record`] for an event about an account of `role` (a sign-in, a new user).
+    pub fn record_role(&self, actor: &str, action: &str, target: &str, role: &str, ip: &str) {
+        self.append(actor, action, target, Some(role), ip);
+    }
+
+    fn append(&self, actor: &str, action: &str, target: &str, role: Option<&str>, ip: &str) {
+        tracing::info!(actor, action, target, role, ip, "audit");
         let e = AuditEntry {
             at_ms: now_ms(),
             actor: actor.to_owned(),
             action: action.to_owned(),
             target: target.to_owned(),
+            role: role.map(str::to_owned),
             ip: ip.to_owned(),
         };
-        tracing::info!(actor, action, target, ip, "audit");
         let mut line = serde_json::to_vec(&e).expect("audit entries serialize");
         line.push(b'\n');
         let _g = self.file.lock().expect("audit lock");

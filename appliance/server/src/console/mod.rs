@@ -21,7 +21,7 @@ mod sampler;
 mod session;
 pub(crate) mod settings;
 pub(crate) mod users;
-mod view;
+pub(crate) mod view;
 
 use std::path::PathBuf;
 use std::sync::Arc;

@@ -97,12 +97,9 @@ pub async fn create(
     .map_err(|e| Failure::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?;
     match r {
         Ok(u) => {
-            s.console.audit.record(
-                &v.user,
-                "user_created",
-                &format!("{} ({})", u.name, u.role.name()),
-                &v.ip,
-            );
+            s.console
+                .audit
+                .record_role(&v.user, "user_created", &u.name, u.role.name(), &v.ip);
             Ok(see_other("/console/users?ok=flash.user_created"))
         }
         Err(e) => {

@@ -17,6 +17,8 @@ pub struct AuditRow {
     pub e: AuditEntry,
     /// `audit.actions.<action>` when the catalog names it.
     pub action_key: String,
+    /// `role.<role>`, for an event about an account.
+    pub role_key: Option<String>,
 }
 
 #[derive(Template)]
@@ -36,6 +38,7 @@ pub async fn page(State(s): State<AppState>, Extension(v): Extension<Viewer>) ->
         .map(|e| AuditRow {
             at: datetime(e.at_ms),
             action_key: format!("audit.actions.{}", e.action),
+            role_key: e.role.as_ref().map(|r| format!("role.{r}")),
             e,
         })
         .collect();

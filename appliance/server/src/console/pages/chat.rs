@@ -254,6 +254,9 @@ async fn start(
     if f.question.trim().is_empty() {
         return Err(Failure::new(StatusCode::BAD_REQUEST, "chat.no_question"));
     }
+    if f.collections.is_empty() {
+        return Err(Failure::new(StatusCode::BAD_REQUEST, "chat.no_collection"));
+    }
     let t = Instant::now();
     let hits = retrieve(
         s,

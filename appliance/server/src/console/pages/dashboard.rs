@@ -83,7 +83,12 @@ pub struct DashboardPage {
     pub tpot_p95: String,
     pub queue_depth: i64,
     pub generated: u64,
+    /// Generation jobs turned away because the queue was full (`engram_rejected_total`'s
+    /// `queue_full`), not requests refused for other reasons.
     pub rejected: u64,
+    /// Requests refused for a missing or wrong key, or too many of them
+    /// (`unauthorized`, `auth_rate_limited`): no answer was dropped.
+    pub auth_refused: u64,
     pub charts: Vec<Chart>,
     pub pending_documents: i64,
     pub pending_chunk_kv: i64,
@@ -248,7 +253,9 @@ pub async fn page(
         tpot_p95: ms(sampler::quantile(&now.tpot, &first.tpot, 0.95)),
         queue_depth: m.queue_depth.get(),
         generated: sampler::counter_total(&m.generated_tokens) as u64,
-        rejected: sampler::counter_total(&m.rejected) as u64,
+        rejected: sampler::counter_of(&m.rejected, "queue_full"),
+        auth_refused: sampler::counter_of(&m.rejected, "unauthorized")
+            + sampler::counter_of(&m.rejected, "auth_rate_limited"),
         charts,
         pending_documents,
         pending_chunk_kv: m.ingest_pending.with_label_values(&["chunk_kv"]).get(),

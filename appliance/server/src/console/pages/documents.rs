@@ -9,7 +9,7 @@ use axum::extract::{Multipart, Path, Query, State};
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Extension;
-use engram_kb::{Admission, Document, NewDocument, Stage};
+use engram_kb::{Admission, Document, KbError, NewDocument, Stage};
 use serde::{Deserialize, Serialize};
 
 use crate::api::AppState;
@@ -31,6 +31,9 @@ pub struct DocRow {
     /// The catalog key that says why in the viewer's language (`failure.<kind>`).
     pub failure_key: Option<String>,
     pub can_cancel: bool,
+    /// "Retry" on a failed document; "Re-index" (the same action, named for what it does to
+    /// a document that is done) on a finished one.
+    pub can_retry: bool,
     pub can_reindex: bool,
     /// (stage key, time) of every stage reached.
     pub stages: Vec<(String, String)>,
@@ -104,7 +107,8 @@ impl DocRow {
             error: d.error.clone(),
             failure_key: (d.stage == Stage::Failed).then(|| failure_key(d.failure.as_deref())),
             can_cancel: !matches!(d.stage, Stage::Done | Stage::Failed),
-            can_reindex: matches!(d.stage, Stage::Done | Stage::Failed),
+            can_retry: d.stage == Stage::Failed,
+            can_reindex: d.stage == Stage::Done,
             stages: d
                 .stages
                 .iter()
@@ -164,36 +168,42 @@ pub async fn upload(
     }
     let n = docs.len();
     let c = name.clone();
-    let results =
-        s.kb.call(move |kb| -> engram_kb::Result<Vec<Uploaded>> {
+    let accepted =
+        s.kb.call(move |kb| -> engram_kb::Result<Vec<_>> {
             kb.collection(&c)?;
             Ok(docs
                 .into_iter()
-                .map(|nd| {
-                    let name = nd.name.clone();
-                    match kb.accept(&c, nd) {
-                        Ok(a) => Uploaded {
-                            name,
-                            outcome: match a.outcome {
-                                Admission::Queued => "queued",
-                                Admission::Replaced { .. } => "replaced",
-                                Admission::Requeued => "requeued",
-                                Admission::Unchanged => "unchanged",
-                            },
-                            id: Some(a.doc),
-                            reason: None,
-                        },
-                        Err(e) => Uploaded {
-                            name,
-                            outcome: "failed",
-                            id: None,
-                            reason: Some(e.to_string()),
-                        },
-                    }
-                })
+                .map(|nd| (nd.name.clone(), kb.accept(&c, nd)))
                 .collect())
         })
         .await??;
+    let t = v.lang.catalog();
+    let results: Vec<Uploaded> = accepted
+        .into_iter()
+        .map(|(name, accepted)| match accepted {
+            Ok(a) => Uploaded {
+                name,
+                outcome: match a.outcome {
+                    Admission::Queued => "queued",
+                    Admission::Replaced { .. } => "replaced",
+                    Admission::Requeued => "requeued",
+                    Admission::Unchanged => "unchanged",
+                },
+                id: Some(a.doc),
+                reason: None,
+            },
+            Err(e) => Uploaded {
+                // A format nothing reads, in the viewer's language with the formats that are.
+                reason: Some(match e {
+                    KbError::UnsupportedFormat(_) => t.fmt("docs.unsupported", &name),
+                    e => e.to_string(),
+                }),
+                name,
+                outcome: "failed",
+                id: None,
+            },
+        })
+        .collect();
     let names: Vec<&str> = results.iter().map(|r| r.name.as_str()).collect();
     s.console.audit.record(
         &v.user,

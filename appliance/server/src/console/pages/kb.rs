@@ -7,8 +7,8 @@ use axum::http::StatusCode;
 use axum::response::Response;
 use axum::Extension;
 use engram_kb::{
-    ChunkConfig, Collection, KbError, DEFAULT_CHUNK_TOKENS, DEFAULT_OVERLAP_TOKENS,
-    MAX_CHUNK_TOKENS, MIN_CHUNK_TOKENS,
+    ChunkConfig, Collection, Document, KbError, Stage, DEFAULT_CHUNK_TOKENS,
+    DEFAULT_OVERLAP_TOKENS, MAX_CHUNK_TOKENS, MIN_CHUNK_TOKENS,
 };
 use serde::Deserialize;
 
@@ -22,19 +22,23 @@ use crate::console::view::{
 pub struct KbRow {
     pub name: String,
     pub href: String,
-    pub documents: u64,
+    /// Every document, in any stage (the collection's own count leaves out those that never
+    /// reached indexing), and those of them that failed.
+    pub documents: usize,
+    pub failed: usize,
     pub chunks: u64,
     pub chunk_tokens: usize,
     pub overlap_tokens: usize,
     pub created: String,
 }
 
-impl From<&Collection> for KbRow {
-    fn from(c: &Collection) -> Self {
+impl KbRow {
+    fn new(c: &Collection, docs: &[Document]) -> KbRow {
         KbRow {
             name: c.name.clone(),
             href: format!("/console/kb/{}", enc(&c.name)),
-            documents: c.documents,
+            documents: docs.len(),
+            failed: docs.iter().filter(|d| d.stage == Stage::Failed).count(),
             chunks: c.chunks,
             chunk_tokens: c.chunking.max_tokens,
             overlap_tokens: c.chunking.overlap_tokens,
@@ -58,10 +62,17 @@ pub struct KbListPage {
 
 /// The knowledge-base list with its create form empty (the defaults) and no message.
 async fn list_page(s: &AppState, v: &Viewer, flash: Option<&str>) -> Result<KbListPage, Failure> {
-    let all = s.kb.call(|kb| kb.collections()).await??;
+    let kbs =
+        s.kb.call(|kb| -> engram_kb::Result<Vec<KbRow>> {
+            kb.collections()?
+                .iter()
+                .map(|c| Ok(KbRow::new(c, &kb.documents(&c.name)?)))
+                .collect()
+        })
+        .await??;
     Ok(KbListPage {
         c: v.chrome("kb", "nav.kb", "/console/kb").with_flash(flash),
-        kbs: all.iter().map(KbRow::from).collect(),
+        kbs,
         name: String::new(),
         default_chunk: DEFAULT_CHUNK_TOKENS,
         default_overlap: DEFAULT_OVERLAP_TOKENS,
@@ -200,7 +211,7 @@ pub async fn show(
                     .is_some_and(|t| t.to_lowercase().contains(&needle))
         })
         .collect();
-    let kb = KbRow::from(&coll);
+    let kb = KbRow::new(&coll, &docs);
     let pager = Pager::new(matching.len(), DOCS_PER_PAGE, q.page, |p| {
         let mut h = format!("{}?page={p}", kb.href);
         if !search.is_empty() {
@@ -235,6 +246,15 @@ pub async fn show(
     }))
 }
 
+/// One knowledge base's row, its documents counted.
+async fn kb_row(s: &AppState, name: String) -> Result<KbRow, Failure> {
+    Ok(s.kb
+        .call(move |kb| -> engram_kb::Result<KbRow> {
+            Ok(KbRow::new(&kb.collection(&name)?, &kb.documents(&name)?))
+        })
+        .await??)
+}
+
 #[derive(Template)]
 #[template(path = "kb_delete.html", config = "../../web/askama.toml")]
 pub struct KbDeletePage {
@@ -249,8 +269,7 @@ pub async fn confirm_delete(
     Extension(v): Extension<Viewer>,
     Path(name): Path<String>,
 ) -> Result<Response, Failure> {
-    let coll = s.kb.call(move |kb| kb.collection(&name)).await??;
-    let kb = KbRow::from(&coll);
+    let kb = kb_row(&s, name).await?;
     Ok(html(&KbDeletePage {
         c: v.chrome("kb", "kb.delete_title", &format!("{}/delete", kb.href)),
         kb,
@@ -272,9 +291,7 @@ pub async fn delete(
     Form(f): Form<DeleteForm>,
 ) -> Result<Response, Failure> {
     if f.confirm.trim() != name {
-        let n = name.clone();
-        let coll = s.kb.call(move |kb| kb.collection(&n)).await??;
-        let kb = KbRow::from(&coll);
+        let kb = kb_row(&s, name).await?;
         let mut res = html(&KbDeletePage {
             c: v.chrome("kb", "kb.delete_title", &format!("{}/delete", kb.href)),
             kb,

@@ -182,7 +182,8 @@ pub async fn sign_in(
     };
     c.lockout.clear(&user.name);
     let id = c.sessions.create(&user.name, user.role);
-    c.audit.record(&user.name, "signin", user.role.name(), &ip);
+    c.audit
+        .record_role(&user.name, "signin", "", user.role.name(), &ip);
     let tls = is_tls(&headers);
     let mut res = see_other(safe_next(&f.next));
     let h = res.headers_mut();
