@@ -56,11 +56,12 @@ stage "format check"
 cargo fmt --all --check
 stage "clippy"
 cargo clippy --profile ci --workspace --all-targets --locked -- -D warnings
-# The GPU code builds and lints without CUDA (loaded at run time); its kernels' CUDA source is
-# compiled by NVRTC, which needs no GPU.
-stage "clippy of the cuda feature"
-cargo clippy --profile ci -p engram-cli -p engram-server --features engram-cli/cuda,engram-server/cuda \
-    --all-targets --locked -- -D warnings
+# engramd and engram have GPU support by default (the `cuda` feature: CUDA loaded at run time,
+# its kernels' source compiled by NVRTC, none of it needing a GPU to build or lint): the CPU-only
+# build they make with --no-default-features is linted too.
+stage "clippy of the CPU-only build"
+cargo clippy --profile ci -p engram-cli -p engram-server --no-default-features --all-targets \
+    --locked -- -D warnings
 # The workspace's tests include engram-kernels-cuda's, whose CUDA source NVRTC compiles for every
 # supported architecture: with NVRTC on the library path and required, in the same build (a
 # separate `cargo test -p engram-kernels-cuda` compiled its dependencies again, with other

@@ -53,7 +53,7 @@ fi
 for b in engramd engram; do
     [[ -x $BIN/$b ]] || die "$BIN/$b is missing (build it, or drop --no-build)"
 done
-built=$("$BIN/engramd" --version | cut -d' ' -f2)
+built=$("$BIN/engramd" -V | cut -d' ' -f2)
 [[ $built == "$VERSION" ]] || die "$BIN/engramd is version $built, not $VERSION (drop --no-build)"
 
 ROOT=$(mktemp -d)

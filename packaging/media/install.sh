@@ -32,4 +32,4 @@ PKG=engram
 apt-get $APT update -qq
 # shellcheck disable=SC2086
 DEBIAN_FRONTEND=noninteractive apt-get $APT install -y -o Dpkg::Options::=--force-confold $PKG
-echo "engram install: $(engramd --version) installed; console: http://127.0.0.1:8080/console/ (first admin password: /var/lib/engram/initial-admin-password)"
+echo "engram install: $(engramd -V) installed; console: http://127.0.0.1:8080/console/ (first admin password: /var/lib/engram/initial-admin-password)"

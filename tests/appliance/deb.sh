@@ -78,4 +78,9 @@ done
 curl -fs -H "Authorization: Bearer $KEY" "http://127.0.0.1:$PORT/readyz" >/dev/null \
     || { cat "$WORK/engramd.log" >&2; fail "/readyz"; }
 "$R/usr/bin/engram" --version >/dev/null || fail "engram does not run"
+# One binary for every box: GPU support compiled in, and said so with what it found (here no
+# driver: the reason).
+gpu=$("$R/usr/bin/engramd" --version | sed -n 2p)
+[[ $gpu == "GPU support: compiled in (CUDA, loaded at run time); "* ]] || fail "engramd --version: $gpu"
+echo "deb: $gpu"
 echo "deb: the packaged engramd answers /readyz; ok"

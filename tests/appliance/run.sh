@@ -182,7 +182,7 @@ wait_active() {
 }
 version_is() {
     local v
-    v=$(in_ct /usr/bin/engramd --version | cut -d' ' -f2)
+    v=$(in_ct /usr/bin/engramd -V | cut -d' ' -f2)
     [[ $v == "$1" ]] || fail "engramd is $v, not $1"
 }
 
@@ -209,6 +209,21 @@ step "sandbox on: seccomp, NoNewPrivs, no capabilities, user engram; exposure $s
 KEY=$(in_ct runuser -u engram -- /usr/bin/engramd --config /etc/engram/engramd.toml keys create --scopes admin 2>/dev/null)
 [[ -n $KEY ]] || fail "no key"
 AUTH=(-H "Authorization: Bearer $KEY")
+
+# One binary for every box: the installed engramd has GPU support compiled in and, under the
+# hardened unit on this machine without a GPU, serves from the CPU and says why.
+gpu=$(in_ct /usr/bin/engramd --version | sed -n 2p)
+[[ $gpu == "GPU support: compiled in (CUDA, loaded at run time); no GPU usable: "* ]] \
+    || fail "engramd --version: $gpu"
+ready=$(http -f "${AUTH[@]}" $BASE/readyz) || fail "/readyz"
+python3 -c '
+import json, sys
+g = json.load(sys.stdin)["gpu"]
+assert g["cuda_compiled"] is True and g["serving"] == "cpu", g
+assert g["reason"], g
+' <<<"$ready" || fail "/readyz gpu: $ready"
+step "GPU support compiled in; serving from the CPU: $(python3 -c 'import json,sys; print(json.load(sys.stdin)["gpu"]["reason"])' <<<"$ready")"
+
 http -f "${AUTH[@]}" -H 'Content-Type: application/json' -d '{"name":"handbook"}' \
     $BASE/api/v1/collections >/dev/null || fail "creating a collection"
 DOC=$(http -f "${AUTH[@]}" -H 'Content-Type: application/json' \

@@ -1,6 +1,7 @@
-//! The GPUs `engramd` finds at start, for `/readyz`, `/metrics` and the log. With the `cuda`
-//! feature the CUDA driver is probed (a missing library is a reason, never a crash); without it
-//! the NVIDIA device files are only counted. Whether generation then uses a GPU is the
+//! The GPUs `engramd` finds at start, for `/readyz`, `/metrics`, the log and `engramd
+//! --version`. With the `cuda` feature (the default, so the package's one binary serves every
+//! box) the CUDA driver is probed (a missing library is a reason, never a crash); a build
+//! without it only counts the NVIDIA device files. Whether generation then uses a GPU is the
 //! engine's decision (`crate::decode`): `serving` says where it runs, `placement` where the
 //! layers are and `serving_reason` why it stays on the CPU, so nobody mistakes a detected GPU
 //! for one in use.
@@ -21,6 +22,8 @@ pub struct GpuDevice {
 /// What the daemon knows of its GPUs.
 #[derive(Debug, Clone, Serialize)]
 pub struct GpuStatus {
+    /// Whether this build has GPU support (the `cuda` feature: CUDA loaded at run time).
+    pub cuda_compiled: bool,
     /// Whether the GPU path could run here (driver, NVRTC and cuBLAS present, a device found).
     pub available: bool,
     pub devices: Vec<GpuDevice>,
@@ -41,6 +44,7 @@ impl GpuStatus {
     pub fn detect(device_files: usize) -> GpuStatus {
         let (devices, reason) = probe(device_files);
         GpuStatus {
+            cuda_compiled: cfg!(feature = "cuda"),
             available: !devices.is_empty(),
             devices,
             reason,
@@ -58,6 +62,40 @@ impl GpuStatus {
         self.serving_reason = s.reason.clone();
     }
 
+    /// One line for `engramd --version` and the log: whether GPU support is compiled in, and
+    /// what was found.
+    pub fn summary(&self) -> String {
+        let support = if self.cuda_compiled {
+            "GPU support: compiled in (CUDA, loaded at run time)"
+        } else {
+            "GPU support: not compiled in (a build without the `cuda` feature)"
+        };
+        let found = if self.available {
+            let gpus: Vec<String> = self
+                .devices
+                .iter()
+                .map(|d| {
+                    format!(
+                        "cuda:{} {} (compute {}, {} MiB)",
+                        d.ordinal,
+                        d.name,
+                        d.compute_capability,
+                        d.total_bytes >> 20
+                    )
+                })
+                .collect();
+            format!("{} found: {}", gpus.len(), gpus.join(", "))
+        } else {
+            let reason = self.reason.as_deref().unwrap_or("unknown");
+            // The probe's reasons open with what this line already says.
+            let reason = reason
+                .strip_prefix("no usable CUDA GPU: ")
+                .unwrap_or(reason);
+            format!("no GPU usable: {reason}")
+        };
+        format!("{support}; {found}")
+    }
+
     /// The one log line at start.
     pub fn log(&self) {
         if self.available {
@@ -73,6 +111,7 @@ impl GpuStatus {
             }
         } else {
             tracing::info!(
+                cuda_compiled = self.cuda_compiled,
                 reason = self.reason.as_deref().unwrap_or("unknown"),
                 "no GPU usable"
             );
@@ -134,5 +173,15 @@ mod tests {
         }
         let json = serde_json::to_value(&s).unwrap();
         assert!(json["available"].is_boolean() && json["devices"].is_array());
+        assert_eq!(json["cuda_compiled"], cfg!(feature = "cuda"));
+        let line = s.summary();
+        assert!(line.starts_with("GPU support: "), "{line}");
+        if !s.available {
+            let reason = s.reason.as_deref().unwrap();
+            let said = reason
+                .strip_prefix("no usable CUDA GPU: ")
+                .unwrap_or(reason);
+            assert!(line.ends_with(&format!("no GPU usable: {said}")), "{line}");
+        }
     }
 }

@@ -73,6 +73,9 @@ pub async fn serve(
             },
             () = &mut shutdown => break,
         };
+        // Streamed answers write a small event per token: none waits on Nagle's algorithm for
+        // the client's delayed acknowledgement.
+        let _ = tcp.set_nodelay(true);
         let tls = tls.clone();
         let app = app.clone();
         let watcher = graceful.watcher();

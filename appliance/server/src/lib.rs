@@ -35,5 +35,5 @@ pub use engine::{EngineHandle, EngineInfo, EngineOptions};
 pub use error::{ApiError, Result, ServerError};
 pub use lifecycle::{sd_notify, shutdown_signal};
 pub use metrics::Metrics;
-pub use profile::{choose as choose_profile, Chosen, Machine, Profile};
+pub use profile::{choose as choose_profile, nvidia_device_files, Chosen, Machine, Profile};
 pub use server::Daemon;

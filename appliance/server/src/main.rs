@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 
 use anyhow::{Context, Result};
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 use engram_server::{backup, Daemon, KeyStore, Overrides, Scope, ServerError};
 
 /// This build's version: `ENGRAM_VERSION` at build time (the packaging sets it to the package's
@@ -108,7 +108,16 @@ fn init_logging() {
 
 fn main() -> Result<()> {
     engram_server::versions::stamp(VERSION);
-    let cli = Cli::parse();
+    let mut command = Cli::command();
+    // `--version` also says whether GPU support is compiled in and what it finds (a probe of the
+    // driver, so only when asked; `-V` is the version alone).
+    if std::env::args_os().any(|a| a == "--version") {
+        let gpu = engram_server::gpu::GpuStatus::detect(engram_server::nvidia_device_files());
+        // clap keeps `&'static str`s (its `string` feature aside): the one string, leaked once.
+        let long: &'static str = format!("{VERSION}\n{}", gpu.summary()).leak();
+        command = command.long_version(long);
+    }
+    let cli = Cli::from_arg_matches(&command.get_matches())?;
     let overrides = Overrides {
         listen: cli.serve.listen.clone(),
         data_dir: cli.serve.data_dir.clone(),

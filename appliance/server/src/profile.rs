@@ -165,25 +165,31 @@ pub struct Machine {
     pub disk_free_bytes: Option<u64>,
 }
 
+/// The NVIDIA GPUs' device files (`/dev/nvidia0`, `/dev/nvidia1`, ...): GPUs counted without a
+/// CUDA call.
+pub fn nvidia_device_files() -> usize {
+    std::fs::read_dir("/dev")
+        .map(|d| {
+            d.filter_map(|e| e.ok())
+                .filter(|e| {
+                    let n = e.file_name();
+                    let n = n.to_string_lossy();
+                    n.strip_prefix("nvidia").is_some_and(|rest| {
+                        !rest.is_empty() && rest.bytes().all(|b| b.is_ascii_digit())
+                    })
+                })
+                .count()
+        })
+        .unwrap_or(0)
+}
+
 impl Machine {
     /// Detects cores and memory (sysinfo, from `/proc/meminfo`, else the `sysinfo(2)` call),
     /// GPUs (`/dev/nvidia0`, `/dev/nvidia1`, ... device files; no CUDA call) and the free space
     /// under `data_dir`.
     pub fn detect(data_dir: &Path) -> Machine {
         let cores = std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get);
-        let gpus = std::fs::read_dir("/dev")
-            .map(|d| {
-                d.filter_map(|e| e.ok())
-                    .filter(|e| {
-                        let n = e.file_name();
-                        let n = n.to_string_lossy();
-                        n.strip_prefix("nvidia").is_some_and(|rest| {
-                            !rest.is_empty() && rest.bytes().all(|b| b.is_ascii_digit())
-                        })
-                    })
-                    .count()
-            })
-            .unwrap_or(0);
+        let gpus = nvidia_device_files();
         // statvfs on the directory itself: exact for any mount (tmpfs, bind mounts), which a
         // mount-point match against the disk list is not.
         let disk_free_bytes = engram_kvstore::disk_space(data_dir)

@@ -160,6 +160,24 @@ fn routes() -> Vec<(&'static str, &'static str)> {
     ]
 }
 
+/// A multipart body of file parts, `(file name, bytes)`, and its content type.
+fn multipart_files(files: &[(&str, &[u8])]) -> (String, Vec<u8>) {
+    let boundary = "EnGrAmTeStBoUnDaRy";
+    let mut body = Vec::new();
+    for (name, bytes) in files {
+        body.extend_from_slice(
+            format!(
+                "--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"{name}\"\r\n\r\n"
+            )
+            .as_bytes(),
+        );
+        body.extend_from_slice(bytes);
+        body.extend_from_slice(b"\r\n");
+    }
+    body.extend_from_slice(format!("--{boundary}--\r\n").as_bytes());
+    (format!("multipart/form-data; boundary={boundary}"), body)
+}
+
 #[test]
 fn healthz_needs_no_key() {
     let s = server();
@@ -721,21 +739,9 @@ fn uploads_no_parser_reads_are_refused_naming_what_is_read() {
         Some(json!({"name": "formats"})),
     );
     assert_eq!(r.status, 201, "{}", r.text());
-    let boundary = "FoRmAtS";
-    let ct = format!("multipart/form-data; boundary={boundary}");
-    let part = |name: &str, bytes: &[u8]| {
-        let mut p = format!(
-            "--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"{name}\"\r\n\r\n"
-        )
-        .into_bytes();
-        p.extend_from_slice(bytes);
-        p.extend_from_slice(b"\r\n");
-        p
-    };
     // A PNG's signature and an IHDR chunk: binary, no format Engram reads.
-    let png: Vec<u8> = b"\x89PNG\r\n\x1a\n\0\0\0\rIHDR\0\0\0\x10\0\0\0\x10\x08\x02\0\0\0".to_vec();
-    let mut body = part("scan.png", &png);
-    body.extend_from_slice(format!("--{boundary}--\r\n").as_bytes());
+    let png: &[u8] = b"\x89PNG\r\n\x1a\n\0\0\0\rIHDR\0\0\0\x10\0\0\0\x10\x08\x02\0\0\0";
+    let (ct, body) = multipart_files(&[("scan.png", png)]);
     let r = s.raw(
         "POST",
         "/api/v1/collections/formats/documents",
@@ -755,9 +761,10 @@ fn uploads_no_parser_reads_are_refused_naming_what_is_read() {
     );
     // Beside a readable file: that one is queued, the image refused by name, nothing stored
     // of it.
-    let mut body = part("scan.png", &png);
-    body.extend(part("notes.txt", b"The loading dock closes at six."));
-    body.extend_from_slice(format!("--{boundary}--\r\n").as_bytes());
+    let (ct, body) = multipart_files(&[
+        ("scan.png", png),
+        ("notes.txt", b"The loading dock closes at six."),
+    ]);
     let r = s.raw(
         "POST",
         "/api/v1/collections/formats/documents",
@@ -809,6 +816,8 @@ fn readyz_and_metrics() {
         gpu["available"].is_boolean() && gpu["devices"].is_array(),
         "{gpu}"
     );
+    // The default build, the one the package ships, has GPU support (the `cuda` feature).
+    assert_eq!(gpu["cuda_compiled"], cfg!(feature = "cuda"), "{gpu}");
     if gpu["available"] == false {
         assert!(!gpu["reason"].as_str().unwrap_or("").is_empty(), "{gpu}");
     }
@@ -1236,21 +1245,15 @@ fn oversized_queries_and_failed_uploads_are_errors() {
     );
     assert_eq!(r.status, 201, "{}", r.text());
     let bad_name = "n".repeat(1100);
-    let boundary = "PaRtIaL";
-    let ct = format!("multipart/form-data; boundary={boundary}");
-    let part = |name: &str, text: &str| {
-        format!("--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"{name}\"\r\n\r\n{text}\r\n")
-    };
-    let body = format!(
-        "{}{}--{boundary}--\r\n",
-        part(&bad_name, "refused"),
-        part("partial-ok.txt", "The partial upload keeps this one.")
-    );
+    let (ct, body) = multipart_files(&[
+        (&bad_name, b"refused"),
+        ("partial-ok.txt", b"The partial upload keeps this one."),
+    ]);
     let r = s.raw(
         "POST",
         "/api/v1/collections/partial/documents",
         Some(&s.admin),
-        Some((&ct, body.into_bytes())),
+        Some((&ct, body)),
     );
     assert_eq!(r.status, 207, "{}", r.text());
     let docs = r.json()["documents"].as_array().unwrap().clone();
@@ -1260,12 +1263,12 @@ fn oversized_queries_and_failed_uploads_are_errors() {
         .unwrap()
         .contains("document name"));
     assert_eq!(docs[1]["outcome"], "queued");
-    let body = format!("{}--{boundary}--\r\n", part(&bad_name, "refused"));
+    let (ct, body) = multipart_files(&[(&bad_name, b"refused")]);
     let r = s.raw(
         "POST",
         "/api/v1/collections/partial/documents",
         Some(&s.admin),
-        Some((&ct, body.into_bytes())),
+        Some((&ct, body)),
     );
     assert_eq!(r.status, 400, "{}", r.text());
     assert_eq!(r.error_type(), "invalid_request");

@@ -782,6 +782,17 @@ fn the_dashboard_counts_refused_keys_apart_from_the_queue() {
         .unwrap();
     assert!(refused >= 1, "{}", stat("auth-refused"));
     assert_eq!(stat("queue-rejected"), "0 turned away (queue full)");
+    // Whether this build can use a GPU, and why it does not here (no driver on a CI box).
+    let gpu = stat("gpu-support");
+    if cfg!(feature = "cuda") {
+        assert_eq!(
+            gpu.trim(),
+            "compiled in (CUDA, loaded at run time)",
+            "{gpu}"
+        );
+    } else {
+        assert_eq!(gpu.trim(), "not compiled in", "{gpu}");
+    }
 }
 
 /// The chat playground and the audit log in Chinese: a question with no knowledge base ticked

@@ -55,6 +55,10 @@ pub struct DashboardPage {
     pub c: Chrome,
     pub cores: usize,
     pub gpus: usize,
+    /// Whether this build has GPU support, and why no GPU is usable when none is (the
+    /// driver's own words).
+    pub cuda_compiled: bool,
+    pub gpu_reason: String,
     /// Where generation runs: `cpu`, or the GPU and its placement.
     pub generation: String,
     /// Why it runs on the CPU, when it does and GPUs were found.
@@ -213,6 +217,8 @@ pub async fn page(
             .with_flash(q.ok.as_deref()),
         cores: f.machine.cores,
         gpus: f.machine.gpus,
+        cuda_compiled: s.gpu.cuda_compiled,
+        gpu_reason: s.gpu.reason.clone().unwrap_or_default(),
         generation: match &s.engine.info.serving.placement {
             Some(p) => format!("{}: {p}", s.engine.info.serving.device),
             None => s.engine.info.serving.device.to_uppercase(),
