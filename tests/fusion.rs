@@ -966,7 +966,7 @@ fn cli_eval_fusion_reports_every_policy() {
     );
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
     let p = &v["policies"];
-    for name in ["full", "reuse", "boundary:4", "deviation:1"] {
+    for name in ["full", "full~", "reuse", "boundary:4", "deviation:1"] {
         for field in [
             "first_token_agreement",
             "answer_f1_vs_full",
@@ -996,6 +996,17 @@ fn cli_eval_fusion_reports_every_policy() {
     assert!(p["deviation:1"]["kl_mean"].as_f64().unwrap() < 1e-3, "{v}");
     assert_eq!(p["deviation:1"]["first_token_agreement"], 1.0);
     assert!(p["reuse"]["recompute_fraction"].as_f64().unwrap() < 0.5);
+    // The noise floor: full prefill with its chunk keys rounded once more is full prefill up
+    // to rounding (a key rotated back the wrong way, or the suffix placed at other positions,
+    // moves the logits by far more), and the report carries it apart.
+    assert_eq!(p["full~"]["recompute_fraction"], 1.0);
+    let floor_kl = p["full~"]["kl_mean"].as_f64().unwrap();
+    assert!(floor_kl < 0.02, "full~ KL {floor_kl}: {v}");
+    assert_eq!(v["noise_floor"]["row"], "full~", "{v}");
+    assert_eq!(
+        v["noise_floor"]["answer_f1_vs_full"],
+        p["full~"]["answer_f1_vs_full"]
+    );
 
     // The answers are recorded per question, so two runs can be compared: this run against
     // itself with one of full's answers changed.

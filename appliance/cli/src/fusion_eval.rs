@@ -9,17 +9,18 @@
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use engram_fusion::{
     bos_frame, fused_prefill, kl_divergence, rag_frame_for, rag_prefix_frame, rag_prompt_with,
-    retain_distinct, ChunkStore, FuseStats, Layout, OutputText, Policy, PrefixCache,
-    DEFAULT_LAYOUT, DEFAULT_SYSTEM,
+    retain_distinct, ChunkStore, FuseStats, FusedPrompt, Layout, OutputText, Policy, Prefilled,
+    PrefixCache, DEFAULT_LAYOUT, DEFAULT_SYSTEM,
 };
+use engram_kernels::f16;
 use engram_kvstore::{DramTier, IoMode, KvDtype, KvStore, NvmeOptions, NvmeTier};
-use engram_model::{argmax, top_k, Logits};
+use engram_model::{argmax, top_k, KvCache, Logits, Model};
 use engram_tokenizer::Detokenizer;
 use serde::Deserialize;
 
@@ -80,9 +81,46 @@ pub struct FusionArgs {
     /// same prompt either way.
     #[arg(long, default_value = "all", value_parser = ["all", "distinct"])]
     passages: String,
+    /// Leave out the `full~` row (full prefill with its chunk keys once through a stored
+    /// chunk's rounding: the noise floor every policy is read against). It costs about one
+    /// more full prefill per question.
+    #[arg(long)]
+    no_noise_floor: bool,
+    /// Also time a prefix-cache hit (the row `prefix-hit`): the prefix and every chunk served
+    /// from an exact cache of this very context, as a conventional prefix cache serves a repeated
+    /// document set in the same order, and the question prefilled after it. The cache is
+    /// filled before the clock starts (one more untimed prefill per question).
+    #[arg(long)]
+    prefix_hit: bool,
     /// Print JSON instead of a table.
     #[arg(long)]
     json: bool,
+}
+
+/// The name of the noise floor's row in the report.
+pub(crate) const FULL_ROUNDED: &str = "full~";
+
+/// The name of the prefix-cache hit's row.
+const PREFIX_HIT: &str = "prefix-hit";
+
+/// A row of the report: a fusion policy, or full prefill's own noise floor.
+#[derive(Clone, Copy, PartialEq)]
+enum Row {
+    Policy(Policy),
+    /// `full~`: [`full_rounded`].
+    FullRounded,
+    /// `prefix-hit`: [`prefix_hit`].
+    PrefixHit,
+}
+
+impl Row {
+    fn name(&self) -> String {
+        match self {
+            Row::Policy(p) => p.name(),
+            Row::FullRounded => FULL_ROUNDED.to_string(),
+            Row::PrefixHit => PREFIX_HIT.to_string(),
+        }
+    }
 }
 
 #[derive(Deserialize)]
@@ -158,6 +196,13 @@ pub fn run(a: FusionArgs) -> Result<()> {
     let Some(layout) = Layout::named(&a.layout) else {
         bail!("unknown layout `{}`", a.layout);
     };
+    let mut rows: Vec<Row> = policies.iter().map(|&p| Row::Policy(p)).collect();
+    if !a.no_noise_floor {
+        rows.insert(1, Row::FullRounded);
+    }
+    if a.prefix_hit {
+        rows.push(Row::PrefixHit);
+    }
     let loaded = a.model.load()?;
     let (model, tokenizer) = (&loaded.model, &loaded.tokenizer);
     let dtype = KvDtype::parse(&a.kv_dtype)?;
@@ -201,7 +246,8 @@ pub fn run(a: FusionArgs) -> Result<()> {
     let mut full_margins: Vec<f64> = Vec::new();
     // Passages in each question's prompt (fewer than the data's with `--passages distinct`).
     let mut passages_kept: Vec<f64> = Vec::new();
-    let order: Vec<String> = policies.iter().map(Policy::name).collect();
+    let mut prompt_tokens: Vec<f64> = Vec::new();
+    let order: Vec<String> = rows.iter().map(Row::name).collect();
     for (qi, ex) in examples.iter().enumerate() {
         let mut texts: Vec<String> = ex
             .ctxs
@@ -232,6 +278,7 @@ pub fn run(a: FusionArgs) -> Result<()> {
             continue;
         }
         passages_kept.push(texts.len() as f64);
+        prompt_tokens.push(prompt.len() as f64);
         // Ingestion: every chunk's KV computed and stored (not part of TTFT).
         for c in &prompt.chunks {
             chunks.ensure(model, c)?;
@@ -239,8 +286,14 @@ pub fn run(a: FusionArgs) -> Result<()> {
         let mut kv = model.new_cache(prompt.len() + a.answer_tokens + 1);
         let mut reference: Option<Reference> = None;
         let mut full_kv: Option<engram_model::KvCache> = None;
-        for &policy in &policies {
-            let done = fused_prefill(model, &chunks, Some(&prefixes), &prompt, policy, &mut kv)?;
+        for &row in &rows {
+            let done = match row {
+                Row::Policy(policy) => {
+                    fused_prefill(model, &chunks, Some(&prefixes), &prompt, policy, &mut kv)?
+                }
+                Row::FullRounded => full_rounded(model, &prompt, &mut kv)?,
+                Row::PrefixHit => prefix_hit(model, &prompt, &mut kv)?,
+            };
             if a.kv_deviation {
                 match &full_kv {
                     None => {
@@ -248,7 +301,7 @@ pub fn run(a: FusionArgs) -> Result<()> {
                         snap.append_from(&kv, 0..kv.len())?;
                         full_kv = Some(snap);
                     }
-                    Some(full) => deviations.entry(policy.name()).or_default().add(
+                    Some(full) => deviations.entry(row.name()).or_default().add(
                         model.rope(),
                         &prompt,
                         full,
@@ -267,7 +320,7 @@ pub fn run(a: FusionArgs) -> Result<()> {
                 None,
             )?;
             let (answer, answer_len) = answer_of(&loaded, &ids, &ex.question);
-            let t = tallies.entry(policy.name()).or_default();
+            let t = tallies.entry(row.name()).or_default();
             let tf_kl = match &reference {
                 None => 0.0,
                 Some((_, ref_ids, ref_steps, _)) => {
@@ -337,7 +390,7 @@ pub fn run(a: FusionArgs) -> Result<()> {
             ] {
                 t.stage_ms.entry(stage).or_default().push(ms(d));
             }
-            if s.chunks_computed > 0 && policy != Policy::Full {
+            if s.chunks_computed > 0 && row != Row::Policy(Policy::Full) {
                 eprintln!(
                     "question {qi}: {} chunks had no stored KV and were computed",
                     s.chunks_computed
@@ -438,8 +491,22 @@ pub fn run(a: FusionArgs) -> Result<()> {
         .iter()
         .map(|(name, d)| (name.clone(), d.json()))
         .collect();
+    // Full prefill against itself under a rounding-level change: how close to `full` a policy
+    // can be shown to be.
+    let noise_floor = out.get(FULL_ROUNDED).map_or(serde_json::Value::Null, |v| {
+        serde_json::json!({
+            "row": FULL_ROUNDED,
+            "first_token_agreement": v["first_token_agreement"],
+            "first_token_agreement_decisive": v["first_token_agreement_decisive"],
+            "answer_f1_vs_full": v["answer_f1_vs_full"],
+            "answer_em_vs_full": v["answer_em_vs_full"],
+            "tf_kl_mean": v["tf_kl_mean"],
+            "tf_kl_p90": v["tf_kl_p90"],
+        })
+    });
     let report = serde_json::json!({
         "policies": out,
+        "noise_floor": noise_floor,
         "kv_deviation": kv_deviation,
         "config": {
             "data": a.data.display().to_string(),
@@ -453,6 +520,7 @@ pub fn run(a: FusionArgs) -> Result<()> {
             "answer_tokens": a.answer_tokens,
             "passages": a.passages,
             "passages_per_question_mean": mean(&passages_kept),
+            "prompt_tokens_median": median(&prompt_tokens),
         },
     });
     if a.json {
@@ -522,6 +590,19 @@ pub fn run(a: FusionArgs) -> Result<()> {
             .collect::<Vec<_>>()
             .join(", ")
     );
+    let floor = &report["noise_floor"];
+    if floor.is_object() {
+        let f = |k: &str| floor[k].as_f64().unwrap_or(0.0);
+        println!(
+            "noise floor ({FULL_ROUNDED}: full prefill, its chunk keys once through a stored \
+             chunk's rounding): first token {:.3} ({:.3} decisive), answer F1 vs full {:.3}, \
+             tf KL {:.4}; a policy that reaches these is as close to full as full is to itself",
+            f("first_token_agreement"),
+            f("first_token_agreement_decisive"),
+            f("answer_f1_vs_full"),
+            f("tf_kl_mean"),
+        );
+    }
     for (name, d) in &report["kv_deviation"]
         .as_object()
         .cloned()
@@ -572,6 +653,114 @@ pub fn run(a: FusionArgs) -> Result<()> {
 
 /// Greedy decoding of up to `n` tokens (stopping at an end-of-generation token), or the
 /// `forced` tokens fed one by one: the tokens, and the logits each was chosen from.
+/// `full~`, full prefill's own noise floor: the prefix and the chunks prefilled in one pass as
+/// `full` does, then every chunk token's keys taken once through what placing a stored chunk
+/// does to them (rotated back before RoPE, rounded to f16, rotated to their position again:
+/// [`KvCache::append_prerope`]), then the suffix prefilled over that cache in a pass of its
+/// own, as every fused policy prefills it. No stored KV is read, so what separates this row
+/// from `full` is rounding and batch composition alone: a policy's distance from `full` is
+/// read against this row's.
+fn full_rounded(model: &Model, prompt: &FusedPrompt, kv: &mut KvCache) -> Result<Prefilled> {
+    let start = Instant::now();
+    kv.clear();
+    let head: Vec<u32> = prompt
+        .prefix
+        .iter()
+        .chain(prompt.chunks.iter().flatten())
+        .copied()
+        .collect();
+    let positions: Vec<i32> = (0..head.len() as i32).collect();
+    model.prefill(&head, &positions, kv, Logits::None)?;
+    let (n_layer, n_head_kv, hd) = kv.shape();
+    let rope = model.rope();
+    let (mut k, mut v) = (vec![0.0f32; n_head_kv * hd], vec![0.0f32; n_head_kv * hd]);
+    for slot in prompt.prefix.len()..head.len() {
+        let pos = kv.positions()[slot];
+        for layer in 0..n_layer {
+            for h in 0..n_head_kv {
+                let key = &mut k[h * hd..(h + 1) * hd];
+                key.copy_from_slice(&kv.key(layer, h, slot));
+                rope.shift(key, -pos);
+                for x in key.iter_mut() {
+                    *x = f16::from_f32(*x).to_f32();
+                }
+                rope.shift(key, pos);
+                let stored = &kv.values(layer, h, slot + 1)[slot * hd..];
+                for (dst, src) in v[h * hd..(h + 1) * hd].iter_mut().zip(stored) {
+                    *dst = src.to_f32();
+                }
+            }
+            kv.write(layer, slot, &k, &v);
+        }
+    }
+    let suffix_at = head.len() as i32;
+    let suffix_pos: Vec<i32> = (suffix_at..suffix_at + prompt.suffix.len() as i32).collect();
+    let logits = model.prefill(&prompt.suffix, &suffix_pos, kv, Logits::Last)?;
+    Ok(Prefilled {
+        logits,
+        next_position: suffix_at + prompt.suffix.len() as i32,
+        stats: FuseStats {
+            policy: FULL_ROUNDED.to_string(),
+            prompt_tokens: prompt.len(),
+            prefix_tokens: prompt.prefix.len(),
+            chunk_tokens: prompt.chunk_tokens(),
+            recomputed_chunk_tokens: prompt.chunk_tokens(),
+            suffix_tokens: prompt.suffix.len(),
+            total_time: start.elapsed(),
+            ..FuseStats::default()
+        },
+    })
+}
+
+/// `prefix-hit`: the prompt up to its suffix prefilled and cached in a [`PrefixCache`] of its
+/// own, untimed; then, timed, the cached KV copied in (the lookup a hit makes) and the suffix
+/// prefilled after it. The best case of a conventional prefix cache: the same passages, in the
+/// same order, asked about again.
+fn prefix_hit(model: &Model, prompt: &FusedPrompt, kv: &mut KvCache) -> Result<Prefilled> {
+    let head: Vec<u32> = prompt
+        .prefix
+        .iter()
+        .chain(prompt.chunks.iter().flatten())
+        .copied()
+        .collect();
+    let cache = PrefixCache::new(u64::MAX);
+    let mut filled = model.new_cache(head.len());
+    let positions: Vec<i32> = (0..head.len() as i32).collect();
+    model.prefill(&head, &positions, &mut filled, Logits::None)?;
+    cache.insert(&head, filled);
+
+    let start = Instant::now();
+    kv.clear();
+    let Some(hit) = cache.lookup(&head).filter(|h| h.len == head.len()) else {
+        bail!(
+            "the prefix cache did not return the {} tokens just cached",
+            head.len()
+        );
+    };
+    kv.append_from(&hit.entry.kv, 0..hit.len)?;
+    let copied = start.elapsed();
+    let suffix_at = head.len() as i32;
+    let suffix_pos: Vec<i32> = (suffix_at..suffix_at + prompt.suffix.len() as i32).collect();
+    let logits = model.prefill(&prompt.suffix, &suffix_pos, kv, Logits::Last)?;
+    let total = start.elapsed();
+    Ok(Prefilled {
+        logits,
+        next_position: suffix_at + prompt.suffix.len() as i32,
+        stats: FuseStats {
+            policy: PREFIX_HIT.to_string(),
+            prompt_tokens: prompt.len(),
+            prefix_tokens: prompt.prefix.len(),
+            prefix_cached_tokens: head.len(),
+            chunk_tokens: prompt.chunk_tokens(),
+            suffix_tokens: prompt.suffix.len(),
+            prefix_time: copied,
+            suffix_time: total - copied,
+            total_time: total,
+            ..FuseStats::default()
+        },
+    })
+}
+
 fn decode(
     loaded: &crate::Loaded,
     kv: &mut engram_model::KvCache,
