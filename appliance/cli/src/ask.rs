@@ -11,9 +11,9 @@ use anyhow::{Context, Result};
 use clap::Args;
 use engram_fusion::{
     chunk_tokens, evidence_to_embed, fused_prefill, nearest_evidence, no_answer, rag_frame_for,
-    rag_prompt_with, relevant, relevant_sentence, retain_distinct, sentences_to_embed, ChunkStore,
-    CopyBias, Ensured, GateLimits, Layout, OutputText, Policy, DEFAULT_COPY_BIAS, DEFAULT_LAYOUT,
-    DEFAULT_POLICY, DEFAULT_SYSTEM,
+    rag_prompt_with, relevant, relevant_sentence, retain_distinct, sentences_to_embed, AnswerRule,
+    AnswerRules, ChunkStore, CopyBias, Ensured, GateLimits, Layout, OutputText, Policy,
+    DEFAULT_COPY_BIAS, DEFAULT_LAYOUT, DEFAULT_POLICY, DEFAULT_SYSTEM,
 };
 use engram_kb::{KnowledgeBase, SearchRequest};
 use engram_kvstore::{DramTier, IoMode, KvDtype, KvStore, NvmeOptions, NvmeTier};
@@ -100,6 +100,10 @@ pub struct AskArgs {
     /// `engram_fusion::OutputText::or_sentence`.
     #[arg(long, default_value = "on", value_parser = ["on", "off"])]
     start_check: String,
+    /// Answer rules turned off, comma-separated by name (`engram_fusion::AnswerRule`), as
+    /// engramd's `[answers] rules_off`.
+    #[arg(long, default_value = "")]
+    rules_off: String,
     /// Print one JSON object (answer, citations, timings) instead of streaming.
     #[arg(long)]
     json: bool,
@@ -269,6 +273,7 @@ pub fn ask(a: AskArgs) -> Result<()> {
         a.temperature,
         a.copy_bias,
         a.start_check == "on",
+        parse_rules_off(&a.rules_off)?,
         &mut |piece| {
             if !json {
                 let mut out = stdout.lock();
@@ -301,6 +306,7 @@ pub fn ask(a: AskArgs) -> Result<()> {
     timings.insert("first_token_ms".into(), first_token.map_or(0.0, ms).into());
     timings.insert("decode_ms".into(), ms(decode).into());
     timings.insert("generated_tokens".into(), generated.into());
+    timings.insert("answer_rules".into(), g.rules.names().into());
     if a.json {
         return print_json(
             answer.trim(),
@@ -421,6 +427,8 @@ pub struct Generated {
     /// Whether the model wrote no answer and `text` is the evidence sentence
     /// ([`OutputText::or_sentence`]).
     pub fell_back: bool,
+    /// The answer rules that changed the answer.
+    pub rules: AnswerRules,
     pub prefilled: engram_fusion::FuseStats,
     /// From the start of the prefill to the first token.
     pub first_token: std::time::Duration,
@@ -432,7 +440,8 @@ pub struct Generated {
 /// temperature 0) until the end-of-generation token, the end of the answer ([`OutputText`]:
 /// a stop string, the answer repeating itself) or `max_tokens`; `on_piece` gets the text as it
 /// becomes final, as `engramd` sends it. With `start_check`, an answer that starts with what
-/// the evidence sentence does not support is the sentence (`OutputText::check_start`).
+/// the evidence sentence does not support is the sentence (`OutputText::check_start`); the
+/// rules in `rules_off` are off (`OutputText::rules_off`).
 #[allow(clippy::too_many_arguments)]
 pub fn generate(
     llm: &Llm,
@@ -444,6 +453,7 @@ pub fn generate(
     temperature: f32,
     copy_bias: f32,
     start_check: bool,
+    rules_off: AnswerRules,
     on_piece: &mut dyn FnMut(&str),
 ) -> Result<Generated> {
     let started = Instant::now();
@@ -462,6 +472,7 @@ pub fn generate(
         .collect();
     text.from_passages(passages.iter().map(String::as_str));
     text.check_start(start_check);
+    text.rules_off(rules_off);
     let mut history = prompt.tokens();
     let prompt_len = history.len();
     let copy = CopyBias::from_prompt(prompt, &llm.tokenizer, copy_bias);
@@ -498,11 +509,26 @@ pub fn generate(
     Ok(Generated {
         text: text.text().to_owned(),
         fell_back: text.fell_back(),
+        rules: text.rules_fired(),
         prefilled: done.stats,
         first_token: first_token.unwrap_or_default(),
         decode: decode_start.elapsed(),
         generated,
     })
+}
+
+/// Answer rules named in `names`, comma-separated (`--rules-off`); an unknown name is refused
+/// with the list.
+pub fn parse_rules_off(names: &str) -> Result<AnswerRules> {
+    let mut off = AnswerRules::default();
+    for name in names.split(',').map(str::trim).filter(|n| !n.is_empty()) {
+        let Some(rule) = AnswerRule::parse(name) else {
+            let all: Vec<&str> = AnswerRule::ALL.iter().map(|r| r.name()).collect();
+            anyhow::bail!("`{name}` is no answer rule: {}", all.join(", "));
+        };
+        off.insert(rule);
+    }
+    Ok(off)
 }
 
 #[derive(Args)]

@@ -8,6 +8,7 @@
 //! (`llama-server` on the same GGUF, see `bench/qa-vs-llamacpp.sh`) in the RAG prompt
 //! LangChain's default RAG chain uses, greedy, scored the same way in the same run.
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -61,6 +62,17 @@ pub struct QaArgs {
     /// `engram_fusion::OutputText::or_sentence`.
     #[arg(long, default_value = "on")]
     start_check: String,
+    /// Answer rules turned off for every answer, comma-separated by name
+    /// (`engram_fusion::AnswerRule`); each variant's report counts the rules that changed
+    /// answers (`answer_rules`).
+    #[arg(long, default_value = "")]
+    rules_off: String,
+    /// Measure each answer rule: wherever a rule changed the first system's answer, the answer
+    /// is generated again with that rule off and scored. Reports each rule's F1 with it on
+    /// minus off over all questions (0 where it changed nothing: a rule that does not fire
+    /// leaves the answer as it is), with a paired bootstrap 95 % interval (`rule_ablation`).
+    #[arg(long)]
+    rule_ablation: bool,
     /// How the evidence sentence is chosen, comma-separated (the first is compared against):
     /// `embed` as engramd chooses it (`engram_fusion::evidence_to_embed`), `terms` by the
     /// question's terms alone. A question whose picks give the same prompt is answered once.
@@ -164,6 +176,9 @@ struct Tally {
     sentence_f1: Vec<f64>,
     /// Answers that are the evidence sentence.
     sentences: usize,
+    /// Answers each answer rule changed (of those generated; a repeated prompt's answer is
+    /// counted once).
+    rules: BTreeMap<&'static str, usize>,
 }
 
 impl Tally {
@@ -186,6 +201,7 @@ impl Tally {
             time: mean(&self.ttft_ms),
             "empty_answers": self.empty,
             "sentence_answers": self.sentences,
+            "answer_rules": self.rules,
             "sentence_f1_gain": mean(&self.sentence_f1),
             "sentence_f1_gain_ci95": crate::fusion_eval::bootstrap_ci95(&self.sentence_f1),
         })
@@ -344,6 +360,7 @@ pub fn run(a: QaArgs) -> Result<()> {
     let picks = two_way(&a.evidence_picks, "--evidence-picks", "embed", "terms")?;
     let numbers = two_way(&a.evidence_numbers, "--evidence-numbers", "on", "off")?;
     let checks = two_way(&a.start_check, "--start-check", "on", "off")?;
+    let rules_off = crate::ask::parse_rules_off(&a.rules_off)?;
     // Every layout with every bias, evidence pick, number setting and start check, named by
     // the layout alone when one of each is compared.
     let mut systems: Vec<System> = Vec::new();
@@ -418,6 +435,9 @@ pub fn run(a: QaArgs) -> Result<()> {
     )?;
 
     let mut tallies: Vec<Tally> = systems.iter().map(|_| Tally::default()).collect();
+    // `--rule-ablation`: per rule, (the question's place in the first tally, F1 with the rule,
+    // F1 without it) where it changed the first system's answer.
+    let mut ablation: BTreeMap<&'static str, Vec<(usize, f64, f64)>> = BTreeMap::new();
     let mut peer = Tally::default();
     let (mut recalled, mut skipped, mut refused) = (0usize, 0usize, 0usize);
     let mut best_dense = Vec::new();
@@ -525,7 +545,7 @@ pub fn run(a: QaArgs) -> Result<()> {
             String,
         );
         let mut answered: Vec<Answered> = Vec::new();
-        for (system, tally) in systems.iter().zip(tallies.iter_mut()) {
+        for (si, (system, tally)) in systems.iter().zip(tallies.iter_mut()).enumerate() {
             let System {
                 prompt: layout,
                 bias,
@@ -581,8 +601,12 @@ pub fn run(a: QaArgs) -> Result<()> {
                 0.0,
                 *bias,
                 *check,
+                rules_off,
                 &mut |_| {},
             )?;
+            for rule in g.rules.iter() {
+                *tally.rules.entry(rule.name()).or_default() += 1;
+            }
             let answer = g.text.trim().to_owned();
             // Nothing of the model's is scored as no answer; the evidence sentence in its place
             // is scored (and counted apart).
@@ -590,6 +614,40 @@ pub fn run(a: QaArgs) -> Result<()> {
             let score = best_score(if none { "" } else { &answer }, &item.answers, chinese);
             let ms = retrieve_ms + g.first_token.as_secs_f64() * 1e3;
             tally.add(score, ms, none, g.fell_back);
+            if si == 0 && a.rule_ablation {
+                // The same answer with each rule that changed it turned off.
+                let at = tally.f1.len() - 1;
+                for rule in g.rules.iter() {
+                    let mut off = rules_off;
+                    off.insert(rule);
+                    let g = generate(
+                        &llm,
+                        &store,
+                        prompt,
+                        &item.question,
+                        policy,
+                        a.max_tokens,
+                        0.0,
+                        *bias,
+                        *check,
+                        off,
+                        &mut |_| {},
+                    )?;
+                    let answer = g.text.trim().to_owned();
+                    let none = answer.is_empty() || answer == not_answered(&item.question);
+                    let without =
+                        best_score(if none { "" } else { &answer }, &item.answers, chinese);
+                    line.push(format!(
+                        "    without {} (f1 {:.2}): {answer:?}",
+                        rule.name(),
+                        without.f1
+                    ));
+                    ablation
+                        .entry(rule.name())
+                        .or_default()
+                        .push((at, score.f1, without.f1));
+                }
+            }
             let from = if g.fell_back {
                 ", the evidence sentence"
             } else {
@@ -681,6 +739,7 @@ pub fn run(a: QaArgs) -> Result<()> {
             "best_coverage": percentiles(&o.coverage),
             "best_term_coverage": percentiles(&o.terms),
         })),
+        "rule_ablation": a.rule_ablation.then(|| rule_ablation(&ablation, tallies[0].f1.len())),
         "elapsed_s": started.elapsed().as_secs_f64(),
     });
     if a.json {
@@ -778,6 +837,27 @@ pub fn run(a: QaArgs) -> Result<()> {
             t.sentences,
             mean(&t.sentence_f1)
         );
+    }
+    if let Some(rules) = out["rule_ablation"].as_object() {
+        println!(
+            "\n{:<16} {:>8} {:>9} {:>9} {:>10} {:>18}",
+            "answer rule", "changed", "F1 with", "without", "gain", "gain CI95"
+        );
+        for (name, r) in rules {
+            let f = |k: &str| r[k].as_f64().unwrap_or(0.0);
+            println!(
+                "{name:<16} {:>8} {:>9.3} {:>9.3} {:>+10.4} {:>18}",
+                r["changed_answers"].as_u64().unwrap_or(0),
+                f("f1_with_rule"),
+                f("f1_without_rule"),
+                f("f1_gain_all_questions"),
+                format!(
+                    "[{:+.4}, {:+.4}]",
+                    r["f1_gain_ci95"][0].as_f64().unwrap_or(0.0),
+                    r["f1_gain_ci95"][1].as_f64().unwrap_or(0.0)
+                )
+            );
+        }
     }
     Ok(())
 }
@@ -886,6 +966,39 @@ fn best_by_cosine(
     let cosines = models.similarities(question, texts)?;
     let owned = texts.iter().map(|t| (*t).to_owned()).collect();
     Ok(engram_fusion::nearest_evidence(owned, &cosines))
+}
+
+/// `--rule-ablation`'s report: per rule, the answers it changed, their F1 with it and without
+/// it, and its F1 gain over all `n` questions (0 where it changed nothing) with the paired
+/// bootstrap 95 % interval. A rule pays where the interval is above 0.
+fn rule_ablation(
+    ablation: &BTreeMap<&'static str, Vec<(usize, f64, f64)>>,
+    n: usize,
+) -> serde_json::Value {
+    let mut out = serde_json::Map::new();
+    for rule in engram_fusion::AnswerRule::ALL {
+        let fired = ablation.get(rule.name()).map_or(&[][..], Vec::as_slice);
+        let mut gain = vec![0.0; n];
+        for &(at, on, off) in fired {
+            if let Some(g) = gain.get_mut(at) {
+                *g = on - off;
+            }
+        }
+        let on: Vec<f64> = fired.iter().map(|f| f.1).collect();
+        let off: Vec<f64> = fired.iter().map(|f| f.2).collect();
+        out.insert(
+            rule.name().into(),
+            serde_json::json!({
+                "changed_answers": fired.len(),
+                "f1_with_rule": mean(&on),
+                "f1_without_rule": mean(&off),
+                "f1_gain_all_questions": mean(&gain),
+                "f1_gain_ci95": crate::fusion_eval::bootstrap_ci95(&gain),
+                "models": rule.models(),
+            }),
+        );
+    }
+    serde_json::Value::Object(out)
 }
 
 /// `t`'s F1 minus `first`'s, paired on the same questions: the mean and its bootstrap 95 %

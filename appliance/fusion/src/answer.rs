@@ -1017,6 +1017,9 @@ struct AnswerStart {
     check: bool,
     /// Whether the answer was replaced for its start: generation ends there.
     replaced: bool,
+    /// The rules on, and those that changed this answer.
+    on: AnswerRules,
+    fired: AnswerRules,
     /// The question's [`ground_units`], and those of the passages the answer is to come from
     /// (`None`: not given, no answer is judged by them; see [`Self::grounded`]).
     ground_question: std::collections::HashSet<String>,
@@ -1041,6 +1044,8 @@ impl AnswerStart {
             counted: None,
             check: true,
             replaced: false,
+            on: AnswerRules::all(),
+            fired: AnswerRules::default(),
             ground_question: ground_units(question, false).into_iter().collect(),
             passages: None,
         }
@@ -1088,38 +1093,51 @@ impl AnswerStart {
     /// "No" to nearly every yes-or-no question, and the sentence is what such a question is
     /// answered by), or its own words are not the passages' ([`Self::grounded`]). `None` while
     /// that may still change.
-    fn unsupported(&self, text: &str, whole: bool) -> Option<bool> {
+    /// Returns the rule that finds it unsupported (`Some(None)`: none does).
+    fn unsupported(&self, text: &str, whole: bool) -> Option<Option<AnswerRule>> {
         if !(self.sentence && self.check) {
-            return Some(false);
+            return Some(None);
         }
+        let on = |r| self.on.contains(r);
         // The value the question asks for, which the sentence holds: until it comes the answer
         // is held back, and without it the whole answer is the sentence's to give.
-        if self.wanted.is_some_and(|k| !holds(k, text)) {
-            return whole.then_some(true);
+        if on(AnswerRule::WantedValue) && self.wanted.is_some_and(|k| !holds(k, text)) {
+            return whole.then_some(Some(AnswerRule::WantedValue));
         }
         // So is the number the sentence gives what the question counts.
-        if self
-            .counted
-            .as_ref()
-            .is_some_and(|n| !stated_numbers(text).contains(n))
+        if on(AnswerRule::CountedNumber)
+            && self
+                .counted
+                .as_ref()
+                .is_some_and(|n| !stated_numbers(text).contains(n))
         {
-            return whole.then_some(true);
+            return whole.then_some(Some(AnswerRule::CountedNumber));
         }
         // An answer whose own words are not the passages' is the model's, not theirs.
-        if !self.grounded(text, whole)? {
-            return Some(true);
+        if on(AnswerRule::Ungrounded) && !self.grounded(text, whole)? {
+            return Some(Some(AnswerRule::Ungrounded));
         }
         let stated = &self.stated;
+        let number = on(AnswerRule::UnstatedNumber);
+        let polar = |whole| {
+            if on(AnswerRule::BarePolar) {
+                polar_start(text, whole).map(|p| p.then_some(AnswerRule::BarePolar))
+            } else {
+                Some(None)
+            }
+        };
+        let unstated = |u: bool| Some(u.then_some(AnswerRule::UnstatedNumber));
         match early_number(text) {
             // A number may still come, or a "yes" or "no" still grow.
-            Lead::Words if !whole && text.trim_start().len() < NUMBER_WINDOW => {
-                polar_start(text, whole).filter(|&p| p)
+            Lead::Words if number && !whole && text.trim_start().len() < NUMBER_WINDOW => {
+                polar(whole).filter(Option::is_some)
             }
-            Lead::Words => polar_start(text, whole),
+            Lead::Words => polar(whole),
+            Lead::Open(_) | Lead::Number(_) if !number => Some(None),
             Lead::Open(_) if !whole => None,
             // Cut off by the token limit, it may have been becoming a number the sentence states.
-            Lead::Open(n) => Some(!stated.iter().any(|s| s.starts_with(&n))),
-            Lead::Number(n) => Some(!stated.contains(&n)),
+            Lead::Open(n) => unstated(!stated.iter().any(|s| s.starts_with(&n))),
+            Lead::Number(n) => unstated(!stated.contains(&n)),
         }
     }
 
@@ -1128,6 +1146,9 @@ impl AnswerStart {
     /// question asked back in other words, of its own words: "瑞尼尔山在美国哪个县？" for
     /// "瑞尼尔山在美国哪个县的境内？").
     fn cleaned<'a>(&self, text: &'a str) -> &'a str {
+        if !self.on.contains(AnswerRule::Lead) {
+            return text.trim_start();
+        }
         let rest = strip_lead(text, &self.question);
         let Some(at) = rest.find(['?', '？']) else {
             return rest;
@@ -1199,11 +1220,15 @@ impl AnswerStart {
             }
         };
         self.open = true;
-        let out = if replace {
+        let out = if let Some(rule) = replace {
+            self.fired.insert(rule);
             self.fell_back = self.sentence;
             self.replaced = true;
             self.none.clone()
         } else {
+            if rest.len() < self.held.trim_start().len() {
+                self.fired.insert(AnswerRule::Lead);
+            }
             rest.to_owned()
         };
         self.held.clear();
@@ -1218,10 +1243,15 @@ impl AnswerStart {
         }
         self.open = true;
         let out = self.cleaned(&self.held).trim_end().to_owned();
+        let stripped = out.len() < self.held.trim().len();
         self.held.clear();
-        if self.no_answer(&out) {
+        if let Some(rule) = self.no_answer(&out) {
+            self.fired.insert(rule);
             self.fell_back = self.sentence;
             return self.none.clone();
+        }
+        if stripped {
+            self.fired.insert(AnswerRule::Lead);
         }
         out
     }
@@ -1229,12 +1259,19 @@ impl AnswerStart {
     /// Whether a whole answer, cleaned, is none: empty, a label cut off ([`cut_label`]), the
     /// question asked back ([`Self::echo`]), or unsupported by the evidence sentence
     /// ([`Self::unsupported`]).
-    fn no_answer(&self, answer: &str) -> bool {
+    /// Returns the rule that finds it none.
+    fn no_answer(&self, answer: &str) -> Option<AnswerRule> {
         let f = folded(answer);
-        f.is_empty()
-            || cut_label(&f)
-            || self.echo(answer)
-            || self.unsupported(answer, true) == Some(true)
+        let on = |r| self.on.contains(r);
+        if f.is_empty() {
+            on(AnswerRule::Empty).then_some(AnswerRule::Empty)
+        } else if on(AnswerRule::CutLabel) && cut_label(&f) {
+            Some(AnswerRule::CutLabel)
+        } else if on(AnswerRule::Echo) && self.echo(answer) {
+            Some(AnswerRule::Echo)
+        } else {
+            self.unsupported(answer, true).flatten()
+        }
     }
 }
 
@@ -1274,6 +1311,153 @@ fn repeating(answer: &str) -> bool {
     })
 }
 
+/// The rules that change a RAG answer's text on its way out ([`OutputText`]). Each has a name
+/// (in `timings.answer_rules` when it changed an answer, in `/metrics` as
+/// `engram_answer_rule_total{rule}`, and in `[answers] rules_off`, which turns it off), a
+/// one-line doc ([`Self::doc`]) and the models it was written for ([`Self::models`]). The
+/// evidence-sentence rules act only where the prompt showed a sentence and
+/// [`OutputText::check_start`] is on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum AnswerRule {
+    /// A label or the question repeated before the answer is taken off.
+    Lead,
+    /// An empty answer is the evidence sentence, or says the passages do not answer.
+    Empty,
+    /// A label cut off where generation stopped is no answer.
+    CutLabel,
+    /// The question asked back is no answer.
+    Echo,
+    /// An answer without the kind of value the question asks for (a date, an amount, a
+    /// duration...) where the evidence sentence holds one is the sentence.
+    WantedValue,
+    /// An answer without the number the evidence sentence gives what the question counts is
+    /// the sentence.
+    CountedNumber,
+    /// An answer most of whose own words no passage has is the sentence.
+    Ungrounded,
+    /// An answer starting with a number neither the sentence nor the question states is the
+    /// sentence.
+    UnstatedNumber,
+    /// An answer starting with a bare "yes" or "no" is the sentence.
+    BarePolar,
+    /// An answer that starts repeating itself ends there.
+    Repeating,
+}
+
+impl AnswerRule {
+    /// Every rule, in the order an answer meets them.
+    pub const ALL: [AnswerRule; 10] = [
+        AnswerRule::Lead,
+        AnswerRule::Empty,
+        AnswerRule::CutLabel,
+        AnswerRule::Echo,
+        AnswerRule::WantedValue,
+        AnswerRule::CountedNumber,
+        AnswerRule::Ungrounded,
+        AnswerRule::UnstatedNumber,
+        AnswerRule::BarePolar,
+        AnswerRule::Repeating,
+    ];
+
+    /// The rule's name in timings, metrics and the configuration.
+    pub fn name(self) -> &'static str {
+        match self {
+            AnswerRule::Lead => "lead",
+            AnswerRule::Empty => "empty",
+            AnswerRule::CutLabel => "cut_label",
+            AnswerRule::Echo => "echo",
+            AnswerRule::WantedValue => "wanted_value",
+            AnswerRule::CountedNumber => "counted_number",
+            AnswerRule::Ungrounded => "ungrounded",
+            AnswerRule::UnstatedNumber => "unstated_number",
+            AnswerRule::BarePolar => "bare_polar",
+            AnswerRule::Repeating => "repeating",
+        }
+    }
+
+    /// The rule named `name`.
+    pub fn parse(name: &str) -> Option<AnswerRule> {
+        AnswerRule::ALL.into_iter().find(|r| r.name() == name)
+    }
+
+    /// What the rule does, in one line.
+    pub fn doc(self) -> &'static str {
+        match self {
+            AnswerRule::Lead => "a label (\"Answer:\") or the question repeated before the answer is taken off",
+            AnswerRule::Empty => "an empty answer is the evidence sentence, or says the passages do not answer",
+            AnswerRule::CutLabel => "a label cut off where generation stopped is no answer",
+            AnswerRule::Echo => "the question asked back is no answer",
+            AnswerRule::WantedValue => "an answer without the kind of value asked for, which the evidence sentence holds, is the sentence",
+            AnswerRule::CountedNumber => "an answer without the number the evidence sentence gives what is counted is the sentence",
+            AnswerRule::Ungrounded => "an answer whose own words are mostly not the passages' is the evidence sentence",
+            AnswerRule::UnstatedNumber => "an answer starting with a number neither the evidence sentence nor the question states is the sentence",
+            AnswerRule::BarePolar => "an answer starting with a bare yes or no is the evidence sentence",
+            AnswerRule::Repeating => "an answer that starts repeating itself ends there",
+        }
+    }
+
+    /// The models the rule was written for: `any`, or the habit of a model it answers.
+    pub fn models(self) -> &'static str {
+        match self {
+            AnswerRule::Lead
+            | AnswerRule::Empty
+            | AnswerRule::CutLabel
+            | AnswerRule::Echo
+            | AnswerRule::Repeating => "any (the shape of a generated answer, not its content)",
+            AnswerRule::WantedValue
+            | AnswerRule::CountedNumber
+            | AnswerRule::Ungrounded
+            | AnswerRule::UnstatedNumber => {
+                "any model that can answer off its passages; written against SmolLM2-135M's"
+            }
+            AnswerRule::BarePolar => {
+                "small models that answer yes or no by habit (SmolLM2-135M answers \"No\" to \
+                 nearly every yes-or-no question); a larger model's correct \"Yes, ...\" is \
+                 replaced too: turn it off for one (`rules_off`)"
+            }
+        }
+    }
+}
+
+/// A set of [`AnswerRule`]s.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct AnswerRules(u16);
+
+impl AnswerRules {
+    /// Every rule.
+    pub fn all() -> AnswerRules {
+        AnswerRules((1 << AnswerRule::ALL.len()) - 1)
+    }
+
+    pub fn contains(self, rule: AnswerRule) -> bool {
+        self.0 & (1 << rule as u16) != 0
+    }
+
+    pub fn insert(&mut self, rule: AnswerRule) {
+        self.0 |= 1 << rule as u16;
+    }
+
+    pub fn remove(&mut self, rule: AnswerRule) {
+        self.0 &= !(1 << rule as u16);
+    }
+
+    pub fn is_empty(self) -> bool {
+        self.0 == 0
+    }
+
+    /// The rules in the set, in [`AnswerRule::ALL`]'s order.
+    pub fn iter(self) -> impl Iterator<Item = AnswerRule> {
+        AnswerRule::ALL
+            .into_iter()
+            .filter(move |r| self.contains(*r))
+    }
+
+    /// Their names.
+    pub fn names(self) -> Vec<&'static str> {
+        self.iter().map(AnswerRule::name).collect()
+    }
+}
+
 /// Generated text on its way out, as `engramd` sends it: cut at the first stop string and,
 /// for a RAG answer, its start cleaned ([`AnswerStart`], before the stop strings, so a blank
 /// line before the answer does not end it), [`ANSWER_STOPS`] added to the stop strings, and
@@ -1282,6 +1466,9 @@ fn repeating(answer: &str) -> bool {
 pub struct OutputText {
     lead: Option<AnswerStart>,
     stop: StopMatcher,
+    /// Whether [`AnswerRule::Repeating`] is on, and whether it ended the answer.
+    repeat_stop: bool,
+    repeated: bool,
 }
 
 impl OutputText {
@@ -1292,6 +1479,8 @@ impl OutputText {
         OutputText {
             lead: Some(AnswerStart::new(question)),
             stop: StopMatcher::new(&all),
+            repeat_stop: true,
+            repeated: false,
         }
     }
 
@@ -1352,6 +1541,28 @@ impl OutputText {
         }
     }
 
+    /// Turns the rules in `off` off for this answer (`[answers] rules_off`).
+    pub fn rules_off(&mut self, off: AnswerRules) {
+        if let Some(lead) = self.lead.as_mut() {
+            for r in off.iter() {
+                lead.on.remove(r);
+            }
+        }
+        self.repeat_stop &= !off.contains(AnswerRule::Repeating);
+    }
+
+    /// The rules that changed this answer so far.
+    pub fn rules_fired(&self) -> AnswerRules {
+        let mut fired = self
+            .lead
+            .as_ref()
+            .map_or_else(AnswerRules::default, |l| l.fired);
+        if self.repeated {
+            fired.insert(AnswerRule::Repeating);
+        }
+        fired
+    }
+
     /// Whether the answer is the sentence of [`Self::or_sentence`]: the model wrote none, or
     /// started with what the sentence does not support.
     pub fn fell_back(&self) -> bool {
@@ -1363,6 +1574,8 @@ impl OutputText {
         OutputText {
             lead: None,
             stop: StopMatcher::new(stops),
+            repeat_stop: false,
+            repeated: false,
         }
     }
 
@@ -1384,7 +1597,8 @@ impl OutputText {
             }
             None => self.stop.push(piece),
         };
-        let looping = self.lead.is_some() && repeating(self.stop.text());
+        let looping = !hit && self.repeat_stop && repeating(self.stop.text());
+        self.repeated |= looping;
         (out, hit || looping)
     }
 
@@ -1418,16 +1632,7 @@ mod tests {
     /// `pieces` through `out` as engramd streams them: until one ends the answer, then the end
     /// of generation; the text that went out, and whether it is the evidence sentence.
     fn streamed(mut out: OutputText, pieces: &[&str]) -> (String, bool) {
-        let mut text = String::new();
-        for p in pieces {
-            let (piece, end) = out.push(p);
-            text.push_str(&piece);
-            if end {
-                return (text, out.fell_back());
-            }
-        }
-        text.push_str(&out.finish().0);
-        (text, out.fell_back())
+        streamed_out(&mut out, pieces)
     }
 
     /// The answer without what comes before it: leading labels ("Answer:"), and the question
@@ -1681,6 +1886,94 @@ mod tests {
             answer(q, &["No", ",", " you cannot"], sentence, false).0,
             "No, you cannot"
         );
+    }
+
+    /// Each rule that changes an answer says so (`timings.answer_rules`), and a rule turned
+    /// off changes nothing: the answer is then what the model wrote.
+    #[test]
+    fn answer_rules_are_named_counted_and_switched_off_one_by_one() {
+        let q = "Can I take unused vacation days into the following year?";
+        let sentence = "Up to 5 unused days can be carried over into the next year.";
+        let run = |pieces: &[&str], off: &[AnswerRule]| {
+            let mut out = OutputText::answer(q, &[]);
+            out.or_sentence(sentence);
+            let mut rules = AnswerRules::default();
+            for &r in off {
+                rules.insert(r);
+            }
+            out.rules_off(rules);
+            let (text, _) = streamed_out(&mut out, pieces);
+            (text, out.rules_fired().names())
+        };
+        // A bare "No" is the sentence, by `bare_polar`; with it off, the model's words stand.
+        assert_eq!(
+            run(&["No", ",", " you cannot"], &[]),
+            (sentence.to_owned(), vec!["bare_polar"])
+        );
+        assert_eq!(
+            run(&["No", ",", " you cannot"], &[AnswerRule::BarePolar]),
+            ("No, you cannot".to_owned(), vec![])
+        );
+        // A number the sentence does not state, by `unstated_number`.
+        assert_eq!(
+            run(&["3", "0", " days"], &[]),
+            (sentence.to_owned(), vec!["unstated_number"])
+        );
+        assert_eq!(
+            run(&["3", "0", " days"], &[AnswerRule::UnstatedNumber]).0,
+            "30 days"
+        );
+        // A label before the answer goes, by `lead`; off, it stays.
+        assert_eq!(
+            run(&["Answer:", " Up to 5 days"], &[]),
+            ("Up to 5 days".to_owned(), vec!["lead"])
+        );
+        assert_eq!(
+            run(&["Answer:", " Up to 5 days"], &[AnswerRule::Lead]).0,
+            "Answer: Up to 5 days"
+        );
+        // Nothing written: the sentence, by `empty`.
+        assert_eq!(run(&[], &[]), (sentence.to_owned(), vec!["empty"]));
+        // An answer nothing changes names no rule.
+        assert_eq!(
+            run(&["Up to", " 5 days"], &[]),
+            ("Up to 5 days".to_owned(), vec![])
+        );
+        // An answer repeating itself ends there, by `repeating`; off, it goes on.
+        let looping = [
+            "Up to 5 days.",
+            " Up to 5 days.",
+            " Up to 5 days.",
+            " Up to 5 days.",
+        ];
+        let (text, fired) = run(&looping, &[]);
+        assert!(fired.contains(&"repeating"), "{text:?} {fired:?}");
+        let (all, fired) = run(&looping, &[AnswerRule::Repeating]);
+        assert!(
+            !fired.contains(&"repeating") && all.len() > text.len(),
+            "{all:?}"
+        );
+        // Names parse back, and every rule says what it does and for which models.
+        for r in AnswerRule::ALL {
+            assert_eq!(AnswerRule::parse(r.name()), Some(r));
+            assert!(!r.doc().is_empty() && !r.models().is_empty());
+        }
+        assert_eq!(AnswerRule::parse("polar"), None);
+        assert_eq!(AnswerRules::all().iter().count(), AnswerRule::ALL.len());
+    }
+
+    /// [`streamed`] on an answer the caller keeps (to read its rules afterwards).
+    fn streamed_out(out: &mut OutputText, pieces: &[&str]) -> (String, bool) {
+        let mut text = String::new();
+        for p in pieces {
+            let (piece, end) = out.push(p);
+            text.push_str(&piece);
+            if end {
+                return (text, out.fell_back());
+            }
+        }
+        text.push_str(&out.finish().0);
+        (text, out.fell_back())
     }
 
     #[test]

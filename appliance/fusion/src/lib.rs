@@ -26,8 +26,8 @@ mod prompt;
 
 pub use answer::{
     best_coverage, best_term_coverage, no_answer, not_answered, question_coverage, relevant,
-    relevant_sentence, sentences_to_embed, OutputText, ANSWER_STOPS, COVERAGE_FLOOR, DENSE_FLOOR,
-    MAX_CHECKED_SENTENCES, SENTENCE_FLOOR, TERM_COVERAGE_FLOOR,
+    relevant_sentence, sentences_to_embed, AnswerRule, AnswerRules, OutputText, ANSWER_STOPS,
+    COVERAGE_FLOOR, DENSE_FLOOR, MAX_CHECKED_SENTENCES, SENTENCE_FLOOR, TERM_COVERAGE_FLOOR,
 };
 pub use chunks::{
     bos_frame, precompute, ChunkCounters, ChunkCounts, ChunkStore, Ensured, FetchTimes, Fetched,

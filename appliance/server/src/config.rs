@@ -144,6 +144,9 @@ pub struct RawAnswers {
     /// number it does not state, a bare yes or no) is the sentence instead
     /// (`engram_fusion::OutputText::check_start`); on unless set false.
     pub check_start: Option<bool>,
+    /// Answer rules turned off by name (`engram_fusion::AnswerRule`; `engramd rules` lists
+    /// them): e.g. `bare_polar` for a model that answers yes-or-no questions well.
+    pub rules_off: Option<Vec<String>>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -210,6 +213,8 @@ pub struct Config {
     pub copy_bias: f32,
     /// See [`RawAnswers::check_start`].
     pub check_start: bool,
+    /// See [`RawAnswers::rules_off`].
+    pub rules_off: engram_fusion::AnswerRules,
     pub max_upload_bytes: usize,
     pub queue_depth: Option<usize>,
     /// Sequences decoded together at most; `None`: the profile's.
@@ -433,6 +438,20 @@ impl RawConfig {
                 ))
             }
         };
+        let mut rules_off = engram_fusion::AnswerRules::default();
+        for name in self.answers.rules_off.as_deref().unwrap_or_default() {
+            let Some(rule) = engram_fusion::AnswerRule::parse(name) else {
+                let names: Vec<&str> = engram_fusion::AnswerRule::ALL
+                    .iter()
+                    .map(|r| r.name())
+                    .collect();
+                return Err(ServerError::config(
+                    "answers.rules_off",
+                    format!("`{name}` is no answer rule: {}", names.join(", ")),
+                ));
+            };
+            rules_off.insert(rule);
+        }
         let embedding_aliases = self
             .openai
             .embedding_aliases
@@ -472,6 +491,7 @@ impl RawConfig {
             gate_max_kl,
             copy_bias,
             check_start: self.answers.check_start.unwrap_or(true),
+            rules_off,
             max_upload_bytes,
             queue_depth: l.queue_depth,
             batch_size: l.batch_size,
@@ -536,6 +556,17 @@ mod tests {
             .validate()
             .unwrap();
         assert!(!c.check_start);
+        let c = RawConfig::parse("[answers]\nrules_off = [\"bare_polar\", \"repeating\"]\n")
+            .unwrap()
+            .validate()
+            .unwrap();
+        assert_eq!(c.rules_off.names(), ["bare_polar", "repeating"]);
+        let e = RawConfig::parse("[answers]\nrules_off = [\"polar\"]\n")
+            .unwrap()
+            .validate()
+            .unwrap_err();
+        assert!(e.to_string().contains("answers.rules_off"), "{e}");
+        assert!(e.to_string().contains("bare_polar"), "{e}");
         let e = RawConfig::parse("[answers]\ncopy_bias = -1\n")
             .unwrap()
             .validate()

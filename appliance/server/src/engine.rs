@@ -67,6 +67,8 @@ pub struct EngineOptions {
     /// Whether a RAG answer's start is checked against the evidence sentence
     /// (`engram_fusion::OutputText::check_start`).
     pub check_start: bool,
+    /// Answer rules turned off (`[answers] rules_off`).
+    pub rules_off: engram_fusion::AnswerRules,
     pub queue_depth: usize,
     /// Sequences decoded together at most (the profile's `batch_size`).
     pub max_batch: usize,
@@ -994,6 +996,15 @@ impl Engine {
         if a.out.fell_back() {
             timings.insert("evidence_sentence_answer".into(), true.into());
         }
+        // The answer rules that changed this answer's text (an empty list when none did).
+        let fired = a.out.rules_fired();
+        for rule in fired.iter() {
+            self.metrics
+                .answer_rules
+                .with_label_values(&[rule.name()])
+                .inc();
+        }
+        timings.insert("answer_rules".into(), fired.names().into());
         let _ = a.job.events.try_send(Event::Done(Summary {
             policy: a.policy.name(),
             fusion_disabled: a.fusion_disabled,
@@ -1189,6 +1200,7 @@ impl Engine {
             out.from_passages(passages.iter().map(String::as_str));
         }
         out.check_start(self.opts.check_start);
+        out.rules_off(self.opts.rules_off);
         let context = self.model.config().context_length;
         if prompt.len() >= context {
             return Err(engram_fusion::FusionError::TooLong {

@@ -47,6 +47,8 @@ pub struct Metrics {
     pub kv_rejected: IntCounterVec,
     pub kv_bytes_read: IntCounterVec,
     pub generated_tokens: IntCounterVec,
+    /// Answers whose text an answer rule changed, by rule (`engram_fusion::AnswerRule`).
+    pub answer_rules: IntCounterVec,
     /// Prompt prefix tokens whose KV came from the prefix cache (`hit`: a system prompt or an
     /// earlier turn of the conversation) or was computed (`miss`).
     pub prefix_tokens: IntCounterVec,
@@ -152,6 +154,18 @@ impl Metrics {
             &["kind"],
         )
         .expect("valid metric");
+        let answer_rules = IntCounterVec::new(
+            Opts::new(
+                "engram_answer_rule_total",
+                "Answers whose text an answer rule changed, by rule",
+            ),
+            &["rule"],
+        )
+        .expect("valid metric");
+        // Every rule from the start, at 0: a rule that never fires is seen not to.
+        for rule in engram_fusion::AnswerRule::ALL {
+            answer_rules.with_label_values(&[rule.name()]);
+        }
         let ingest_pending = IntGaugeVec::new(
             Opts::new(
                 "engram_ingest_pending",
@@ -228,6 +242,7 @@ impl Metrics {
             Box::new(kv_rejected.clone()),
             Box::new(kv_bytes_read.clone()),
             Box::new(generated_tokens.clone()),
+            Box::new(answer_rules.clone()),
         ] {
             registry.register(c).expect("unique metric names");
         }
@@ -245,6 +260,7 @@ impl Metrics {
             kv_rejected,
             kv_bytes_read,
             generated_tokens,
+            answer_rules,
             prefix_tokens,
             ingest_pending,
             ingested,

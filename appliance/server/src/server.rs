@@ -181,6 +181,7 @@ impl Daemon {
                 gate_max_kl: config.gate_max_kl,
                 copy_bias: config.copy_bias,
                 check_start: config.check_start,
+                rules_off: config.rules_off,
                 queue_depth,
                 max_batch,
                 gpu: config.gpu_serving,

@@ -202,11 +202,13 @@ fn the_sample_corpus_is_answered_from_its_passages() {
     let r = ask(addr, &key, "When am I allowed to take a plane?");
     assert!(r["answer"].as_str().unwrap().contains("600"), "{r}");
     assert_eq!(r["timings"]["evidence_sentence_answer"], true, "{r}");
+    assert!(replaced_by_rule(&r), "{r}");
     let r = ask(addr, &key, "How many days of paid leave do employees get?");
     assert!(
         r["timings"].get("evidence_sentence_answer").is_none(),
         "{r}"
     );
+    assert!(!replaced_by_rule(&r), "{r}");
     // The model starts with what the evidence sentence does not support, and the sentence is
     // the answer (`engram_fusion::OutputText::check_start`): "No, you should not call your
     // manager when you are sick.", "10 days" where the sentence says "within one hour", "30 天"
@@ -231,6 +233,8 @@ fn the_sample_corpus_is_answered_from_its_passages() {
         let r = ask(addr, &key, question);
         assert!(r["answer"].as_str().unwrap().contains(fact), "{r}");
         assert_eq!(r["timings"]["evidence_sentence_answer"], true, "{r}");
+        // Which rule put the sentence there is named (`timings.answer_rules`).
+        assert!(replaced_by_rule(&r), "{r}");
     }
 
     // "When core hours start." and a blank line is the question asked back, and the sentence
@@ -291,4 +295,16 @@ fn the_sample_corpus_is_answered_from_its_passages() {
     for (i, c) in cited.iter().enumerate() {
         assert!(!cited[..i].contains(c), "the same chunk cited twice: {r}");
     }
+}
+
+/// Whether an answer's `timings.answer_rules` (present in every answer) names a rule that puts
+/// the evidence sentence in the model's answer's place (`engram_fusion::AnswerRule`: all but
+/// `lead` and `repeating`, which only trim the model's own text).
+fn replaced_by_rule(r: &serde_json::Value) -> bool {
+    let rules = r["timings"]["answer_rules"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no timings.answer_rules: {r}"));
+    rules
+        .iter()
+        .any(|n| !matches!(n.as_str(), Some("lead" | "repeating")))
 }

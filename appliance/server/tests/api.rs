@@ -413,6 +413,7 @@ fn qa_returns_an_answer_with_citations() {
     let first_visible = v["timings"]["first_visible_ms"].as_f64().unwrap();
     assert!(first_visible >= first_token, "{v}");
     assert!(v["timings"]["retrieve_ms"].is_number());
+    assert!(v["timings"]["answer_rules"].is_array(), "{v}");
 }
 
 #[test]
@@ -829,6 +830,11 @@ fn readyz_and_metrics() {
     assert!(text.contains("engram_http_requests_total"), "{text}");
     assert!(text.contains("engram_generation_queue_depth"));
     assert!(text.contains("engram_gpu_devices"), "{text}");
+    // Every answer rule is counted from the start, at 0 until it changes an answer.
+    assert!(
+        text.contains("engram_answer_rule_total{rule=\"bare_polar\"}"),
+        "{text}"
+    );
     let r = s.call("GET", "/api/v1/openapi.json", Some(&s.search_only), None);
     assert_eq!(r.json()["openapi"], "3.1.0");
 }

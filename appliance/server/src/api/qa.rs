@@ -81,7 +81,10 @@ pub struct QaResponse {
     /// sentence nor the question states, a bare yes or no), or it lacks the kind of value the
     /// question asks for and the sentence holds (an email address, a length of time, a date, a
     /// number, or the number the sentence gives what a "how many" question counts), or most of
-    /// its own words are in no retrieved passage.
+    /// its own words are in no retrieved passage. `answer_rules` lists the answer rules that
+    /// changed the answer's text by name (`lead`, `empty`, `cut_label`, `echo`, `wanted_value`,
+    /// `counted_number`, `ungrounded`, `unstated_number`, `bare_polar`, `repeating`; empty when
+    /// none did).
     #[schema(value_type = Object)]
     pub timings: serde_json::Value,
 }
