@@ -651,8 +651,6 @@ pub fn run(a: FusionArgs) -> Result<()> {
     Ok(())
 }
 
-/// Greedy decoding of up to `n` tokens (stopping at an end-of-generation token), or the
-/// `forced` tokens fed one by one: the tokens, and the logits each was chosen from.
 /// `full~`, full prefill's own noise floor: the prefix and the chunks prefilled in one pass as
 /// `full` does, then every chunk token's keys taken once through what placing a stored chunk
 /// does to them (rotated back before RoPE, rounded to f16, rotated to their position again:
@@ -663,14 +661,7 @@ pub fn run(a: FusionArgs) -> Result<()> {
 fn full_rounded(model: &Model, prompt: &FusedPrompt, kv: &mut KvCache) -> Result<Prefilled> {
     let start = Instant::now();
     kv.clear();
-    let head: Vec<u32> = prompt
-        .prefix
-        .iter()
-        .chain(prompt.chunks.iter().flatten())
-        .copied()
-        .collect();
-    let positions: Vec<i32> = (0..head.len() as i32).collect();
-    model.prefill(&head, &positions, kv, Logits::None)?;
+    let head = prefill_head(model, prompt, kv)?;
     let (n_layer, n_head_kv, hd) = kv.shape();
     let rope = model.rope();
     let (mut k, mut v) = (vec![0.0f32; n_head_kv * hd], vec![0.0f32; n_head_kv * hd]);
@@ -693,12 +684,10 @@ fn full_rounded(model: &Model, prompt: &FusedPrompt, kv: &mut KvCache) -> Result
             kv.write(layer, slot, &k, &v);
         }
     }
-    let suffix_at = head.len() as i32;
-    let suffix_pos: Vec<i32> = (suffix_at..suffix_at + prompt.suffix.len() as i32).collect();
-    let logits = model.prefill(&prompt.suffix, &suffix_pos, kv, Logits::Last)?;
+    let (logits, next_position) = prefill_suffix(model, prompt, kv)?;
     Ok(Prefilled {
         logits,
-        next_position: suffix_at + prompt.suffix.len() as i32,
+        next_position,
         stats: FuseStats {
             policy: FULL_ROUNDED.to_string(),
             prompt_tokens: prompt.len(),
@@ -712,21 +701,42 @@ fn full_rounded(model: &Model, prompt: &FusedPrompt, kv: &mut KvCache) -> Result
     })
 }
 
-/// `prefix-hit`: the prompt up to its suffix prefilled and cached in a [`PrefixCache`] of its
-/// own, untimed; then, timed, the cached KV copied in (the lookup a hit makes) and the suffix
-/// prefilled after it. The best case of a conventional prefix cache: the same passages, in the
-/// same order, asked about again.
-fn prefix_hit(model: &Model, prompt: &FusedPrompt, kv: &mut KvCache) -> Result<Prefilled> {
+/// Prefills the prompt up to its suffix (the prefix and the chunks, one pass, positions from 0)
+/// into `kv`, empty; returns those tokens.
+fn prefill_head(model: &Model, prompt: &FusedPrompt, kv: &mut KvCache) -> Result<Vec<u32>> {
     let head: Vec<u32> = prompt
         .prefix
         .iter()
         .chain(prompt.chunks.iter().flatten())
         .copied()
         .collect();
-    let cache = PrefixCache::new(u64::MAX);
-    let mut filled = model.new_cache(head.len());
     let positions: Vec<i32> = (0..head.len() as i32).collect();
-    model.prefill(&head, &positions, &mut filled, Logits::None)?;
+    model.prefill(&head, &positions, kv, Logits::None)?;
+    Ok(head)
+}
+
+/// Prefills the suffix after what `kv` holds (the rest of the prompt): its last logits, and the
+/// position of the first generated token.
+fn prefill_suffix(
+    model: &Model,
+    prompt: &FusedPrompt,
+    kv: &mut KvCache,
+) -> Result<(Vec<f32>, i32)> {
+    let at = kv.len() as i32;
+    let end = at + prompt.suffix.len() as i32;
+    let positions: Vec<i32> = (at..end).collect();
+    let logits = model.prefill(&prompt.suffix, &positions, kv, Logits::Last)?;
+    Ok((logits, end))
+}
+
+/// `prefix-hit`: the prompt up to its suffix prefilled and cached in a [`PrefixCache`] of its
+/// own, untimed; then, timed, the cached KV copied in (the lookup a hit makes) and the suffix
+/// prefilled after it. The best case of a conventional prefix cache: the same passages, in the
+/// same order, asked about again.
+fn prefix_hit(model: &Model, prompt: &FusedPrompt, kv: &mut KvCache) -> Result<Prefilled> {
+    let mut filled = model.new_cache(prompt.len() - prompt.suffix.len());
+    let head = prefill_head(model, prompt, &mut filled)?;
+    let cache = PrefixCache::new(u64::MAX);
     cache.insert(&head, filled);
 
     let start = Instant::now();
@@ -739,13 +749,11 @@ fn prefix_hit(model: &Model, prompt: &FusedPrompt, kv: &mut KvCache) -> Result<P
     };
     kv.append_from(&hit.entry.kv, 0..hit.len)?;
     let copied = start.elapsed();
-    let suffix_at = head.len() as i32;
-    let suffix_pos: Vec<i32> = (suffix_at..suffix_at + prompt.suffix.len() as i32).collect();
-    let logits = model.prefill(&prompt.suffix, &suffix_pos, kv, Logits::Last)?;
+    let (logits, next_position) = prefill_suffix(model, prompt, kv)?;
     let total = start.elapsed();
     Ok(Prefilled {
         logits,
-        next_position: suffix_at + prompt.suffix.len() as i32,
+        next_position,
         stats: FuseStats {
             policy: PREFIX_HIT.to_string(),
             prompt_tokens: prompt.len(),
@@ -761,6 +769,8 @@ fn prefix_hit(model: &Model, prompt: &FusedPrompt, kv: &mut KvCache) -> Result<P
     })
 }
 
+/// Greedy decoding of up to `n` tokens (stopping at an end-of-generation token), or the
+/// `forced` tokens fed one by one: the tokens, and the logits each was chosen from.
 fn decode(
     loaded: &crate::Loaded,
     kv: &mut engram_model::KvCache,

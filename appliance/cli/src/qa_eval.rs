@@ -591,27 +591,32 @@ pub fn run(a: QaArgs) -> Result<()> {
                 ));
                 continue;
             }
-            let g = generate(
-                &llm,
-                &store,
-                prompt,
-                &item.question,
-                policy,
-                a.max_tokens,
-                0.0,
-                *bias,
-                *check,
-                rules_off,
-                &mut |_| {},
-            )?;
+            // This prompt's greedy answer with the rules in `off` off, scored: nothing of the
+            // model's is scored as no answer; the evidence sentence in its place is scored (and
+            // counted apart).
+            let answer_with = |off| -> Result<_> {
+                let g = generate(
+                    &llm,
+                    &store,
+                    prompt,
+                    &item.question,
+                    policy,
+                    a.max_tokens,
+                    0.0,
+                    *bias,
+                    *check,
+                    off,
+                    &mut |_| {},
+                )?;
+                let answer = g.text.trim().to_owned();
+                let none = answer.is_empty() || answer == not_answered(&item.question);
+                let score = best_score(if none { "" } else { &answer }, &item.answers, chinese);
+                Ok((g, answer, none, score))
+            };
+            let (g, answer, none, score) = answer_with(rules_off)?;
             for rule in g.rules.iter() {
                 *tally.rules.entry(rule.name()).or_default() += 1;
             }
-            let answer = g.text.trim().to_owned();
-            // Nothing of the model's is scored as no answer; the evidence sentence in its place
-            // is scored (and counted apart).
-            let none = answer.is_empty() || answer == not_answered(&item.question);
-            let score = best_score(if none { "" } else { &answer }, &item.answers, chinese);
             let ms = retrieve_ms + g.first_token.as_secs_f64() * 1e3;
             tally.add(score, ms, none, g.fell_back);
             if si == 0 && a.rule_ablation {
@@ -620,23 +625,7 @@ pub fn run(a: QaArgs) -> Result<()> {
                 for rule in g.rules.iter() {
                     let mut off = rules_off;
                     off.insert(rule);
-                    let g = generate(
-                        &llm,
-                        &store,
-                        prompt,
-                        &item.question,
-                        policy,
-                        a.max_tokens,
-                        0.0,
-                        *bias,
-                        *check,
-                        off,
-                        &mut |_| {},
-                    )?;
-                    let answer = g.text.trim().to_owned();
-                    let none = answer.is_empty() || answer == not_answered(&item.question);
-                    let without =
-                        best_score(if none { "" } else { &answer }, &item.answers, chinese);
+                    let (_, answer, _, without) = answer_with(off)?;
                     line.push(format!(
                         "    without {} (f1 {:.2}): {answer:?}",
                         rule.name(),
