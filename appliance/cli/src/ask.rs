@@ -11,9 +11,9 @@ use anyhow::{Context, Result};
 use clap::Args;
 use engram_fusion::{
     chunk_tokens, evidence_to_embed, fused_prefill, nearest_evidence, no_answer, rag_frame_for,
-    rag_prompt_with, relevant, relevant_sentence, retain_distinct, sentences_to_embed, AnswerRule,
-    AnswerRules, ChunkStore, CopyBias, Ensured, GateLimits, Layout, OutputText, Policy,
-    DEFAULT_COPY_BIAS, DEFAULT_LAYOUT, DEFAULT_POLICY, DEFAULT_SYSTEM,
+    rag_prompt_with, relevant, relevant_sentence, retain_distinct, sentences_to_embed, AnswerRules,
+    ChunkStore, CopyBias, Ensured, GateLimits, Layout, OutputText, Policy, DEFAULT_COPY_BIAS,
+    DEFAULT_LAYOUT, DEFAULT_POLICY, DEFAULT_SYSTEM,
 };
 use engram_kb::{KnowledgeBase, SearchRequest};
 use engram_kvstore::{DramTier, IoMode, KvDtype, KvStore, NvmeOptions, NvmeTier};
@@ -520,15 +520,8 @@ pub fn generate(
 /// Answer rules named in `names`, comma-separated (`--rules-off`); an unknown name is refused
 /// with the list.
 pub fn parse_rules_off(names: &str) -> Result<AnswerRules> {
-    let mut off = AnswerRules::default();
-    for name in names.split(',').map(str::trim).filter(|n| !n.is_empty()) {
-        let Some(rule) = AnswerRule::parse(name) else {
-            let all: Vec<&str> = AnswerRule::ALL.iter().map(|r| r.name()).collect();
-            anyhow::bail!("`{name}` is no answer rule: {}", all.join(", "));
-        };
-        off.insert(rule);
-    }
-    Ok(off)
+    AnswerRules::from_names(names.split(',').map(str::trim).filter(|n| !n.is_empty()))
+        .map_err(anyhow::Error::msg)
 }
 
 #[derive(Args)]

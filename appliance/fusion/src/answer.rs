@@ -1441,8 +1441,18 @@ impl AnswerRules {
         self.0 &= !(1 << rule as u16);
     }
 
-    pub fn is_empty(self) -> bool {
-        self.0 == 0
+    /// The rules named in `names`; an unknown name is refused with every rule's name
+    /// (`[answers] rules_off`, `--rules-off`).
+    pub fn from_names<'a>(names: impl IntoIterator<Item = &'a str>) -> Result<AnswerRules, String> {
+        let mut set = AnswerRules::default();
+        for name in names {
+            let Some(rule) = AnswerRule::parse(name) else {
+                let all: Vec<&str> = AnswerRule::ALL.iter().map(|r| r.name()).collect();
+                return Err(format!("`{name}` is no answer rule: {}", all.join(", ")));
+            };
+            set.insert(rule);
+        }
+        Ok(set)
     }
 
     /// The rules in the set, in [`AnswerRule::ALL`]'s order.

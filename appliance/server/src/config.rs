@@ -438,20 +438,9 @@ impl RawConfig {
                 ))
             }
         };
-        let mut rules_off = engram_fusion::AnswerRules::default();
-        for name in self.answers.rules_off.as_deref().unwrap_or_default() {
-            let Some(rule) = engram_fusion::AnswerRule::parse(name) else {
-                let names: Vec<&str> = engram_fusion::AnswerRule::ALL
-                    .iter()
-                    .map(|r| r.name())
-                    .collect();
-                return Err(ServerError::config(
-                    "answers.rules_off",
-                    format!("`{name}` is no answer rule: {}", names.join(", ")),
-                ));
-            };
-            rules_off.insert(rule);
-        }
+        let names = self.answers.rules_off.as_deref().unwrap_or_default();
+        let rules_off = engram_fusion::AnswerRules::from_names(names.iter().map(String::as_str))
+            .map_err(|e| ServerError::config("answers.rules_off", e))?;
         let embedding_aliases = self
             .openai
             .embedding_aliases
