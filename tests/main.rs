@@ -15,6 +15,9 @@ mod engine_golden;
 // The engine on K-quant and Q5 weights (the default model through `engram requantize`) against
 // llama.cpp's reference in tests/golden.
 mod engine_golden_kquant;
+// Mixture-of-experts models (Qwen3-MoE, Mixtral; random weights from `engram gen-model`)
+// against llama.cpp's reference in tests/golden.
+mod engine_golden_moe;
 // The BERT embedder against sentence-transformers' reference vectors.
 mod embed_golden;
 // Knowledge bases: ingest, delete, recovery, hybrid search and the `engram` kb commands.

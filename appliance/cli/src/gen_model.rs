@@ -1,5 +1,7 @@
-//! `engram gen-model`: writes a random-weight Llama GGUF of a standard shape, so that benchmarks
-//! run on machines that can neither download a model nor receive a large file.
+//! `engram gen-model`: writes a random-weight Llama-family GGUF of a standard shape (dense Llama,
+//! or the mixture-of-experts shapes of Qwen3-MoE and Mixtral), so that benchmarks run on
+//! machines that can neither download a model nor receive a large file, and llama.cpp can be
+//! compared on the very same bytes.
 //!
 //! The weights are random quant blocks with fixed scale fields, chosen so that every dequantised
 //! matrix has a standard deviation near [`WEIGHT_STD`] and the forward pass stays finite; the
@@ -55,10 +57,20 @@ pub enum Shape {
     /// Llama-2-7B's shape.
     #[value(name = "7b")]
     Llama7b,
+    /// Qwen3-MoE (`qwen3moe`), 2 layers, 256 wide, 4 of 16 experts of width 128: for tests.
+    TinyQwen3moe,
+    /// Mixtral's graph (`llama` with experts), 2 layers, 256 wide, 2 of 8 experts: for tests.
+    TinyMixtral,
+    /// Qwen3-30B-A3B's shape: 48 layers, 8 of 128 experts of width 768 (`--layers` scales it).
+    #[value(name = "qwen3-30b-a3b")]
+    Qwen3_30bA3b,
+    /// Mixtral-8x7B's shape: 32 layers, 2 of 8 experts of width 14336.
+    #[value(name = "mixtral-8x7b")]
+    Mixtral8x7b,
 }
 
 /// The hyper-parameters of one shape.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub(crate) struct Dims {
     pub(crate) n_layer: usize,
     pub(crate) n_embd: usize,
@@ -66,16 +78,32 @@ pub(crate) struct Dims {
     pub(crate) n_head: usize,
     pub(crate) n_head_kv: usize,
     pub(crate) vocab: usize,
+    /// Routed experts instead of one dense network per block.
+    pub(crate) moe: Option<MoeDims>,
+    /// Standard deviation of the token embedding's values.
+    pub(crate) embedding_std: f32,
 }
 
-impl Shape {
-    fn dims(self) -> Dims {
-        let (n_layer, n_embd, n_ff, n_head, n_head_kv, vocab) = match self {
-            Shape::Tiny => (2, 256, 512, 4, 2, 512),
-            Shape::Smollm => (30, 576, 1536, 9, 3, 49152),
-            Shape::Llama1b => (16, 2048, 8192, 32, 8, 32000),
-            Shape::Llama7b => (32, 4096, 11008, 32, 32, 32000),
-        };
+/// The routed experts of a mixture-of-experts shape.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct MoeDims {
+    /// `qwen3moe` (Qwen3's attention: Q/K norms, 128-wide heads) or `llama` (Mixtral).
+    pub(crate) arch: &'static str,
+    pub(crate) n_expert: usize,
+    pub(crate) n_expert_used: usize,
+    pub(crate) n_ff_expert: usize,
+    pub(crate) head_dim: usize,
+}
+
+impl Dims {
+    /// A dense Llama shape.
+    pub(crate) fn dense(
+        n_layer: usize,
+        n_embd: usize,
+        n_ff: usize,
+        (n_head, n_head_kv): (usize, usize),
+        vocab: usize,
+    ) -> Dims {
         Dims {
             n_layer,
             n_embd,
@@ -83,6 +111,54 @@ impl Shape {
             n_head,
             n_head_kv,
             vocab,
+            moe: None,
+            embedding_std: WEIGHT_STD,
+        }
+    }
+
+    fn arch(&self) -> &'static str {
+        self.moe.map_or("llama", |m| m.arch)
+    }
+
+    fn head_dim(&self) -> usize {
+        self.moe.map_or(self.n_embd / self.n_head, |m| m.head_dim)
+    }
+}
+
+impl Shape {
+    fn dims(self) -> Dims {
+        let moe = |arch, (n_expert, n_expert_used, n_ff_expert), head_dim| {
+            Some(MoeDims {
+                arch,
+                n_expert,
+                n_expert_used,
+                n_ff_expert,
+                head_dim,
+            })
+        };
+        match self {
+            Shape::Tiny => Dims::dense(2, 256, 512, (4, 2), 512),
+            Shape::Smollm => Dims::dense(30, 576, 1536, (9, 3), 49152),
+            Shape::Llama1b => Dims::dense(16, 2048, 8192, (32, 8), 32000),
+            Shape::Llama7b => Dims::dense(32, 4096, 11008, (32, 32), 32000),
+            Shape::TinyQwen3moe => Dims {
+                moe: moe("qwen3moe", (16, 4, 128), 64),
+                ..Dims::dense(2, 256, 512, (4, 2), 512)
+            },
+            Shape::TinyMixtral => Dims {
+                moe: moe("llama", (8, 2, 512), 64),
+                ..Dims::dense(2, 256, 512, (4, 2), 512)
+            },
+            Shape::Qwen3_30bA3b => Dims {
+                moe: moe("qwen3moe", (128, 8, 768), 128),
+                embedding_std: MOE_EMBEDDING_STD,
+                ..Dims::dense(48, 2048, 6144, (32, 4), 151936)
+            },
+            Shape::Mixtral8x7b => Dims {
+                moe: moe("llama", (8, 2, 14336), 128),
+                embedding_std: MOE_EMBEDDING_STD,
+                ..Dims::dense(32, 4096, 14336, (32, 8), 32000)
+            },
         }
     }
 
@@ -92,6 +168,10 @@ impl Shape {
             Shape::Smollm => "smollm",
             Shape::Llama1b => "1b",
             Shape::Llama7b => "7b",
+            Shape::TinyQwen3moe => "tiny-qwen3moe",
+            Shape::TinyMixtral => "tiny-mixtral",
+            Shape::Qwen3_30bA3b => "qwen3-30b-a3b",
+            Shape::Mixtral8x7b => "mixtral-8x7b",
         }
     }
 }
@@ -162,7 +242,7 @@ pub fn gen_model(a: GenModelArgs) -> Result<()> {
     }
     let name = format!("engram-random-{}-{}", a.shape.name(), a.ty.ggml().name());
     let writer = metadata(&name, &dims, a.context);
-    let size = write(&writer, &plan, &a.out, a.seed, threads)?;
+    let size = write(&writer, &plan, &a.out, a.seed, threads, dims.embedding_std)?;
     println!(
         "wrote {} ({name}: {} layers, {} tensors, {:.1} MiB) in {:.1} s",
         a.out.display(),
@@ -174,11 +254,13 @@ pub fn gen_model(a: GenModelArgs) -> Result<()> {
     Ok(())
 }
 
-/// The tensors of a Llama model in llama.cpp's order, every matrix of type `ty`, or of Q8_0
-/// where `ty` is a K-quant and a row is not a whole number of its 256-element super-blocks;
-/// the second value then says which tensors fell back.
+/// The tensors of a Llama-family model in llama.cpp's order, every matrix of type `ty`, or of
+/// Q8_0 where `ty` is a K-quant and a row is not a whole number of its 256-element
+/// super-blocks; the second value then says which tensors fell back. A mixture-of-experts
+/// block has an f32 router (`ffn_gate_inp`, which llama.cpp's quantiser leaves f32 too) and
+/// each projection's experts stacked in one 3-D tensor; a `qwen3moe` block has Q/K norms.
 pub(crate) fn tensor_plan(d: &Dims, ty: GgmlType) -> (Plan, Option<String>) {
-    let head_dim = d.n_embd / d.n_head;
+    let head_dim = d.head_dim();
     let (e, q, kv, ff) = (
         d.n_embd as u64,
         (d.n_head * head_dim) as u64,
@@ -207,10 +289,38 @@ pub(crate) fn tensor_plan(d: &Dims, ty: GgmlType) -> (Plan, Option<String>) {
         matrix(&mut plan, n("attn_k.weight"), kv, e);
         matrix(&mut plan, n("attn_v.weight"), kv, e);
         matrix(&mut plan, n("attn_output.weight"), e, q);
+        if d.arch() == "qwen3moe" {
+            plan.push((
+                n("attn_q_norm.weight"),
+                vec![head_dim as u64],
+                GgmlType::F32,
+            ));
+            plan.push((
+                n("attn_k_norm.weight"),
+                vec![head_dim as u64],
+                GgmlType::F32,
+            ));
+        }
         plan.push((n("ffn_norm.weight"), vec![e], GgmlType::F32));
-        matrix(&mut plan, n("ffn_gate.weight"), ff, e);
-        matrix(&mut plan, n("ffn_up.weight"), ff, e);
-        matrix(&mut plan, n("ffn_down.weight"), e, ff);
+        match d.moe {
+            None => {
+                matrix(&mut plan, n("ffn_gate.weight"), ff, e);
+                matrix(&mut plan, n("ffn_up.weight"), ff, e);
+                matrix(&mut plan, n("ffn_down.weight"), e, ff);
+            }
+            Some(m) => {
+                let (ne, fe) = (m.n_expert as u64, m.n_ff_expert as u64);
+                plan.push((n("ffn_gate_inp.weight"), vec![e, ne], GgmlType::F32));
+                for (name, rows, cols) in [
+                    ("ffn_gate_exps.weight", fe, e),
+                    ("ffn_up_exps.weight", fe, e),
+                    ("ffn_down_exps.weight", e, fe),
+                ] {
+                    matrix(&mut plan, n(name), rows, cols);
+                    plan.last_mut().expect("just pushed").1.push(ne);
+                }
+            }
+        }
     }
     plan.push(("output_norm.weight".into(), vec![e], GgmlType::F32));
     matrix(&mut plan, "output.weight".into(), d.vocab as u64, e);
@@ -231,22 +341,35 @@ pub(crate) fn tensor_plan(d: &Dims, ty: GgmlType) -> (Plan, Option<String>) {
 
 /// The file's metadata: what `ModelConfig::from_metadata` reads, and a minimal SentencePiece
 /// vocabulary (`<unk>`, `<s>`, `</s>`, then `t3`, `t4`, ...) so that `engram info`, `generate`
-/// and the server, which all build the tokenizer, accept the file.
+/// and the server, which all build the tokenizer, accept the file. The mixture-of-experts
+/// shapes also turn SentencePiece's leading space off, so that a prompt such as `t5t17t300`
+/// is the tokens 5, 17, 300 after `<s>` for Engram and llama.cpp alike (the vocabulary has no
+/// `▁` piece, and llama.cpp's byte fallback has no byte pieces to fall back on).
 pub(crate) fn metadata(name: &str, d: &Dims, context: usize) -> GgufWriter {
     let u32v = |v: usize| Value::U32(v as u32);
+    let p = d.arch();
+    let k = |key: &str| format!("{p}.{key}");
     let mut w = GgufWriter::new();
-    w.metadata("general.architecture", Value::String("llama".into()))
+    w.metadata("general.architecture", Value::String(p.into()))
         .metadata("general.name", Value::String(name.into()))
-        .metadata("llama.block_count", u32v(d.n_layer))
-        .metadata("llama.context_length", u32v(context))
-        .metadata("llama.embedding_length", u32v(d.n_embd))
-        .metadata("llama.feed_forward_length", u32v(d.n_ff))
-        .metadata("llama.attention.head_count", u32v(d.n_head))
-        .metadata("llama.attention.head_count_kv", u32v(d.n_head_kv))
-        .metadata("llama.attention.layer_norm_rms_epsilon", Value::F32(1e-5))
-        .metadata("llama.rope.freq_base", Value::F32(10_000.0))
-        .metadata("llama.rope.dimension_count", u32v(d.n_embd / d.n_head))
-        .metadata("llama.vocab_size", u32v(d.vocab));
+        .metadata(k("block_count"), u32v(d.n_layer))
+        .metadata(k("context_length"), u32v(context))
+        .metadata(k("embedding_length"), u32v(d.n_embd))
+        .metadata(k("feed_forward_length"), u32v(d.n_ff))
+        .metadata(k("attention.head_count"), u32v(d.n_head))
+        .metadata(k("attention.head_count_kv"), u32v(d.n_head_kv))
+        .metadata(k("attention.layer_norm_rms_epsilon"), Value::F32(1e-5))
+        .metadata(k("rope.freq_base"), Value::F32(10_000.0))
+        .metadata(k("rope.dimension_count"), u32v(d.head_dim()))
+        .metadata(k("vocab_size"), u32v(d.vocab));
+    if let Some(m) = d.moe {
+        w.metadata(k("expert_count"), u32v(m.n_expert))
+            .metadata(k("expert_used_count"), u32v(m.n_expert_used))
+            .metadata(k("expert_feed_forward_length"), u32v(m.n_ff_expert))
+            .metadata(k("attention.key_length"), u32v(m.head_dim))
+            .metadata(k("attention.value_length"), u32v(m.head_dim))
+            .metadata("tokenizer.ggml.add_space_prefix", Value::Bool(false));
+    }
     let tokens = (0..d.vocab).map(|i| match i {
         0 => "<unk>".to_owned(),
         1 => "<s>".to_owned(),
@@ -275,14 +398,29 @@ pub(crate) fn metadata(name: &str, d: &Dims, context: usize) -> GgufWriter {
     w
 }
 
+/// Standard deviation of the token embedding of the full-size mixture-of-experts shapes (the
+/// tiny ones, for golden tests, keep `WEIGHT_STD`, so that every layer moves their logits): each token's own
+/// part of the residual stream large next to what attention adds in common to every token (the
+/// context's average value), so that a prompt's tokens spread over the experts as a trained
+/// router spreads them. Measured on qwen3-30b-a3b with `--layers 12`, Q4_K, a 512-token
+/// prefill: with `WEIGHT_STD` (0.02) layer 1 uses 124 of 128 experts but layers 6 to 12 only
+/// 28 to 37, one expert taking nearly every token; with 1.0, 128 in layers 1 to 4 and 69 to 82
+/// in 8 to 12; with 4.0, all 128 in every layer, the largest group 47 to 74 tokens (the mean is
+/// 32). Q4_0 files route worse: their random quants `q - 8` have mean -0.5 d, so every matrix
+/// adds a common vector (with 1.0, every token took the same 8 to 19 of 128 experts), hence
+/// the benchmarks of mixtures use Q4_K.
+const MOE_EMBEDDING_STD: f32 = 4.0;
+
 /// Streams the header and then each tensor of `plan`, generated in memory one at a time, to
-/// `out`. Returns the file size.
+/// `out`, the token embedding's values of standard deviation `embedding_std`. Returns the file
+/// size.
 pub(crate) fn write(
     writer: &GgufWriter,
     plan: &Plan,
     out: &std::path::Path,
     seed: u64,
     threads: usize,
+    embedding_std: f32,
 ) -> Result<u64> {
     let decls = plan
         .iter()
@@ -300,7 +438,21 @@ pub(crate) fn write(
             data.chunks_exact_mut(4)
                 .for_each(|c| c.copy_from_slice(&1f32.to_le_bytes()));
         } else {
-            fill(*ty, &mut data, mix(seed, index as u64), threads);
+            let std = if name == "token_embd.weight" {
+                embedding_std
+            } else {
+                WEIGHT_STD
+            };
+            fill_with_std(*ty, &mut data, mix(seed, index as u64), threads, std);
+        }
+        if name.ends_with("ffn_gate_inp.weight") {
+            // Router logits of a unit-scale input spread by about 2 whatever the width (a
+            // trained router's are a few units), so that the experts chosen are clear-cut.
+            let scale = 2.0 / (dims[0] as f32).sqrt() / WEIGHT_STD;
+            for c in data.chunks_exact_mut(4) {
+                let v = f32::from_le_bytes([c[0], c[1], c[2], c[3]]) * scale;
+                c.copy_from_slice(&v.to_le_bytes());
+            }
         }
         stream
             .write_tensor(&data)
@@ -311,10 +463,16 @@ pub(crate) fn write(
 
 /// Fills `data` (whole blocks of `ty`) with random blocks, piece by piece, the pieces spread
 /// over `threads` threads; piece `i` draws from its own generator seeded by `seed` and `i`.
+#[cfg(test)]
 fn fill(ty: GgmlType, data: &mut [u8], seed: u64, threads: usize) {
+    fill_with_std(ty, data, seed, threads, WEIGHT_STD);
+}
+
+/// [`fill`] with values of standard deviation `std` instead of [`WEIGHT_STD`].
+fn fill_with_std(ty: GgmlType, data: &mut [u8], seed: u64, threads: usize, std: f32) {
     let block = ty.type_size();
     let piece = (PIECE_BYTES / block).max(1) * block;
-    let scales = Scales::new(ty);
+    let scales = Scales::new(ty, std);
     let mut pieces: Vec<(usize, &mut [u8])> = data.chunks_mut(piece).enumerate().collect();
     let per_thread = pieces.len().div_ceil(threads).max(1);
     std::thread::scope(|s| {
@@ -330,8 +488,8 @@ fn fill(ty: GgmlType, data: &mut [u8], seed: u64, threads: usize) {
     });
 }
 
-/// The fixed scale fields (f16 bits) of a type's blocks, each `WEIGHT_STD` over the standard
-/// deviation of the block's random quants:
+/// The fixed scale fields (f16 bits) of a type's blocks, each the wanted standard deviation
+/// (`WEIGHT_STD` but for the mixtures' embeddings) over that of the block's random quants:
 ///
 /// - Q4_0: quants `q - 8`, `q` uniform on 0..16: RMS sqrt(21.5) = 4.64.
 /// - Q4_1: `q * d + m` with `m = -7.5 d`, zero mean: std sqrt(21.25) = 4.61.
@@ -344,28 +502,31 @@ struct Scales {
     d: [u8; 2],
     /// Q4_1's `m`, Q4_K's `dmin`.
     second: [u8; 2],
+    /// The wanted standard deviation over `WEIGHT_STD`, for the float types.
+    float_factor: f32,
 }
 
 impl Scales {
-    fn new(ty: GgmlType) -> Scales {
+    fn new(ty: GgmlType, std: f32) -> Scales {
         let f = |v: f32| f16::from_f32(v).to_le_bytes();
         let (d, second) = match ty {
-            GgmlType::Q4_0 => (WEIGHT_STD / 21.5f32.sqrt(), 0.0),
+            GgmlType::Q4_0 => (std / 21.5f32.sqrt(), 0.0),
             GgmlType::Q4_1 => {
-                let d = WEIGHT_STD / 21.25f32.sqrt();
+                let d = std / 21.25f32.sqrt();
                 (d, -7.5 * d)
             }
-            GgmlType::Q8_0 => (WEIGHT_STD / 5461.25f32.sqrt(), 0.0),
+            GgmlType::Q8_0 => (std / 5461.25f32.sqrt(), 0.0),
             GgmlType::Q4K => {
-                let d = WEIGHT_STD / (1077.5f32 * 21.25).sqrt();
+                let d = std / (1077.5f32 * 21.25).sqrt();
                 (d, 7.5 * d)
             }
-            GgmlType::Q6K => (WEIGHT_STD / (61.5f32 * 341.25).sqrt(), 0.0),
+            GgmlType::Q6K => (std / (61.5f32 * 341.25).sqrt(), 0.0),
             _ => (0.0, 0.0),
         };
         Scales {
             d: f(d),
             second: f(second),
+            float_factor: std / WEIGHT_STD,
         }
     }
 }
@@ -411,12 +572,13 @@ fn fill_piece(ty: GgmlType, s: &Scales, bytes: &mut [u8], rng: &mut SplitMix64) 
         }
         GgmlType::F16 => {
             for v in bytes.chunks_exact_mut(2) {
-                v.copy_from_slice(&f16::from_f32(normalish(rng.next())).to_le_bytes());
+                let x = normalish(rng.next()) * s.float_factor;
+                v.copy_from_slice(&f16::from_f32(x).to_le_bytes());
             }
         }
         GgmlType::F32 => {
             for v in bytes.chunks_exact_mut(4) {
-                v.copy_from_slice(&normalish(rng.next()).to_le_bytes());
+                v.copy_from_slice(&(normalish(rng.next()) * s.float_factor).to_le_bytes());
             }
         }
         other => unreachable!("gen-model does not write {other}"),
@@ -526,6 +688,63 @@ mod tests {
                 .fold((f32::MAX, f32::MIN), |(lo, hi), &v| (lo.min(v), hi.max(v)));
             // Unit-scale hidden states times a 0.02-std head of width 256: logits of about 0.3.
             assert!(hi - lo > 0.1, "{ty:?}: logits span only {lo}..{hi}");
+        }
+    }
+
+    /// The mixture-of-experts shapes load as such (the experts stacked, the router f32) and
+    /// give finite, varied logits; prefill and decode route alike.
+    #[test]
+    fn moe_shapes_run_finite() {
+        for (shape, arch, experts) in [
+            (
+                Shape::TinyQwen3moe,
+                engram_model::Architecture::Qwen3Moe,
+                16,
+            ),
+            (Shape::TinyMixtral, engram_model::Architecture::Llama, 8),
+        ] {
+            let path = temp_path(&format!("{shape:?}.gguf"));
+            generate(&path, shape, WeightType::Q4K, 1, 2);
+            let model = Model::load(&path, 2).unwrap();
+            let cfg = model.config();
+            assert_eq!(cfg.arch, arch);
+            assert_eq!(cfg.moe.map(|m| m.n_expert), Some(experts));
+            let router = model.gguf().tensor("blk.1.ffn_gate_inp.weight").unwrap();
+            assert_eq!(router.ty, GgmlType::F32);
+            let gate = model.gguf().tensor("blk.1.ffn_gate_exps.weight").unwrap();
+            assert_eq!(
+                gate.dims,
+                vec![256, cfg.moe.unwrap().n_ff_expert as u64, experts as u64]
+            );
+            let tokens = [1, 17, 300, 5];
+            let mut kv = model.new_cache(8);
+            let all = model
+                .forward(&tokens, &[0, 1, 2, 3], &mut kv, Logits::All)
+                .unwrap();
+            std::fs::remove_file(&path).unwrap();
+            assert!(all.iter().all(|v| v.is_finite()), "{shape:?}");
+            let (lo, hi) = all
+                .iter()
+                .fold((f32::MAX, f32::MIN), |(lo, hi), &v| (lo.min(v), hi.max(v)));
+            assert!(hi - lo > 0.1, "{shape:?}: logits span only {lo}..{hi}");
+            // One token at a time: the decode path (one dispatch for every expert's gate and
+            // up) gives the last position's logits to float noise.
+            let mut kv = model.new_cache(8);
+            let mut last = Vec::new();
+            for (i, &t) in tokens.iter().enumerate() {
+                last = model
+                    .forward(&[t], &[i as i32], &mut kv, Logits::Last)
+                    .unwrap();
+            }
+            let worst = last
+                .iter()
+                .zip(&all[3 * 512..])
+                .map(|(a, b)| (a - b).abs())
+                .fold(0f32, f32::max);
+            assert!(
+                worst < 1e-4,
+                "{shape:?}: decode differs from prefill by {worst}"
+            );
         }
     }
 

@@ -204,6 +204,10 @@ struct GenerateArgs {
     /// generation prompt.
     #[arg(long, group = "input")]
     messages_file: Option<PathBuf>,
+    /// The prompt as token ids, comma- or space-separated, used as they are (no BOS added):
+    /// for golden files given in ids and random-weight models whose vocabulary spells nothing.
+    #[arg(long, group = "input", value_name = "IDS")]
+    prompt_ids: Option<String>,
     /// System prompt for --prompt.
     #[arg(long)]
     system: Option<String>,
@@ -362,7 +366,9 @@ fn tokenize(a: TokenizeArgs) -> Result<()> {
 
 fn generate_cmd(a: GenerateArgs) -> Result<()> {
     let loaded = a.model.load()?;
-    let text = if let Some(f) = &a.prompt_file {
+    let text = if let Some(ids) = &a.prompt_ids {
+        String::from(ids)
+    } else if let Some(f) = &a.prompt_file {
         read_file(f)?
     } else if let Some(f) = &a.messages_file {
         let messages: Vec<Message> = serde_json::from_str(&read_file(f)?)
@@ -376,9 +382,12 @@ fn generate_cmd(a: GenerateArgs) -> Result<()> {
         messages.push(Message::new("user", p));
         loaded.render(&messages)?
     } else {
-        bail!("give a prompt with --prompt, --prompt-file or --messages-file");
+        bail!("give a prompt with --prompt, --prompt-file, --messages-file or --prompt-ids");
     };
-    let prompt = loaded.encode_prompt(&text)?;
+    let prompt = match &a.prompt_ids {
+        Some(_) => parse_ids(&text, loaded.model.config().vocab_size)?,
+        None => loaded.encode_prompt(&text)?,
+    };
     let capacity = prompt.len() + a.max_tokens;
     let mut kv = loaded.model.new_cache(capacity);
     let req = a.sampling.request(prompt, a.max_tokens);
@@ -408,6 +417,23 @@ fn generate_cmd(a: GenerateArgs) -> Result<()> {
         eprintln!("{}", stats_line(&g));
     }
     Ok(())
+}
+
+/// Token ids separated by commas or white space, each below `vocab`; at least one.
+fn parse_ids(text: &str, vocab: usize) -> Result<Vec<u32>> {
+    let ids = text
+        .split(|c: char| c == ',' || c.is_whitespace())
+        .filter(|s| !s.is_empty())
+        .map(|s| match s.parse::<u32>() {
+            Ok(id) if (id as usize) < vocab => Ok(id),
+            Ok(id) => bail!("--prompt-ids: {id} is outside the vocabulary of {vocab}"),
+            Err(_) => bail!("--prompt-ids: `{s}` is not a token id"),
+        })
+        .collect::<Result<Vec<u32>>>()?;
+    if ids.is_empty() {
+        bail!("--prompt-ids: no token ids given");
+    }
+    Ok(ids)
 }
 
 /// Writes streamed text to stdout at once; a closed stdout (e.g. `| head`) cancels generation.
@@ -580,6 +606,12 @@ fn info(a: ModelArgs) -> Result<()> {
         "layers       {}  embedding {}  feed-forward {}",
         cfg.n_layer, cfg.n_embd, cfg.n_ff
     );
+    if let Some(m) = cfg.moe {
+        println!(
+            "experts      {} per token of {}, each {} wide (on the CPU)",
+            m.n_expert_used, m.n_expert, m.n_ff_expert
+        );
+    }
     println!(
         "heads        {} query / {} KV, head size {}",
         cfg.n_head, cfg.n_head_kv, cfg.head_dim

@@ -227,17 +227,11 @@ mod tests {
     /// A small random model with rows of 96 (Q5_0/Q5_1) and 256 (K-quants) over 3 layers:
     /// every type of the mix. Returns its path.
     fn source_model(name: &str) -> PathBuf {
-        let d = Dims {
-            n_layer: 3,
-            n_embd: 96,
-            n_ff: 256,
-            n_head: 3,
-            n_head_kv: 1,
-            vocab: 320,
-        };
+        let d = Dims::dense(3, 96, 256, (3, 1), 320);
         let path = temp_path(name);
         let (plan, _) = gen_model::tensor_plan(&d, GgmlType::Q8_0);
-        gen_model::write(&gen_model::metadata("src", &d, 256), &plan, &path, 3, 2).unwrap();
+        let meta = gen_model::metadata("src", &d, 256);
+        gen_model::write(&meta, &plan, &path, 3, 2, d.embedding_std).unwrap();
         path
     }
 

@@ -5,7 +5,7 @@ use engram_gguf::Metadata;
 use crate::error::{ModelError, Result};
 
 /// Architectures whose forward pass this crate implements.
-pub const SUPPORTED_ARCHITECTURES: &str = "llama, mistral, qwen2, qwen3";
+pub const SUPPORTED_ARCHITECTURES: &str = "llama, mistral, qwen2, qwen3, qwen3moe";
 
 /// The Llama-family variants, which differ only in a few switches.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -18,6 +18,9 @@ pub enum Architecture {
     Qwen2,
     /// Qwen3: RMS norms on Q and K per head, no biases; NeoX RoPE.
     Qwen3,
+    /// Qwen3's mixture-of-experts models (Qwen3-30B-A3B, Qwen3-235B-A22B): Qwen3's attention
+    /// and routed experts in every block, no shared expert.
+    Qwen3Moe,
 }
 
 impl Architecture {
@@ -28,6 +31,7 @@ impl Architecture {
             "mistral" => Architecture::Mistral,
             "qwen2" => Architecture::Qwen2,
             "qwen3" => Architecture::Qwen3,
+            "qwen3moe" => Architecture::Qwen3Moe,
             other => {
                 return Err(ModelError::UnsupportedArchitecture {
                     arch: other.into(),
@@ -44,6 +48,7 @@ impl Architecture {
             Architecture::Mistral => "mistral",
             Architecture::Qwen2 => "qwen2",
             Architecture::Qwen3 => "qwen3",
+            Architecture::Qwen3Moe => "qwen3moe",
         }
     }
 
@@ -52,9 +57,29 @@ impl Architecture {
     pub fn rope_style(self) -> RopeStyle {
         match self {
             Architecture::Llama | Architecture::Mistral => RopeStyle::Interleaved,
-            Architecture::Qwen2 | Architecture::Qwen3 => RopeStyle::NeoX,
+            Architecture::Qwen2 | Architecture::Qwen3 | Architecture::Qwen3Moe => RopeStyle::NeoX,
         }
     }
+
+    /// Whether the blocks carry Qwen3's per-head RMS norms of queries and keys.
+    pub fn has_qk_norm(self) -> bool {
+        matches!(self, Architecture::Qwen3 | Architecture::Qwen3Moe)
+    }
+}
+
+/// The routed experts of a mixture-of-experts model: every block's feed-forward network is
+/// `n_expert` SwiGLU experts of width `n_ff_expert`, of which a router picks `n_expert_used`
+/// per token.
+///
+/// Routing is llama.cpp's for Mixtral (GGUF `llama` with experts) and Qwen3-MoE: the softmax
+/// of the router's logits over all experts, the `n_expert_used` most probable experts, their
+/// probabilities divided by their sum (the weights of the experts' outputs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MoeConfig {
+    pub n_expert: usize,
+    pub n_expert_used: usize,
+    /// Hidden width of one expert.
+    pub n_ff_expert: usize,
 }
 
 /// How dimensions are paired for rotation.
@@ -106,6 +131,8 @@ pub struct ModelConfig {
     pub rope_dims: usize,
     pub rope_style: RopeStyle,
     pub rope_scaling: RopeScaling,
+    /// The routed experts, for a mixture-of-experts model; `None` for a dense one.
+    pub moe: Option<MoeConfig>,
 }
 
 impl ModelConfig {
@@ -120,7 +147,35 @@ impl ModelConfig {
 
         let n_layer = usize_key("block_count")?;
         let n_embd = usize_key("embedding_length")?;
-        let n_ff = per_layer_uniform(meta, &key("feed_forward_length"))?;
+        let moe = match opt_u64("expert_count")? {
+            None | Some(0) if arch == Architecture::Qwen3Moe => {
+                return Err(ModelError::MissingWeight {
+                    name: key("expert_count"),
+                })
+            }
+            None | Some(0) => None,
+            Some(n_expert) => {
+                let n_expert_used =
+                    opt_u64("expert_used_count")?.ok_or_else(|| ModelError::MissingWeight {
+                        name: key("expert_used_count"),
+                    })?;
+                // Mixtral's experts are `feed_forward_length` wide; Qwen3-MoE states theirs.
+                let n_ff_expert = match opt_u64("expert_feed_forward_length")? {
+                    Some(v) => v as usize,
+                    None => per_layer_uniform(meta, &key("feed_forward_length"))?,
+                };
+                Some(MoeConfig {
+                    n_expert: n_expert as usize,
+                    n_expert_used: n_expert_used as usize,
+                    n_ff_expert,
+                })
+            }
+        };
+        // A mixture-of-experts file may leave out the dense width (its blocks have none).
+        let n_ff = match (meta.get(&key("feed_forward_length")), moe) {
+            (None, Some(m)) => m.n_ff_expert,
+            _ => per_layer_uniform(meta, &key("feed_forward_length"))?,
+        };
         let n_head = per_layer_uniform(meta, &key("attention.head_count"))?;
         let n_head_kv = match meta.get(&key("attention.head_count_kv")) {
             Some(_) => per_layer_uniform(meta, &key("attention.head_count_kv"))?,
@@ -196,6 +251,7 @@ impl ModelConfig {
             rope_dims,
             rope_style: arch.rope_style(),
             rope_scaling,
+            moe,
         };
         cfg.validate()?;
         Ok(cfg)
@@ -242,6 +298,18 @@ impl ModelConfig {
                 self.head_dim_v,
                 "value heads narrower or wider than key heads are not supported yet",
             );
+        }
+        if let Some(m) = self.moe {
+            if m.n_ff_expert == 0 {
+                return bad("expert_feed_forward_length", 0, "must be positive");
+            }
+            if m.n_expert_used == 0 || m.n_expert_used > m.n_expert {
+                return bad(
+                    "expert_used_count",
+                    m.n_expert_used,
+                    &format!("must be between 1 and expert_count {}", m.n_expert),
+                );
+            }
         }
         if !(self.rms_eps > 0.0 && self.rope_base > 0.0) {
             return bad("rope.freq_base / rms_epsilon", 0, "must be positive");

@@ -21,7 +21,7 @@ use crate::config::RopeStyle;
 use crate::error::{ModelError, Result};
 use crate::kv::KvCache;
 use crate::model::{Logits, Model};
-use crate::weights::Matrix;
+use crate::weights::{Ffn, Matrix};
 
 /// A weight matrix in device memory, still in its GGML block layout.
 struct DeviceMatrix {
@@ -211,10 +211,24 @@ impl GpuModel {
         if cfg.head_dim != cfg.head_dim_v {
             return Err(gpu_unsupported("key and value heads of different widths"));
         }
+        if cfg.moe.is_some() && n_gpu_layers > 0 {
+            // The experts-on-the-CPU placement (attention on the GPU) is not built yet.
+            return Err(gpu_unsupported(
+                "mixture-of-experts blocks (their routed experts run on the CPU)",
+            ));
+        }
         let n_gpu = n_gpu_layers.min(cfg.n_layer);
         let mut weight_bytes = 0u64;
         let mut layers = Vec::with_capacity(n_gpu);
         for l in &model.weights.layers[..n_gpu] {
+            let Ffn::Dense {
+                gate: w_gate,
+                up: w_up,
+                down: w_down,
+            } = &l.ffn
+            else {
+                unreachable!("mixture-of-experts models are refused above");
+            };
             let mut m = |w: &Matrix| -> Result<DeviceMatrix> {
                 let dm = upload_matrix(&dev, &model, w)?;
                 weight_bytes += dm.buf.bytes() as u64;
@@ -225,9 +239,9 @@ impl GpuModel {
                 wk: m(&l.wk)?,
                 wv: m(&l.wv)?,
                 wo: m(&l.wo)?,
-                w_gate: m(&l.w_gate)?,
-                w_up: m(&l.w_up)?,
-                w_down: m(&l.w_down)?,
+                w_gate: m(w_gate)?,
+                w_up: m(w_up)?,
+                w_down: m(w_down)?,
                 attn_norm: dev.upload(&l.attn_norm).map_err(gpu)?,
                 ffn_norm: dev.upload(&l.ffn_norm).map_err(gpu)?,
                 bq: upload_opt(&dev, &l.bq)?,

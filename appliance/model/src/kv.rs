@@ -414,6 +414,7 @@ mod tests {
             rope_dims: head_dim,
             rope_style: RopeStyle::NeoX,
             rope_scaling: RopeScaling::None,
+            moe: None,
         }
     }
 

@@ -12,7 +12,7 @@ use crate::error::{ModelError, Result};
 use crate::generate::PREFILL_CHUNK;
 use crate::kv::KvCache;
 use crate::ops::{rms_norm, rms_norm_in_place, Rope};
-use crate::weights::{Matrix, Weights};
+use crate::weights::{Ffn, Matrix, MoeFfn, Weights};
 
 /// Which positions of a forward call need logits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -195,11 +195,13 @@ impl Model {
         let mut total = bytes(&w.output)
             + bytes(&w.token_embd) / w.token_embd.rows as u64
             + 4 * w.output_norm.len() as u64;
+        let used = self.cfg.moe.map_or(0, |m| m.n_expert_used);
         for l in &w.layers {
-            total += [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down]
+            total += [&l.wq, &l.wk, &l.wv, &l.wo]
                 .into_iter()
                 .map(bytes)
-                .sum::<u64>();
+                .sum::<u64>()
+                + l.ffn.bytes_per_token(&w.file, used);
             let vectors = l.attn_norm.len()
                 + l.ffn_norm.len()
                 + floats(&l.bq)
@@ -691,14 +693,19 @@ impl Model {
                 cfg.rms_eps,
                 &mut s.h[..n * d],
             );
-            self.matmul_many(
-                &[&layer.w_gate, &layer.w_up],
-                &s.h[..n * d],
-                n,
-                &mut [&mut s.gate[..n * ff], &mut s.up[..n * ff]],
-            )?;
-            engram_kernels::swiglu(&mut s.gate[..n * ff], &s.up[..n * ff], &self.pool)?;
-            self.matmul(&layer.w_down, &s.gate[..n * ff], n, &mut s.proj[..n * d])?;
+            match &layer.ffn {
+                Ffn::Dense { gate, up, down } => {
+                    self.matmul_many(
+                        &[gate, up],
+                        &s.h[..n * d],
+                        n,
+                        &mut [&mut s.gate[..n * ff], &mut s.up[..n * ff]],
+                    )?;
+                    engram_kernels::swiglu(&mut s.gate[..n * ff], &s.up[..n * ff], &self.pool)?;
+                    self.matmul(down, &s.gate[..n * ff], n, &mut s.proj[..n * d])?;
+                }
+                Ffn::Moe(moe) => self.moe_ffn(moe, &s.h[..n * d], n, &mut s.proj[..n * d])?,
+            }
             add_assign(&mut s.x[..n * d], &s.proj[..n * d]);
         }
 
@@ -756,6 +763,91 @@ impl Model {
                     .sum()
             })
             .collect()
+    }
+
+    /// A mixture-of-experts block on `n` normed rows `h`, into `out`, as llama.cpp computes it
+    /// (`build_moe_ffn` with softmax gating and normalised weights): each token's router
+    /// logits, softmax over every expert, the `n_expert_used` most probable experts (ties to
+    /// the lower index) weighted by their probabilities over the chosen ones' sum; then expert by
+    /// expert, the tokens routed to it gathered into one batch (a prefill's tokens share each
+    /// expert's weight reads); last, each token's weighted outputs summed in the order the
+    /// router ranked them. A token's result does not depend on the other tokens of the call.
+    fn moe_ffn(&self, moe: &MoeFfn, h: &[f32], n: usize, out: &mut [f32]) -> Result<()> {
+        let m = self.cfg.moe.expect("an MoE block has an MoE config");
+        let (d, ff, ne, k) = (self.cfg.n_embd, m.n_ff_expert, m.n_expert, m.n_expert_used);
+        let file = &self.weights.file;
+        let mut logits = vec![0.0; n * ne];
+        self.matmul(&moe.router, h, n, &mut logits)?;
+        // Per token, its experts in rank order and their weights.
+        let mut chosen: Vec<(usize, f32)> = Vec::with_capacity(n * k);
+        for row in logits.chunks_exact(ne) {
+            route(row, k, &mut chosen);
+        }
+        // Per expert, the (token, rank) pairs routed to it, in token order.
+        let mut groups: Vec<Vec<usize>> = vec![Vec::new(); ne];
+        for (i, &(e, _)) in chosen.iter().enumerate() {
+            groups[e].push(i);
+        }
+        // Every (token, rank)'s expert output.
+        let mut ys = vec![0.0f32; n * k * d];
+        if n == 1 {
+            // One token (decode): every chosen expert's gate and up projections of the same
+            // input in one dispatch, then each expert's down projection.
+            let views: Vec<_> = chosen
+                .iter()
+                .flat_map(|&(e, _)| [moe.gate.view(file, e), moe.up.view(file, e)])
+                .collect();
+            let mut act = vec![0.0f32; 2 * k * ff];
+            {
+                let mut outs: Vec<&mut [f32]> = act.chunks_exact_mut(ff).collect();
+                engram_kernels::matmul_many(&views, h, 1, &mut outs, &self.pool)?;
+            }
+            for (j, &(e, _)) in chosen.iter().enumerate() {
+                let (gate, up) = act[2 * j * ff..(2 * j + 2) * ff].split_at_mut(ff);
+                engram_kernels::swiglu(gate, up, &self.pool)?;
+                let down = moe.down.view(file, e);
+                engram_kernels::matmul(&down, gate, 1, &mut ys[j * d..(j + 1) * d], &self.pool)?;
+            }
+        } else {
+            let most = groups.iter().map(Vec::len).max().unwrap_or(0);
+            let (mut xs, mut ys_e) = (vec![0.0f32; most * d], vec![0.0f32; most * d]);
+            let (mut gate, mut up) = (vec![0.0f32; most * ff], vec![0.0f32; most * ff]);
+            for (e, group) in groups.iter().enumerate() {
+                let g = group.len();
+                if g == 0 {
+                    continue;
+                }
+                for (r, &i) in group.iter().enumerate() {
+                    let t = i / k;
+                    xs[r * d..(r + 1) * d].copy_from_slice(&h[t * d..(t + 1) * d]);
+                }
+                engram_kernels::matmul_many(
+                    &[moe.gate.view(file, e), moe.up.view(file, e)],
+                    &xs[..g * d],
+                    g,
+                    &mut [&mut gate[..g * ff], &mut up[..g * ff]],
+                    &self.pool,
+                )?;
+                engram_kernels::swiglu(&mut gate[..g * ff], &up[..g * ff], &self.pool)?;
+                let down = moe.down.view(file, e);
+                engram_kernels::matmul(&down, &gate[..g * ff], g, &mut ys_e[..g * d], &self.pool)?;
+                for (r, &i) in group.iter().enumerate() {
+                    ys[i * d..(i + 1) * d].copy_from_slice(&ys_e[r * d..(r + 1) * d]);
+                }
+            }
+        }
+        for (t, o) in out.chunks_exact_mut(d).enumerate() {
+            for j in 0..k {
+                let (_, w) = chosen[t * k + j];
+                let y = &ys[(t * k + j) * d..(t * k + j + 1) * d];
+                if j == 0 {
+                    o.iter_mut().zip(y).for_each(|(o, y)| *o = w * y);
+                } else {
+                    o.iter_mut().zip(y).for_each(|(o, y)| *o += w * y);
+                }
+            }
+        }
+        Ok(())
     }
 
     fn matmul(&self, w: &Matrix, x: &[f32], n: usize, out: &mut [f32]) -> Result<()> {
@@ -837,6 +929,28 @@ impl Model {
         engram_kernels::attention_many(&calls, &mut outs, &self.pool)?;
         Ok(())
     }
+}
+
+/// Appends to `chosen` the `k` experts a token's router `logits` pick and their weights: the
+/// softmax over every expert, the `k` largest probabilities (ties to the lower index), each
+/// divided by their sum (at least 2^-14, llama.cpp's guard against a zero sum).
+pub(crate) fn route(logits: &[f32], k: usize, chosen: &mut Vec<(usize, f32)>) {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let mut probs: Vec<f32> = logits.iter().map(|&l| (l - max).exp()).collect();
+    let sum: f32 = probs.iter().sum();
+    probs.iter_mut().for_each(|p| *p /= sum);
+    let mut order: Vec<usize> = (0..logits.len()).collect();
+    order.select_nth_unstable_by(k - 1, |&a, &b| {
+        probs[b].total_cmp(&probs[a]).then(a.cmp(&b))
+    });
+    order.truncate(k);
+    order.sort_unstable_by(|&a, &b| probs[b].total_cmp(&probs[a]).then(a.cmp(&b)));
+    let total = order
+        .iter()
+        .map(|&e| probs[e])
+        .sum::<f32>()
+        .max(6.103_515_6e-5);
+    chosen.extend(order.into_iter().map(|e| (e, probs[e] / total)));
 }
 
 /// The rows `select` keeps plus every appended row and the last one, sorted.

@@ -185,6 +185,7 @@ mod tests {
             rope_dims: 8,
             rope_style: style,
             rope_scaling: scaling,
+            moe: None,
         }
     }
 

@@ -97,6 +97,9 @@ pub struct PlacementRequest {
     /// clamped to what fits otherwise; any value from the layer count up means the whole model,
     /// output head included. `None`: as many as fit.
     pub n_gpu_layers: Option<usize>,
+    /// Why no layer may run on a GPU whatever fits (a mixture-of-experts model, whose routed
+    /// experts only the CPU computes today); `None` for a model the GPU path runs.
+    pub cpu_only: Option<String>,
 }
 
 impl PlacementRequest {
@@ -118,6 +121,7 @@ impl PlacementRequest {
             scratch_bytes: 0,
             margin: Margin::default(),
             n_gpu_layers: None,
+            cpu_only: None,
         }
     }
 
@@ -163,6 +167,13 @@ impl PlacementRequest {
             scratch_bytes,
             margin: Margin::default(),
             n_gpu_layers: None,
+            cpu_only: cfg.moe.map(|m| {
+                format!(
+                    "a mixture-of-experts model ({} experts, {} per token): the GPU path runs dense \
+                     blocks only, so every layer runs on the CPU",
+                    m.n_expert, m.n_expert_used
+                )
+            }),
         }
     }
 
@@ -224,6 +235,9 @@ impl Placement {
                     .saturating_sub(req.scratch_bytes)
             })
             .collect();
+        if let Some(why) = &req.cpu_only {
+            return Placement::cpu_only(req, Some(why.clone()));
+        }
         if devices.is_empty() {
             return Placement::cpu_only(req, Some("no GPU devices".into()));
         }
@@ -475,6 +489,18 @@ mod tests {
 
     const MIB: u64 = 1 << 20;
     const GIB: u64 = 1 << 30;
+
+    /// A request marked CPU-only (a mixture-of-experts model) plans no GPU layer, however
+    /// large the cards, and says why.
+    #[test]
+    fn cpu_only_requests_stay_on_the_cpu_with_their_reason() {
+        let mut r = request();
+        r.cpu_only = Some("a mixture-of-experts model".into());
+        let p = Placement::plan(&r, &[Device::new("cuda:0", 80 * GIB)]);
+        assert_eq!(p.n_gpu_layers(), 0);
+        assert_eq!(p.cpu_layers, 0..32);
+        assert_eq!(p.reason.as_deref(), Some("a mixture-of-experts model"));
+    }
 
     /// 32 layers of 200 MiB weights, 32 MiB of KV each (4096 tokens of 8 KiB), a 250 MiB head.
     fn request() -> PlacementRequest {

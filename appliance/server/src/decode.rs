@@ -245,6 +245,9 @@ fn open_gpu(
     let (free, _) = dev.memory().map_err(|e| e.to_string())?;
     let plan = Placement::plan(&req, &[PlacementDevice::new("cuda:0", free)]);
     let n_gpu = plan.n_gpu_layers();
+    if let (0, Some(why)) = (n_gpu, &req.cpu_only) {
+        return Err(why.clone());
+    }
     if n_gpu == 0 {
         return Err(format!(
             "no layer fits in cuda:0's {} MiB free: {}",
