@@ -93,3 +93,20 @@ build_llamacpp() {
     done
     log "built llama.cpp's ${missing[*]} in $((SECONDS - start)) s"
 }
+
+# Builds bench/golden/kquant_golden.cpp, the golden files' reference tool, at $1 against the
+# static libraries llama-bench's build leaves (building it first when missing).
+build_kquant_golden() {
+    local out="$1" tool
+    tool="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/golden/kquant_golden.cpp"
+    build_llamacpp llama-bench
+    local src="$llamacpp_root/src/vendor/llama.cpp" build="$llamacpp_root/build" l
+    local libs=("$build/src/libllama.a" "$build/ggml/src/libggml.a" "$build/ggml/src/libggml-cpu.a"
+                "$build/ggml/src/libggml-base.a")
+    for l in "${libs[@]}"; do
+        [[ -f "$l" ]] || die "$l is missing: delete $build and run this again"
+    done
+    log "building kquant_golden against $build"
+    "${CXX:-c++}" -O2 -std=c++17 "$tool" -I"$src/include" -I"$src/ggml/include" \
+        "${libs[@]}" -fopenmp -lpthread -ldl -o "$out"
+}

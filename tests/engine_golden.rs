@@ -37,8 +37,8 @@ pub fn tolerance_for_spread(spread: f64) -> f64 {
     (spread * LOGIT_TOLERANCE / 0.47).max(LOGIT_TOLERANCE)
 }
 
-/// Runs `engram` with `args` and parses its one-line JSON output.
-fn engram_json(args: &[&str]) -> Value {
+/// Runs `engram` with `args`, which must succeed, and returns what it printed.
+pub fn engram_stdout(args: &[&str]) -> Vec<u8> {
     let out = Command::new(common::engram_bin())
         .args(args)
         .output()
@@ -48,10 +48,16 @@ fn engram_json(args: &[&str]) -> Value {
         "engram {args:?} failed: {}",
         String::from_utf8_lossy(&out.stderr)
     );
-    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+    out.stdout
+}
+
+/// Runs `engram` with `args` and parses its one-line JSON output.
+pub fn engram_json(args: &[&str]) -> Value {
+    let stdout = engram_stdout(args);
+    serde_json::from_slice(&stdout).unwrap_or_else(|e| {
         panic!(
             "engram {args:?} printed no JSON ({e}): {}",
-            String::from_utf8_lossy(&out.stdout)
+            String::from_utf8_lossy(&stdout)
         )
     })
 }

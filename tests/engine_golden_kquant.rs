@@ -16,7 +16,7 @@ use crate::engine_golden::{check_against_golden, tolerance_for_spread};
 /// The K-quant golden file, made by `bench/golden/make-kquant-golden.sh`.
 const GOLDEN: &str = "smollm2-135m-kmix.llamacpp.json";
 
-fn sha256_hex(path: &Path) -> String {
+pub fn sha256_hex(path: &Path) -> String {
     let mut f = std::fs::File::open(path).expect("opening the requantised model");
     let mut hasher = Sha256::new();
     let mut buf = vec![0u8; 1 << 20];

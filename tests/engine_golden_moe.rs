@@ -18,11 +18,12 @@
 //! `engram-model` (`mixture_of_experts_matches_reference`) catches at 23x its tolerance.
 
 use std::path::Path;
-use std::process::Command;
 
 use serde_json::Value;
 
 use crate::common;
+use crate::engine_golden::{engram_json, engram_stdout};
+use crate::engine_golden_kquant::sha256_hex;
 
 /// The golden file, made by `bench/golden/make-moe-golden.sh`.
 const GOLDEN: &str = "moe-tiny.llamacpp.json";
@@ -40,32 +41,10 @@ fn tolerance(spread: f64) -> f64 {
     (spread * 0.6 / 0.47).max(FLOOR)
 }
 
-fn sha256_hex(path: &Path) -> String {
-    use sha2::{Digest, Sha256};
-    let bytes = std::fs::read(path).expect("reading the generated model");
-    Sha256::digest(&bytes)
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect()
-}
-
-fn engram(args: &[&str]) -> String {
-    let out = Command::new(common::engram_bin())
-        .args(args)
-        .output()
-        .expect("running engram");
-    assert!(
-        out.status.success(),
-        "engram {args:?} failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8(out.stdout).expect("UTF-8 output")
-}
-
 /// Writes the model `m` describes with `engram gen-model` and checks it is llama.cpp's file.
 fn generate_model(m: &Value, dir: &Path) -> std::path::PathBuf {
     let path = dir.join(m["file"].as_str().unwrap());
-    engram(&[
+    engram_stdout(&[
         "gen-model",
         "--shape",
         m["shape"].as_str().unwrap(),
@@ -97,7 +76,7 @@ fn check_prompt(model: &Path, p: &Value, tol: f64) -> (f64, Vec<String>) {
         .collect::<Vec<_>>()
         .join(",");
     let n = gold_generated.len().to_string();
-    let out: Value = serde_json::from_str(&engram(&[
+    let out = engram_json(&[
         "generate",
         "--model",
         model.to_str().unwrap(),
@@ -110,8 +89,7 @@ fn check_prompt(model: &Path, p: &Value, tol: f64) -> (f64, Vec<String>) {
         "--json",
         "--top-logits",
         "50",
-    ]))
-    .expect("engram generate --json prints JSON");
+    ]);
     let mut failures = Vec::new();
     assert_eq!(
         common::ids(&out["prompt_token_ids"]),

@@ -32,17 +32,7 @@ threads=2
 command -v python3 >/dev/null || die "python3 is needed"
 mkdir -p "$work" "$(dirname "$out")"
 
-build_llamacpp llama-bench
-src="$llamacpp_root/src/vendor/llama.cpp"
-build="$llamacpp_root/build"
-libs=("$build/src/libllama.a" "$build/ggml/src/libggml.a" "$build/ggml/src/libggml-cpu.a"
-      "$build/ggml/src/libggml-base.a")
-for l in "${libs[@]}"; do
-    [[ -f "$l" ]] || die "$l is missing: delete $build and run this again"
-done
-log "building kquant_golden against $build"
-"${CXX:-c++}" -O2 -std=c++17 "$here/kquant_golden.cpp" -I"$src/include" -I"$src/ggml/include" \
-    "${libs[@]}" -fopenmp -lpthread -ldl -o "$work/kquant_golden"
+build_kquant_golden "$work/kquant_golden"
 
 log "building engram (cargo build -p engram-cli)"
 (cd "$repo_root" && cargo build -p engram-cli >&2)
