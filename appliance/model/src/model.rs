@@ -771,7 +771,10 @@ impl Model {
     /// the lower index) weighted by their probabilities over the chosen ones' sum; then expert by
     /// expert, the tokens routed to it gathered into one batch (a prefill's tokens share each
     /// expert's weight reads); last, each token's weighted outputs summed in the order the
-    /// router ranked them. A token's result does not depend on the other tokens of the call.
+    /// router ranked them. The experts never take the AMX tiles
+    /// ([`engram_kernels::matmul_many_no_amx`]: groups of ~32 tokens gain nothing from them,
+    /// and their block order slows a decode step), so a token's result does not depend on the
+    /// other tokens of the call.
     fn moe_ffn(&self, moe: &MoeFfn, h: &[f32], n: usize, out: &mut [f32]) -> Result<()> {
         let m = self.cfg.moe.expect("an MoE block has an MoE config");
         let (d, ff, ne, k) = (self.cfg.n_embd, m.n_ff_expert, m.n_expert, m.n_expert_used);
@@ -800,13 +803,18 @@ impl Model {
             let mut act = vec![0.0f32; 2 * k * ff];
             {
                 let mut outs: Vec<&mut [f32]> = act.chunks_exact_mut(ff).collect();
-                engram_kernels::matmul_many(&views, h, 1, &mut outs, &self.pool)?;
+                engram_kernels::matmul_many_no_amx(&views, h, 1, &mut outs, &self.pool)?;
             }
             for (j, &(e, _)) in chosen.iter().enumerate() {
                 let (gate, up) = act[2 * j * ff..(2 * j + 2) * ff].split_at_mut(ff);
                 engram_kernels::swiglu(gate, up, &self.pool)?;
-                let down = moe.down.view(file, e);
-                engram_kernels::matmul(&down, gate, 1, &mut ys[j * d..(j + 1) * d], &self.pool)?;
+                engram_kernels::matmul_many_no_amx(
+                    &[moe.down.view(file, e)],
+                    gate,
+                    1,
+                    &mut [&mut ys[j * d..(j + 1) * d]],
+                    &self.pool,
+                )?;
             }
         } else {
             let most = groups.iter().map(Vec::len).max().unwrap_or(0);
@@ -821,7 +829,7 @@ impl Model {
                     let t = i / k;
                     xs[r * d..(r + 1) * d].copy_from_slice(&h[t * d..(t + 1) * d]);
                 }
-                engram_kernels::matmul_many(
+                engram_kernels::matmul_many_no_amx(
                     &[moe.gate.view(file, e), moe.up.view(file, e)],
                     &xs[..g * d],
                     g,
@@ -829,8 +837,13 @@ impl Model {
                     &self.pool,
                 )?;
                 engram_kernels::swiglu(&mut gate[..g * ff], &up[..g * ff], &self.pool)?;
-                let down = moe.down.view(file, e);
-                engram_kernels::matmul(&down, &gate[..g * ff], g, &mut ys_e[..g * d], &self.pool)?;
+                engram_kernels::matmul_many_no_amx(
+                    &[moe.down.view(file, e)],
+                    &gate[..g * ff],
+                    g,
+                    &mut [&mut ys_e[..g * d]],
+                    &self.pool,
+                )?;
                 for (r, &i) in group.iter().enumerate() {
                     ys[i * d..(i + 1) * d].copy_from_slice(&ys_e[r * d..(r + 1) * d]);
                 }

@@ -96,7 +96,7 @@ pub use elementwise::{gelu_bias_rows, layer_norm_rows, softmax_rows};
 pub use error::{KernelError, Result};
 pub use gemm::{matmul_packed, PackedF32};
 pub use half::{bf16, f16};
-pub use matmul::{embedding_row, matmul, matmul_many, QMatrix};
+pub use matmul::{embedding_row, matmul, matmul_many, matmul_many_no_amx, QMatrix};
 pub use pool::ThreadPool;
 
 /// The kernels this process runs: the instruction set `matmul` and the dot products use

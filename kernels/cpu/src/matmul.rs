@@ -243,6 +243,44 @@ fn matmul_many_on(
     }
 }
 
+/// [`matmul_many`] without the AMX tiles: the register-tiled kernels in their natural order
+/// for every batch size, bit for bit what `matmul_many` gives in a process without AMX
+/// (`ENGRAM_KERNELS_AMX=0`). For matrices whose batches stay small, a mixture-of-experts
+/// block's experts (a prefill's tokens spread over them, about 32 each): the tiles' per-call
+/// unpack of the weights does not pay there, and the block order the AVX-512 VNNI kernels
+/// take where the tiles run costs a decode step a third of its speed. Every call on the same
+/// matrices then sums in one order, so a token's result still does not depend on the batch.
+pub fn matmul_many_no_amx(
+    ws: &[QMatrix<'_>],
+    x: &[f32],
+    n_tokens: usize,
+    outs: &mut [&mut [f32]],
+    pool: &ThreadPool,
+) -> Result<()> {
+    let isa = Isa::detected();
+    let Some(first) = ws.first() else {
+        return matmul_many_on(isa, ws, x, n_tokens, outs, pool);
+    };
+    let same = ws.iter().all(|w| w.ty == first.ty && w.cols == first.cols);
+    match gemm::fmt_of(first.ty) {
+        Some(fmt) if same && first.cols > 0 && n_tokens > 0 && gemm::has_tiled(isa) => {
+            if ws.len() != outs.len() {
+                return Err(KernelError::LengthMismatch {
+                    what: "matmul_many outputs",
+                    expected: ws.len(),
+                    actual: outs.len(),
+                });
+            }
+            for (w, out) in ws.iter().zip(outs.iter()) {
+                check_shapes(w, x, n_tokens, out.len())?;
+            }
+            let mats: Vec<(&[u8], usize)> = ws.iter().map(|w| (w.data, w.rows)).collect();
+            gemm::matmul_register_many(isa, fmt, &mats, first.cols, x, n_tokens, outs, pool)
+        }
+        _ => matmul_many_on(isa, ws, x, n_tokens, outs, pool),
+    }
+}
+
 /// A run of tokens' quantised activations and their f32 source, quantised by one task.
 type Part<'a> = std::sync::Mutex<(&'a mut [u8], &'a [f32])>;
 
@@ -320,6 +358,39 @@ mod tests {
             }
         }
         d
+    }
+
+    /// `matmul_many_no_amx`: a token's row has the same bits alone (a decode step) as in a
+    /// 40-token batch (past the AMX tiles' threshold, which the regular path would take on a
+    /// CPU with them), and stays within float order of `matmul_many`.
+    #[test]
+    fn matmul_many_no_amx_is_batch_invariant() {
+        let (rows, cols, n) = (48, 512, 40);
+        for ty in [GgmlType::Q4K, GgmlType::Q8_0, GgmlType::Q4_1] {
+            let (a, b) = (weights(ty, rows, cols, 3), weights(ty, rows, cols, 9));
+            let ws = [
+                QMatrix::new(ty, rows, cols, &a).unwrap(),
+                QMatrix::new(ty, rows, cols, &b).unwrap(),
+            ];
+            let x: Vec<f32> = (0..n * cols)
+                .map(|i| ((i * 7919) % 1000) as f32 / 250.0 - 2.0)
+                .collect();
+            let pool = ThreadPool::new(2).unwrap();
+            let (mut g, mut u) = (vec![0f32; n * rows], vec![0f32; n * rows]);
+            matmul_many_no_amx(&ws, &x, n, &mut [&mut g, &mut u], &pool).unwrap();
+            let (mut g1, mut u1) = (vec![0f32; rows], vec![0f32; rows]);
+            for t in [0, 17, n - 1] {
+                let xt = &x[t * cols..(t + 1) * cols];
+                matmul_many_no_amx(&ws, xt, 1, &mut [&mut g1, &mut u1], &pool).unwrap();
+                assert_eq!(g1, g[t * rows..(t + 1) * rows], "{ty}: token {t}");
+                assert_eq!(u1, u[t * rows..(t + 1) * rows], "{ty}: token {t}");
+            }
+            let mut regular = vec![0f32; n * rows];
+            matmul_many(&ws[..1], &x, n, &mut [&mut regular], &pool).unwrap();
+            for (a, b) in regular.iter().zip(&g) {
+                assert!((a - b).abs() <= 1e-4 * (1.0 + a.abs()), "{ty}: {a} vs {b}");
+            }
+        }
     }
 
     proptest! {

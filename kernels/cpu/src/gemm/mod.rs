@@ -704,6 +704,26 @@ pub(crate) fn matmul_tiled_many(
     matmul_panel(isa, g, xrb, ws, x, n_tokens, outs, pool)
 }
 
+/// [`matmul_tiled_many`] on `isa`'s register tiles alone, summing in their natural order even
+/// where the AMX tiles run `fmt` (so its results are those of a process without AMX).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn matmul_register_many(
+    isa: Isa,
+    fmt: u8,
+    ws: &[(&[u8], usize)],
+    cols: usize,
+    x: &[f32],
+    n_tokens: usize,
+    outs: &mut [&mut [f32]],
+    pool: &ThreadPool,
+) -> Result<()> {
+    assert_eq!(ws.len(), outs.len(), "one output per matrix");
+    let mut g = Geom::new(fmt, cols, isa);
+    g.blocks = false;
+    let xrb = vec_dot_type(fmt).checked_row_bytes(cols, "matmul cols")?;
+    matmul_panel(isa, g, xrb, ws, x, n_tokens, outs, pool)
+}
+
 /// [`matmul_tiled_many`] on `isa`'s register tiles, with geometry `g` (`xrb`: bytes per
 /// quantised activation row).
 #[allow(clippy::too_many_arguments)]
