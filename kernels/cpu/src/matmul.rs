@@ -200,10 +200,11 @@ pub fn matmul_many(
     outs: &mut [&mut [f32]],
     pool: &ThreadPool,
 ) -> Result<()> {
-    matmul_many_on(Isa::detected(), ws, x, n_tokens, outs, pool)
+    matmul_many_on(Isa::detected(), ws, x, n_tokens, outs, pool, true)
 }
 
-/// [`matmul_many`] on a given ISA (tests force ISAs).
+/// [`matmul_many`] on a given ISA (tests force ISAs); with `amx` false, a fused call never
+/// takes the AMX tiles nor their block order ([`matmul_many_no_amx`]).
 fn matmul_many_on(
     isa: Isa,
     ws: &[QMatrix<'_>],
@@ -211,6 +212,7 @@ fn matmul_many_on(
     n_tokens: usize,
     outs: &mut [&mut [f32]],
     pool: &ThreadPool,
+    amx: bool,
 ) -> Result<()> {
     if ws.len() != outs.len() {
         return Err(KernelError::LengthMismatch {
@@ -232,7 +234,7 @@ fn matmul_many_on(
     match (gemm::fmt_of(first.ty), fused) {
         (Some(fmt), true) => {
             let mats: Vec<(&[u8], usize)> = ws.iter().map(|w| (w.data, w.rows)).collect();
-            gemm::matmul_tiled_many(isa, fmt, &mats, first.cols, x, n_tokens, outs, pool)
+            gemm::matmul_tiled_many(isa, fmt, &mats, first.cols, x, n_tokens, outs, pool, amx)
         }
         _ => {
             for (w, out) in ws.iter().zip(outs.iter_mut()) {
@@ -243,9 +245,10 @@ fn matmul_many_on(
     }
 }
 
-/// [`matmul_many`] without the AMX tiles: the register-tiled kernels in their natural order
-/// for every batch size, bit for bit what `matmul_many` gives in a process without AMX
-/// (`ENGRAM_KERNELS_AMX=0`). For matrices whose batches stay small, a mixture-of-experts
+/// [`matmul_many`] without the AMX tiles: for matrices of one quantised type and width, the
+/// register-tiled kernels in their natural order for every batch size, bit for bit what
+/// `matmul_many` gives in a process without AMX (`ENGRAM_KERNELS_AMX=0`); other mixes are
+/// `matmul_many` on each. For matrices whose batches stay small, a mixture-of-experts
 /// block's experts (a prefill's tokens spread over them, about 32 each): the tiles' per-call
 /// unpack of the weights does not pay there, and the block order the AVX-512 VNNI kernels
 /// take where the tiles run costs a decode step a third of its speed. Every call on the same
@@ -257,28 +260,7 @@ pub fn matmul_many_no_amx(
     outs: &mut [&mut [f32]],
     pool: &ThreadPool,
 ) -> Result<()> {
-    let isa = Isa::detected();
-    let Some(first) = ws.first() else {
-        return matmul_many_on(isa, ws, x, n_tokens, outs, pool);
-    };
-    let same = ws.iter().all(|w| w.ty == first.ty && w.cols == first.cols);
-    match gemm::fmt_of(first.ty) {
-        Some(fmt) if same && first.cols > 0 && n_tokens > 0 && gemm::has_tiled(isa) => {
-            if ws.len() != outs.len() {
-                return Err(KernelError::LengthMismatch {
-                    what: "matmul_many outputs",
-                    expected: ws.len(),
-                    actual: outs.len(),
-                });
-            }
-            for (w, out) in ws.iter().zip(outs.iter()) {
-                check_shapes(w, x, n_tokens, out.len())?;
-            }
-            let mats: Vec<(&[u8], usize)> = ws.iter().map(|w| (w.data, w.rows)).collect();
-            gemm::matmul_register_many(isa, fmt, &mats, first.cols, x, n_tokens, outs, pool)
-        }
-        _ => matmul_many_on(isa, ws, x, n_tokens, outs, pool),
-    }
+    matmul_many_on(Isa::detected(), ws, x, n_tokens, outs, pool, false)
 }
 
 /// A run of tokens' quantised activations and their f32 source, quantised by one task.
@@ -502,7 +484,7 @@ mod tests {
                         rows.iter().map(|&r| vec![f32::NAN; r * n_tokens]).collect();
                     let mut refs: Vec<&mut [f32]> =
                         outs.iter_mut().map(|o| &mut o[..]).collect();
-                    matmul_many_on(isa, &ws, x, n_tokens, &mut refs, &pool).unwrap();
+                    matmul_many_on(isa, &ws, x, n_tokens, &mut refs, &pool, true).unwrap();
                     for (w, got) in ws.iter().zip(&outs) {
                         let mut one = vec![f32::NAN; w.rows * n_tokens];
                         matmul_on(isa, w, x, n_tokens, &mut one, &pool, DOT_BYTES_PER_TASK)

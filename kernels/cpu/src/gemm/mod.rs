@@ -674,13 +674,25 @@ pub(crate) fn matmul_tiled(
     out: &mut [f32],
     pool: &ThreadPool,
 ) -> Result<()> {
-    matmul_tiled_many(isa, fmt, &[(w, rows)], cols, x, n_tokens, &mut [out], pool)
+    matmul_tiled_many(
+        isa,
+        fmt,
+        &[(w, rows)],
+        cols,
+        x,
+        n_tokens,
+        &mut [out],
+        pool,
+        true,
+    )
 }
 
 /// [`matmul_tiled`] for several matrices of the same format and width sharing the input `x`
 /// (`ws[i] = (data, rows)`, results in `outs[i]`): the activations are quantised and packed
 /// once, and every matrix's tasks run in one pool dispatch. Each result is bit-identical to
-/// what `matmul_tiled` computes for that matrix alone (same tiles, same spans).
+/// what `matmul_tiled` computes for that matrix alone (same tiles, same spans). With `amx`
+/// false the AMX tiles are never taken and the register tiles sum in their natural order even
+/// where the tiles run `fmt` (the results of a process without AMX).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn matmul_tiled_many(
     isa: Isa,
@@ -691,9 +703,11 @@ pub(crate) fn matmul_tiled_many(
     n_tokens: usize,
     outs: &mut [&mut [f32]],
     pool: &ThreadPool,
+    amx: bool,
 ) -> Result<()> {
     assert_eq!(ws.len(), outs.len(), "one output per matrix");
-    let g = Geom::new(fmt, cols, isa);
+    let mut g = Geom::new(fmt, cols, isa);
+    g.blocks &= amx;
     let vd = vec_dot_type(fmt);
     let xrb = vd.checked_row_bytes(cols, "matmul cols")?;
     // `g.blocks`: the tiles run this format in this process (`amx_order`).
@@ -701,26 +715,6 @@ pub(crate) fn matmul_tiled_many(
     if g.blocks && n_tokens >= amx::MIN_TOKENS {
         return matmul_amx(g, xrb, ws, x, n_tokens, outs, pool);
     }
-    matmul_panel(isa, g, xrb, ws, x, n_tokens, outs, pool)
-}
-
-/// [`matmul_tiled_many`] on `isa`'s register tiles alone, summing in their natural order even
-/// where the AMX tiles run `fmt` (so its results are those of a process without AMX).
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn matmul_register_many(
-    isa: Isa,
-    fmt: u8,
-    ws: &[(&[u8], usize)],
-    cols: usize,
-    x: &[f32],
-    n_tokens: usize,
-    outs: &mut [&mut [f32]],
-    pool: &ThreadPool,
-) -> Result<()> {
-    assert_eq!(ws.len(), outs.len(), "one output per matrix");
-    let mut g = Geom::new(fmt, cols, isa);
-    g.blocks = false;
-    let xrb = vec_dot_type(fmt).checked_row_bytes(cols, "matmul cols")?;
     matmul_panel(isa, g, xrb, ws, x, n_tokens, outs, pool)
 }
 
