@@ -9,7 +9,8 @@
 #
 # ENGRAM_BINARY: `cargo build --release --features cuda -p engram-cli`, stripped. With the real
 # SmolLM2 and ../shared/golden/smollm2-135m-q4_1.llamacpp.json, also its golden check.
-# Needs libcuda and CUDA 13's libnvrtc and libcublas (found under /usr/local/cuda or /opt).
+# Needs libcuda and CUDA 13's libnvrtc and libcublas (found under /usr/local/cuda or /opt); of
+# the NVRTCs found engram takes the newest not newer than the driver (ENGRAM_NVRTC names one).
 set -u
 B="${1:?engram binary}"
 OUT_DIR="${2:-.}"

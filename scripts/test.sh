@@ -72,8 +72,10 @@ stage "build of the tests (profile ci)"
 cargo test --workspace --locked --profile ci --no-run
 prepared
 stage "cargo test (the CUDA kernels through NVRTC among them)"
+# Both NVRTCs the appliance may run with: NVIDIA's newest and the media's CUDA 11.8.
 nvrtc_lib="$(scripts/fetch-nvrtc.sh)"
-ENGRAM_REQUIRE_NVRTC=1 LD_LIBRARY_PATH="$nvrtc_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
+ENGRAM_REQUIRE_NVRTC=1 ENGRAM_NVRTC_LIBS="$nvrtc_lib/libnvrtc.so.13:$nvrtc_lib/libnvrtc.so.11.2" \
+    LD_LIBRARY_PATH="$nvrtc_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
     cargo test --workspace --locked --profile ci
 stage "API end to end"
 scripts/test-api.sh

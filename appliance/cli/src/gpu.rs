@@ -231,10 +231,11 @@ mod imp {
         let started = Instant::now();
         let dev = Device::open(device, kernel_cache().as_deref())?;
         eprintln!(
-            "{}: kernels ready in {:.2} s (open {:.2} s)",
+            "{}: kernels ready in {:.2} s (open {:.2} s; {})",
             dev.info().describe(),
             dev.compile_seconds(),
-            started.elapsed().as_secs_f64()
+            started.elapsed().as_secs_f64(),
+            dev.compiler()
         );
         Ok(dev)
     }

@@ -27,6 +27,9 @@ pub struct GpuStatus {
     /// Whether the GPU path could run here (driver, NVRTC and cuBLAS present, a device found).
     pub available: bool,
     pub devices: Vec<GpuDevice>,
+    /// The CUDA the GPU path runs on, when it can: "driver CUDA 12.2, NVRTC 11.8
+    /// (libnvrtc.so.11.2)" (the NVRTC chosen is the newest whose output the driver loads).
+    pub runtime: Option<String>,
     /// Why no GPU is available, when none is.
     pub reason: Option<String>,
     /// Where generation runs: `cpu`, or the GPU decode runs on (`cuda:0`).
@@ -43,10 +46,12 @@ impl GpuStatus {
     /// Probes the GPUs (`device_files`: the NVIDIA device files the profile detection counted).
     pub fn detect(device_files: usize) -> GpuStatus {
         let (devices, reason) = probe(device_files);
+        let runtime = if devices.is_empty() { None } else { runtime() };
         GpuStatus {
             cuda_compiled: cfg!(feature = "cuda"),
             available: !devices.is_empty(),
             devices,
+            runtime,
             reason,
             serving: "cpu".into(),
             placement: None,
@@ -84,7 +89,12 @@ impl GpuStatus {
                     )
                 })
                 .collect();
-            format!("{} found: {}", gpus.len(), gpus.join(", "))
+            let runtime = self
+                .runtime
+                .as_deref()
+                .map(|r| format!(" ({r})"))
+                .unwrap_or_default();
+            format!("{} found: {}{runtime}", gpus.len(), gpus.join(", "))
         } else {
             let reason = self.reason.as_deref().unwrap_or("unknown");
             // The probe's reasons open with what this line already says.
@@ -106,6 +116,7 @@ impl GpuStatus {
                     compute_capability = %d.compute_capability,
                     total_mib = d.total_bytes >> 20,
                     free_mib = d.free_bytes >> 20,
+                    runtime = self.runtime.as_deref().unwrap_or("unknown"),
                     "GPU found"
                 );
             }
@@ -140,6 +151,16 @@ fn probe(_device_files: usize) -> (Vec<GpuDevice>, Option<String>) {
         ),
         Err(e) => (Vec::new(), Some(e.to_string())),
     }
+}
+
+#[cfg(feature = "cuda")]
+fn runtime() -> Option<String> {
+    engram_kernels_cuda::runtime().ok()
+}
+
+#[cfg(not(feature = "cuda"))]
+fn runtime() -> Option<String> {
+    None
 }
 
 #[cfg(not(feature = "cuda"))]

@@ -2,11 +2,12 @@
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::{sys, CudaContext, CudaEvent, CudaFunction, CudaGraph, CudaStream};
 
+use crate::nvrtc::Nvrtc;
 use crate::ops::{GemvLaunch, GEMV_SHAPES, GEMV_SHAPE_ROWS, GEMV_SHAPE_TYPES};
 use crate::{CudaError, Result};
 
@@ -87,17 +88,11 @@ impl DeviceInfo {
 }
 
 /// Lists the GPUs, or says why there are none. Checks that the driver library can be opened
-/// before calling into it (cudarc's dynamic loading panics on a missing library), then that
-/// NVRTC and cuBLAS can be opened too, since the forward pass needs both.
+/// before calling into it (cudarc's dynamic loading panics on a missing library), then that an
+/// NVRTC the driver can load the output of ([`Nvrtc::find`]) and cuBLAS can be opened too, since
+/// the forward pass needs both.
 pub fn probe() -> Result<Vec<DeviceInfo>> {
-    // SAFETY: only tries to dlopen the driver library by its usual names.
-    if !unsafe { sys::is_culib_present() } {
-        return Err(CudaError::Unavailable(
-            "libcuda.so (the NVIDIA driver) not found".into(),
-        ));
-    }
-    cudarc::driver::result::init()
-        .map_err(|e| CudaError::Unavailable(format!("cuInit failed: {e}")))?;
+    let driver = driver_version()?;
     let count = CudaContext::device_count()
         .map_err(|e| CudaError::Unavailable(format!("no device count: {e}")))?;
     if count <= 0 {
@@ -105,16 +100,13 @@ pub fn probe() -> Result<Vec<DeviceInfo>> {
             "the driver reports no CUDA device".into(),
         ));
     }
-    // SAFETY: as above, for the two runtime libraries.
-    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
-        return Err(CudaError::Unavailable(
-            "libnvrtc.so.13 not found (add the CUDA 13 toolkit's lib64 to LD_LIBRARY_PATH)".into(),
-        ));
-    }
-    // SAFETY: as above.
+    Nvrtc::find(Some(driver))?;
+    // SAFETY: only tries to dlopen cuBLAS by its usual names.
     if !unsafe { cudarc::cublas::sys::is_culib_present() } {
         return Err(CudaError::Unavailable(
-            "libcublas.so.13 not found (add the CUDA 13 toolkit's lib64 to LD_LIBRARY_PATH)".into(),
+            "libcublas.so.11, .12 or .13 not found (the media's libcublas11, or a CUDA \
+             toolkit's lib64 on LD_LIBRARY_PATH)"
+                .into(),
         ));
     }
     (0..count as usize)
@@ -130,6 +122,37 @@ pub fn probe() -> Result<Vec<DeviceInfo>> {
             })
         })
         .collect()
+}
+
+/// The CUDA the GPU path runs on, for the log and `/readyz`: "driver CUDA 12.2, NVRTC 11.8
+/// (libnvrtc.so.11.2)".
+pub fn runtime() -> Result<String> {
+    let driver = driver_version()?;
+    let nvrtc = Nvrtc::find(Some(driver))?;
+    Ok(format!(
+        "driver CUDA {}, {}",
+        crate::nvrtc::cuda_version(driver),
+        nvrtc.describe()
+    ))
+}
+
+/// The driver's CUDA version (12020 for CUDA 12.2), after initialising it; an error when there
+/// is no driver library or it does not initialise.
+pub fn driver_version() -> Result<i32> {
+    // SAFETY: only tries to dlopen the driver library by its usual names.
+    if !unsafe { sys::is_culib_present() } {
+        return Err(CudaError::Unavailable(
+            "libcuda.so (the NVIDIA driver) not found".into(),
+        ));
+    }
+    cudarc::driver::result::init()
+        .map_err(|e| CudaError::Unavailable(format!("cuInit failed: {e}")))?;
+    let mut version = 0;
+    // SAFETY: one out-parameter; cuDriverGetVersion is in every driver.
+    unsafe { sys::cuDriverGetVersion(&mut version) }
+        .result()
+        .map_err(|e| CudaError::Unavailable(format!("cuDriverGetVersion failed: {e}")))?;
+    Ok(version)
 }
 
 /// The two queues of a [`Device`]. Work on one lane runs in order; the lanes run side by side
@@ -151,7 +174,28 @@ impl Event {
     /// Milliseconds of device time from `earlier` to this event, once both have happened
     /// (waits for them). Both must have been recorded with timing.
     pub fn ms_since(&self, earlier: &Event) -> Result<f32> {
-        Ok(earlier.0.elapsed_ms(&self.0)?)
+        // cudarc's elapsed_ms calls cuEventElapsedTime_v2, which drivers before CUDA 12.8 (the
+        // 535 of Debian 12 among them) lack: a missing symbol is a panic there. The first
+        // version is in every driver and means the same for events that have completed.
+        type ElapsedTime =
+            unsafe extern "C" fn(*mut f32, sys::CUevent, sys::CUevent) -> sys::CUresult;
+        static ELAPSED: OnceLock<std::result::Result<ElapsedTime, String>> = OnceLock::new();
+        let elapsed = ELAPSED.get_or_init(|| {
+            // SAFETY: the driver library is open (an Event exists); the symbol has this
+            // signature in every CUDA release.
+            unsafe { sys::culib().get::<ElapsedTime>(b"cuEventElapsedTime") }
+                .map(|f| *f)
+                .map_err(|e| e.to_string())
+        });
+        let elapsed = elapsed
+            .as_ref()
+            .map_err(|e| CudaError::Driver(format!("cuEventElapsedTime: {e}")))?;
+        earlier.0.synchronize()?;
+        self.0.synchronize()?;
+        let mut ms = 0.0f32;
+        // SAFETY: two live events of one context, both completed (synchronized above).
+        unsafe { elapsed(&mut ms, earlier.0.cu_event(), self.0.cu_event()) }.result()?;
+        Ok(ms)
     }
 }
 
@@ -170,6 +214,7 @@ pub struct Device {
     funcs: HashMap<String, CudaFunction>,
     info: DeviceInfo,
     compile_seconds: f64,
+    compiler: String,
     multiprocessors: usize,
     pub(crate) gemv_launch: GemvLaunch,
 }
@@ -188,10 +233,11 @@ impl Device {
         let stream = ctx.new_stream()?;
         let copy = ctx.new_stream()?;
         let blas = CudaBlas::new(stream.clone())?;
+        let nvrtc = Nvrtc::find(Some(driver_version()?))?;
         let (major, minor) = info.compute_capability;
-        let arch = format!("compute_{major}{minor}");
+        let arch = nvrtc.arch_for(major, minor)?;
         let start = std::time::Instant::now();
-        let ptx = load_or_compile(&arch, cache_dir)?;
+        let ptx = load_or_compile(&nvrtc, &arch, cache_dir)?;
         let compile_seconds = start.elapsed().as_secs_f64();
         let module = ctx.load_module(cudarc::nvrtc::Ptx::from_src(ptx))?;
         let mut funcs = HashMap::new();
@@ -214,6 +260,7 @@ impl Device {
             funcs,
             info,
             compile_seconds,
+            compiler: format!("{}, PTX for {arch}", nvrtc.describe()),
             multiprocessors,
             gemv_launch: GemvLaunch::default(),
         })
@@ -222,6 +269,11 @@ impl Device {
     /// What the device reported when it was opened.
     pub fn info(&self) -> &DeviceInfo {
         &self.info
+    }
+
+    /// What compiled the kernels: "NVRTC 11.8 (libnvrtc.so.11.2), PTX for compute_90".
+    pub fn compiler(&self) -> &str {
+        &self.compiler
     }
 
     /// Streaming multiprocessors.
@@ -562,38 +614,37 @@ fn q8_gemv_kernels() -> impl Iterator<Item = String> {
     default.chain(shaped)
 }
 
-fn cache_path(dir: &Path, arch: &str) -> PathBuf {
+fn cache_path(dir: &Path, nvrtc: &Nvrtc, arch: &str) -> PathBuf {
     let hash = xxhash_rust::xxh3::xxh3_64(SOURCE.as_bytes());
-    dir.join(format!("engram-kernels-{hash:016x}-{arch}.ptx"))
+    let (major, minor) = nvrtc.version();
+    dir.join(format!(
+        "engram-kernels-{hash:016x}-{arch}-nvrtc{major}.{minor}.ptx"
+    ))
 }
 
-/// Compiles the kernels to PTX for `arch` (`compute_90`, ...) with NVRTC alone: no driver or GPU
-/// is needed, so the build machines check that the CUDA source compiles.
+/// Compiles the kernels to PTX for `arch` (`compute_90`, ...) with the newest NVRTC found (no
+/// driver or GPU is needed, so the build machines check that the CUDA source compiles).
 pub fn compile_ptx(arch: &str) -> Result<String> {
-    // SAFETY: only tries to dlopen NVRTC by its usual names.
-    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
-        return Err(CudaError::Unavailable("libnvrtc.so.13 not found".into()));
-    }
-    load_or_compile(arch, None)
+    compile_ptx_with(&*Nvrtc::find(None)?, arch)
 }
 
-fn load_or_compile(arch: &str, cache_dir: Option<&Path>) -> Result<String> {
+/// [`compile_ptx`] with a given NVRTC (the tests compile with each one the media may use).
+pub fn compile_ptx_with(nvrtc: &Nvrtc, arch: &str) -> Result<String> {
+    load_or_compile(nvrtc, arch, None)
+}
+
+fn load_or_compile(nvrtc: &Nvrtc, arch: &str, cache_dir: Option<&Path>) -> Result<String> {
     if let Some(dir) = cache_dir {
-        if let Ok(ptx) = std::fs::read_to_string(cache_path(dir, arch)) {
+        if let Ok(ptx) = std::fs::read_to_string(cache_path(dir, nvrtc, arch)) {
             if ptx.contains(".entry") {
                 return Ok(ptx);
             }
         }
     }
-    let opts = cudarc::nvrtc::CompileOptions {
-        options: vec![format!("--gpu-architecture={arch}"), "-std=c++17".into()],
-        ..Default::default()
-    };
-    let ptx = cudarc::nvrtc::compile_ptx_with_opts(SOURCE, opts)
-        .map_err(|e| CudaError::Compile(format!("{e:?}")))?
-        .to_src();
+    let options = [format!("--gpu-architecture={arch}"), "-std=c++17".into()];
+    let ptx = nvrtc.compile(SOURCE, "kernels.cu", &options)?;
     if let Some(dir) = cache_dir {
-        let path = cache_path(dir, arch);
+        let path = cache_path(dir, nvrtc, arch);
         let tmp = path.with_extension("ptx.tmp");
         // A cache that cannot be written only costs the next start a compile.
         if std::fs::create_dir_all(dir).is_ok() && std::fs::write(&tmp, &ptx).is_ok() {

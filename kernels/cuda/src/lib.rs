@@ -12,9 +12,14 @@
 //! machine without a driver gets an [`CudaError::Unavailable`] it can log, never a panic.
 
 mod device;
+mod nvrtc;
 mod ops;
 
-pub use device::{compile_ptx, probe, Buffer, Device, DeviceInfo, Event, Graph, Lane, Pinned};
+pub use device::{
+    compile_ptx, compile_ptx_with, driver_version, probe, runtime, Buffer, Device, DeviceInfo,
+    Event, Graph, Lane, Pinned,
+};
+pub use nvrtc::{cuda_version, Nvrtc};
 pub use ops::{
     supports, AttentionArgs, GemvLaunch, KvImport, ManyAttention, MatmulScratch, SeqCacheRef,
     SeqTable, Weight, MAX_GEMV_BATCH, SEQ_TABLE_ENTRY,
