@@ -632,6 +632,67 @@ mod tests {
         assert!(p.describe().contains("layers 15-31 on CPU"));
     }
 
+    /// The `gpu-8x` profile's node: eight cards split the pipeline in contiguous ranges by their
+    /// free memory, every card within its budget, the head on the last, and a card with less
+    /// free memory (another tenant's process on it) gets fewer layers.
+    #[test]
+    fn eight_cards_form_one_pipeline() {
+        let req = request();
+        // Equal cards, each with room for 5 layers: 33 items (32 layers, the head) over 8.
+        let devices: Vec<Device> = (0..8)
+            .map(|i| Device::new(format!("cuda:{i}"), free_for(5 * 232 * MIB)))
+            .collect();
+        let p = Placement::plan(&req, &devices);
+        assert_eq!(p.n_gpu_layers(), 32);
+        assert!(p.cpu_layers.is_empty());
+        assert_eq!(p.output_device(), Some("cuda:7"));
+        let mut next = 0;
+        for g in &p.gpus {
+            assert_eq!(g.layers.start, next, "{}: ranges are consecutive", g.device);
+            next = g.layers.end;
+            assert!(
+                g.weight_bytes + g.kv_bytes <= g.budget_bytes,
+                "{}",
+                g.device
+            );
+            assert!(
+                (3..=5).contains(&g.layers.len()),
+                "{}: {:?}: equal cards share evenly",
+                g.device,
+                g.layers
+            );
+        }
+        assert_eq!(p.gpus.len(), 8);
+        assert_eq!(next, 32);
+
+        // cuda:3 has a quarter of the others' memory free: it takes the fewest layers, and
+        // the plan still places them all.
+        let mut devices = devices;
+        devices[3] = Device::new("cuda:3", free_for(232 * MIB + MIB));
+        let p = Placement::plan(&req, &devices);
+        assert_eq!(p.n_gpu_layers(), 32);
+        let fewest = p.gpus.iter().min_by_key(|g| g.layers.len()).unwrap();
+        assert_eq!(fewest.device, "cuda:3", "{}", p.describe());
+        for g in &p.gpus {
+            assert!(
+                g.weight_bytes + g.kv_bytes <= g.budget_bytes,
+                "{}",
+                g.device
+            );
+        }
+
+        // Eight small cards for a large model: together they hold what one plan can, and the
+        // tail runs on the CPU.
+        let devices: Vec<Device> = (0..8)
+            .map(|i| Device::new(format!("cuda:{i}"), free_for(2 * 232 * MIB + MIB)))
+            .collect();
+        let p = Placement::plan(&req, &devices);
+        assert_eq!(p.n_gpu_layers(), 16);
+        assert_eq!(p.cpu_layers, 16..32);
+        assert_eq!(p.gpus.len(), 8);
+        assert!(p.gpus.iter().all(|g| g.layers.len() == 2));
+    }
+
     #[test]
     fn n_gpu_layers_is_honoured_or_clamped() {
         let mut req = request();
