@@ -53,10 +53,13 @@ I=$PWD/packaging/installer
 # What the repository carries beside the packages' own dependencies: what the installer puts on
 # a disk.
 REPO_PACKAGES="systemd systemd-sysv dbus apt udev kmod e2fsprogs dosfstools linux-image-amd64 initramfs-tools grub-pc grub-efi-amd64-bin"
-# The installer's live system.
-LIVE_PACKAGES="linux-image-amd64 live-boot systemd-sysv udev kmod squashfs-tools gpgv grub-pc-bin grub-efi-amd64-bin grub2-common e2fsprogs dosfstools fdisk util-linux"
+# The GPU stack (the NVIDIA driver and CUDA runtime, non-free), which the installer adds where
+# lspci shows an NVIDIA device: packaging/gpu-packages, one per line.
+GPU_PACKAGES=$(sed 's/#.*//' packaging/gpu-packages | xargs)
+# The installer's live system (pciutils: lspci finds the GPUs).
+LIVE_PACKAGES="linux-image-amd64 live-boot systemd-sysv udev kmod squashfs-tools gpgv grub-pc-bin grub-efi-amd64-bin grub2-common e2fsprogs dosfstools fdisk util-linux pciutils"
 if [[ $PREFETCH == 1 ]]; then
-    packaging/repo/build.sh --resolve-only --packages "$REPO_PACKAGES" \
+    packaging/repo/build.sh --resolve-only --packages "$REPO_PACKAGES" --gpu-packages "$GPU_PACKAGES" \
         --depends "$(packaging/deb/build.sh --print-depends)"
     packaging/repo/build.sh --resolve-only --packages "$LIVE_PACKAGES"
     exit 0
@@ -95,13 +98,28 @@ if [[ $INSTALLER == 1 ]]; then
     LIVE_PID=$!
 fi
 
+# The non-free packages on the medium and the licence each one's copyright file names: what an
+# operator accepts by installing the GPU stack.
+licence_lines() {
+    local f name licence
+    find "$1/pool/non-free" "$1/pool/non-free-firmware" "$1/pool/contrib" -name '*.deb' 2>/dev/null | sort \
+        | while read -r f; do
+            name=$(dpkg-deb -f "$f" Package)
+            licence=$(dpkg-deb --fsys-tarfile "$f" \
+                | tar -xO --wildcards "./usr/share/doc/$name/copyright" 2>/dev/null \
+                | sed -n 's/^License: *//p' | sort -u | paste -sd, - | sed 's/,/, /g')
+            printf '  %-36s %s: %s\n' "$name $(dpkg-deb -f "$f" Version)" \
+                "$(dpkg-deb -f "$f" Section | cut -d/ -f1)" "${licence:-see its copyright file}"
+        done
+}
 DEB=$(packaging/deb/build.sh --version "$VERSION" --out "$OUT" "${DEB_ARGS[@]}")
 debs=("$DEB")
 [[ -n $PREVIOUS ]] && debs+=("$PREVIOUS")
 REPO=$OUT/repo-$VERSION
-packaging/repo/build.sh --out "$REPO" --packages "$REPO_PACKAGES" "${debs[@]}"
+packaging/repo/build.sh --out "$REPO" --packages "$REPO_PACKAGES" --gpu-packages "$GPU_PACKAGES" "${debs[@]}"
 
-install -m 0755 packaging/media/install.sh "$REPO/install.sh"
+install -m 0755 packaging/media/install.sh packaging/media/gpu-stack.sh "$REPO/"
+echo "$GPU_PACKAGES" >"$REPO/gpu-packages"
 cat >"$REPO/README.txt" <<README
 Engram $VERSION: offline installation medium for Debian 12 (bookworm), amd64.
 
@@ -112,6 +130,20 @@ data first. Roll back with: sh /mnt/install.sh OLD-VERSION (a version this mediu
 Check the medium by hand with:
   gpgv --keyring ./engram-archive-keyring.gpg SHA256SUMS.gpg SHA256SUMS && sha256sum -c SHA256SUMS
 Packages on it: $(find "$REPO/pool" -name 'engram_*.deb' -printf '%f ' )
+
+GPU servers: where lspci shows an NVIDIA device, install.sh (and the installer ISO) also
+install the GPU stack this medium carries (gpu-packages, by gpu-stack.sh): Debian 12's NVIDIA
+driver $(dpkg-deb -f "$(find "$REPO/pool" -name 'nvidia-kernel-dkms_*.deb' | head -1)" Version), its kernel module built by DKMS for the installed kernel, and
+the CUDA 11.8 runtime libraries engramd opens (NVRTC, cuBLAS). ENGRAM_GPU_STACK=no leaves it
+out, =yes installs it without a device (installer: engram.gpu=no|yes on the kernel command line).
+Secure Boot: the DKMS module is not signed by a key the firmware trusts; turn Secure Boot off
+or enrol a machine owner key (Debian's dkms signs with /var/lib/dkms/mok.key).
+
+Licences (each package's own terms are in /usr/share/doc/PACKAGE/copyright once installed):
+  main: free software under the Debian Free Software Guidelines; Engram itself is
+  $(sed -n 's/^license = "\(.*\)"/\1/p' Cargo.toml | head -1).
+  The others, by package (component: the licences its copyright file names):
+$(licence_lines "$REPO")
 README
 # The whole medium's checksums, signed with the archive key (the repository script's GnuPG home).
 export GNUPGHOME=${ENGRAM_ARCHIVE_GNUPGHOME:-$PWD/target/appliance/throwaway-gnupg}

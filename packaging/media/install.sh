@@ -7,7 +7,8 @@
 # /usr/share/keyrings/engram-archive-keyring.gpg, and installs the newest engram on the medium,
 # or VERSION (a rollback: an upgrade bundle carries the previous version too), with apt reading
 # only this medium. An upgrade or rollback snapshots the data first
-# (/usr/share/doc/engram/upgrade.md.gz).
+# (/usr/share/doc/engram/upgrade.md.gz). Where lspci shows an NVIDIA GPU, gpu-stack.sh then adds
+# the NVIDIA driver and CUDA runtime the medium carries (ENGRAM_GPU_STACK=no: not).
 set -eu
 
 MEDIUM=$(cd "$(dirname "$0")" && pwd)
@@ -32,4 +33,7 @@ PKG=engram
 apt-get $APT update -qq
 # shellcheck disable=SC2086
 DEBIAN_FRONTEND=noninteractive apt-get $APT install -y -o Dpkg::Options::=--force-confold $PKG
+# The GPU stack (NVIDIA driver, CUDA runtime) where lspci shows an NVIDIA GPU; ENGRAM_GPU_STACK
+# =no leaves it out. engramd serves from the CPU until it is in and the driver loaded.
+sh "$MEDIUM/gpu-stack.sh" "$MEDIUM" || echo "engram install: the GPU stack was not installed: engramd serves from the CPU"
 echo "engram install: $(engramd -V) installed; console: http://127.0.0.1:8080/console/ (first admin password: /var/lib/engram/initial-admin-password)"

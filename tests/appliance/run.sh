@@ -107,6 +107,22 @@ xorriso -osirrox on -indev "$ISO1" -extract / "$M/v1" 2>>"$LOG" >/dev/null
 xorriso -osirrox on -indev "$ISO2" -extract / "$M/v2" 2>>"$LOG" >/dev/null
 (cd "$M/v1" && gpgv --keyring ./engram-archive-keyring.gpg SHA256SUMS.gpg SHA256SUMS 2>>"$LOG" \
     && sha256sum --quiet -c SHA256SUMS) || fail "the V1 medium does not verify"
+# The GPU stack on the medium: the driver and CUDA runtime in the non-free components' indexes
+# (main's lists none of them), with the licences in its README.
+index() { zcat "$M/v1/dists/bookworm/$1/binary-amd64/Packages.gz" | sed -n 's/^Package: //p'; }
+[[ -s $M/v1/gpu-packages && -x $M/v1/gpu-stack.sh ]] || fail "the medium has no gpu-packages or gpu-stack.sh"
+nonfree=$(index contrib; index non-free; index non-free-firmware)
+for p in $(cat "$M/v1/gpu-packages") libcublaslt11 nvidia-kernel-support; do
+    if [[ $p == linux-headers-amd64 ]]; then
+        index main | grep -qx "$p" || fail "the medium's main component lacks $p"
+    else
+        grep -qx "$p" <<<"$nonfree" || fail "the medium's non-free components lack $p"
+        ! index main | grep -qx "$p" || fail "$p is in the medium's main component"
+    fi
+done
+grep -q '^  nvidia-kernel-dkms 535\.[0-9.]*-[0-9]* *non-free: ' "$M/v1/README.txt" \
+    || fail "the medium's README lists no licence for nvidia-kernel-dkms: $(grep -A30 '^Licences' "$M/v1/README.txt")"
+step "the medium carries the GPU stack: $(wc -l <<<"$nonfree") packages in contrib, non-free and non-free-firmware, $(du -shc "$M/v1/pool/"{contrib,non-free,non-free-firmware} | tail -1 | cut -f1)"
 
 step "offline install of $V1 from its medium (unshare --net)"
 ROOT=$OUT/root
@@ -223,6 +239,16 @@ assert g["cuda_compiled"] is True and g["serving"] == "cpu", g
 assert g["reason"], g
 ' <<<"$ready" || fail "/readyz gpu: $ready"
 step "GPU support compiled in; serving from the CPU: $(python3 -c 'import json,sys; print(json.load(sys.stdin)["gpu"]["reason"])' <<<"$ready")"
+# The medium's GPU step on this machine without an NVIDIA GPU installs nothing and says so; the
+# stack it would install resolves from the medium alone (apt's simulation: every dependency is
+# on it), as on a GPU server.
+said=$(in_ct sh /media/engram/gpu-stack.sh /media/engram) || fail "gpu-stack.sh: $said"
+[[ $said == *"no NVIDIA GPU on the PCI bus: the GPU stack is not installed"* ]] || fail "gpu-stack.sh: $said"
+in_ct sh -c 'l=$(mktemp -d); echo "deb [signed-by=/usr/share/keyrings/engram-archive-keyring.gpg] file:/media/engram bookworm main contrib non-free non-free-firmware" >$l/list
+    A="-o Dir::Etc::SourceList=$l/list -o Dir::Etc::SourceParts=- -o Dir::State::Lists=$l -o Acquire::Languages=none"
+    apt-get $A update -qq && apt-get $A install -s --no-install-recommends $(cat /media/engram/gpu-packages)' \
+    >"$OUT/gpu-simulate.log" 2>&1 || { tail -20 "$OUT/gpu-simulate.log"; fail "the GPU stack does not install from the medium alone"; }
+step "no NVIDIA GPU here: gpu-stack.sh left it out; its $(grep -c '^Inst ' "$OUT/gpu-simulate.log") packages install from the medium alone (apt-get -s)"
 
 http -f "${AUTH[@]}" -H 'Content-Type: application/json' -d '{"name":"handbook"}' \
     $BASE/api/v1/collections >/dev/null || fail "creating a collection"
@@ -388,6 +414,8 @@ else
         || { grep -a 'engram-install' "$VM/serial.log" | tail -30; fail "the installer did not complete (see $VM/serial.log)"; }
 fi
 grep -a 'engram-install: ' "$VM/serial.log" | tr -d '\r' | sed 's/^/  /'
+grep -aq 'engram gpu: no NVIDIA GPU on the PCI bus: the GPU stack is not installed' "$VM/serial.log" \
+    || { grep -a 'engram gpu' "$VM/serial.log"; fail "the installer did not say what it did about the GPU stack"; }
 step "installed; booting the installed disk's root with systemd-nspawn"
 
 # The root partition (GPT entry 3), through a loop device at its offset.
