@@ -35,7 +35,7 @@ pub struct KvArgs {
     #[arg(long, default_value_t = 64)]
     pub kv_nvme_gib: u64,
     /// Stored element type: f16, or int8 (half the bytes, per-token scales).
-    #[arg(long, default_value = "f16", value_parser = ["f16", "int8"])]
+    #[arg(long, default_value = "f16", value_parser = ["f16", "int8", "int4"])]
     pub kv_dtype: String,
 }
 

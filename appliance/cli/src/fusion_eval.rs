@@ -55,7 +55,7 @@ pub struct FusionArgs {
     #[arg(long)]
     nvme_dir: Option<PathBuf>,
     /// Stored element type.
-    #[arg(long, default_value = "f16", value_parser = ["f16", "int8"])]
+    #[arg(long, default_value = "f16", value_parser = ["f16", "int8", "int4"])]
     kv_dtype: String,
     /// Frame chunks are computed in: `context` (the layout's RAG prompt prefix and the neutral
     /// passages, the default), `prefix` (the default layout's prefix alone), `bos` (the model's

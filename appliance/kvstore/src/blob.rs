@@ -8,7 +8,7 @@
 //!      0 +------------------------------------------+
 //!        | magic "ENGRAMKV"                     [8] |
 //!      8 | format version  u32  (= 1)               |
-//!     12 | dtype u8 (0 f16, 1 int8) | reserved [3]=0|
+//!     12 | dtype u8 (0 f16, 1 int8, 2 int4) | 0 [3] |
 //!     16 | model fingerprint                   [16] |
 //!     32 | token fingerprint (xxh3-128 of ids) [16] |
 //!     48 | n_layer u32 | n_head_kv u32              |
@@ -22,6 +22,14 @@
 //!        |   K scales [layer][head][token] x f32    |
 //!        |   K values [layer][head][token][dim] x i8|
 //!        |   V scales, V values (same shapes)       |
+//!        | or int4 payload (G = 32):                |
+//!        |   K groups [layer][head][token/G][dim]   |
+//!        |     x (scale f16, min f16)               |
+//!        |   K codes [layer][head][token]           |
+//!        |     [ceil(dim/2)] x u8 (low nibble first)|
+//!        |   V groups [layer][head][token][dim/G]   |
+//!        |     x (scale f16, min f16)               |
+//!        |   V codes (as K's)                       |
 //!        +------------------------------------------+
 //!        | xxh3-64 of everything above  u64         |
 //!        +------------------------------------------+
@@ -40,7 +48,7 @@ use xxhash_rust::xxh3::{xxh3_128, xxh3_64, Xxh3};
 use zerocopy::FromBytes;
 
 use crate::error::{KvStoreError, Result};
-use crate::layout::{hex, ChunkKv, KvDtype, KvLayout, ModelFingerprint};
+use crate::layout::{hex, ChunkKv, KvDtype, KvLayout, ModelFingerprint, INT4_GROUP};
 
 /// First bytes of every blob.
 pub const MAGIC: [u8; 8] = *b"ENGRAMKV";
@@ -123,13 +131,20 @@ pub fn encoded_len(layout: &KvLayout, dtype: KvDtype) -> Option<u64> {
         .checked_mul(layout.n_head_kv as u64)?
         .checked_mul(layout.n_tokens as u64)?;
     let values = rows.checked_mul(layout.head_dim as u64)?;
-    let side = match dtype {
-        KvDtype::F16 => values.checked_mul(2)?,
-        KvDtype::Int8 => rows.checked_mul(4)?.checked_add(values)?,
+    let payload = match dtype {
+        KvDtype::F16 => values.checked_mul(4)?,
+        KvDtype::Int8 => rows.checked_mul(4)?.checked_add(values)?.checked_mul(2)?,
+        KvDtype::Int4 => {
+            let int4 = Int4Layout::new(layout);
+            (int4.k_groups() as u64)
+                .checked_add(int4.v_groups() as u64)?
+                .checked_mul(4)?
+                .checked_add(rows.checked_mul(int4.row_bytes() as u64)?.checked_mul(2)?)?
+        }
     };
     (HEADER_LEN as u64 + CHECKSUM_LEN as u64)
         .checked_add((layout.n_tokens as u64).checked_mul(4)?)?
-        .checked_add(side.checked_mul(2)?)
+        .checked_add(payload)
 }
 
 /// Serializes one chunk's KV.
@@ -161,10 +176,11 @@ pub fn try_encode(kv: &ChunkKv, model: &ModelFingerprint, dtype: KvDtype) -> Res
         b.extend_from_slice(&(dim as u32).to_le_bytes());
     }
     b.extend(kv.tokens.iter().flat_map(|t| t.to_le_bytes()));
-    for side in [&kv.k, &kv.v] {
+    for (index, side) in [&kv.k, &kv.v].into_iter().enumerate() {
         match dtype {
             KvDtype::F16 => b.extend(side.iter().flat_map(|x| x.to_le_bytes())),
             KvDtype::Int8 => quantize_side(&mut b, side, l.head_dim),
+            KvDtype::Int4 => Int4Layout::new(l).quantize(&mut b, side, index == 0),
         }
     }
     let sum = xxh3_64(&b);
@@ -277,7 +293,7 @@ pub fn inspect(bytes: &[u8]) -> Result<BlobInfo> {
     parse(bytes).map(|p| p.info)
 }
 
-/// Verifies a blob and returns its KV (int8 dequantized to f16).
+/// Verifies a blob and returns its KV (int8 and int4 dequantized to f16).
 ///
 /// In order: framing and checksum (before trusting any field), version, header limits, the
 /// header's implied length against the real one; then the model fingerprint (`ModelMismatch`),
@@ -399,8 +415,175 @@ struct Checked<'a> {
     payload: &'a [u8],
 }
 
+/// Where an int4 payload's groups and codes are: keys grouped per channel over [`INT4_GROUP`]
+/// tokens (KIVI: a key channel's outliers persist across tokens), values per token over
+/// [`INT4_GROUP`] dimensions; each group an asymmetric range (f16 scale and minimum, code 0 is
+/// the minimum, 15 the maximum). Codes are packed two to a byte, low nibble first, each row
+/// starting on a byte.
+#[derive(Debug, Clone, Copy)]
+struct Int4Layout {
+    layout: KvLayout,
+}
+
+impl Int4Layout {
+    fn new(layout: &KvLayout) -> Int4Layout {
+        Int4Layout { layout: *layout }
+    }
+
+    fn heads(&self) -> usize {
+        self.layout.n_layer * self.layout.n_head_kv
+    }
+
+    /// Token groups of one (layer, head) of keys.
+    fn token_groups(&self) -> usize {
+        self.layout.n_tokens.div_ceil(INT4_GROUP)
+    }
+
+    /// Dimension groups of one value row.
+    fn dim_groups(&self) -> usize {
+        self.layout.head_dim.div_ceil(INT4_GROUP)
+    }
+
+    fn k_groups(&self) -> usize {
+        self.heads() * self.token_groups() * self.layout.head_dim
+    }
+
+    fn v_groups(&self) -> usize {
+        self.heads() * self.layout.n_tokens * self.dim_groups()
+    }
+
+    fn row_bytes(&self) -> usize {
+        self.layout.head_dim.div_ceil(2)
+    }
+
+    fn side_bytes(&self, keys: bool) -> usize {
+        let groups = if keys {
+            self.k_groups()
+        } else {
+            self.v_groups()
+        };
+        groups * 4 + self.heads() * self.layout.n_tokens * self.row_bytes()
+    }
+
+    /// The (scale, minimum) of each group of one side, in the payload's order.
+    fn ranges(&self, side: &[f16], keys: bool) -> Vec<(f16, f16)> {
+        let (n, d) = (self.layout.n_tokens, self.layout.head_dim);
+        let mut out = Vec::with_capacity(if keys {
+            self.k_groups()
+        } else {
+            self.v_groups()
+        });
+        if n * d == 0 {
+            return out;
+        }
+        for head in side.chunks_exact(n * d) {
+            if keys {
+                for g in 0..self.token_groups() {
+                    let rows = g * INT4_GROUP..((g + 1) * INT4_GROUP).min(n);
+                    for dim in 0..d {
+                        out.push(range_of(rows.clone().map(|t| head[t * d + dim])));
+                    }
+                }
+            } else {
+                for row in head.chunks_exact(d) {
+                    for g in row.chunks(INT4_GROUP) {
+                        out.push(range_of(g.iter().copied()));
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    /// The group of value `(token, dim)` of (layer, head) `h`.
+    fn group_of(&self, keys: bool, h: usize, token: usize, dim: usize) -> usize {
+        if keys {
+            (h * self.token_groups() + token / INT4_GROUP) * self.layout.head_dim + dim
+        } else {
+            (h * self.layout.n_tokens + token) * self.dim_groups() + dim / INT4_GROUP
+        }
+    }
+
+    /// Appends one side: its groups' ranges, then its codes.
+    fn quantize(&self, b: &mut Vec<u8>, side: &[f16], keys: bool) {
+        let ranges = self.ranges(side, keys);
+        for (scale, min) in &ranges {
+            b.extend_from_slice(&scale.to_le_bytes());
+            b.extend_from_slice(&min.to_le_bytes());
+        }
+        let (n, d) = (self.layout.n_tokens, self.layout.head_dim);
+        if n * d == 0 {
+            return;
+        }
+        for (h, head) in side.chunks_exact(n * d).enumerate() {
+            for (t, row) in head.chunks_exact(d).enumerate() {
+                let code = |dim: usize| -> u8 {
+                    let (scale, min) = ranges[self.group_of(keys, h, t, dim)];
+                    let (scale, min) = (scale.to_f32(), min.to_f32());
+                    if scale == 0.0 {
+                        return 0;
+                    }
+                    // NaN becomes 0 through `as u8`; infinities clamp to the range's ends.
+                    ((row[dim].to_f32() - min) / scale).round().clamp(0.0, 15.0) as u8
+                };
+                for pair in (0..d).step_by(2) {
+                    let high = if pair + 1 < d { code(pair + 1) } else { 0 };
+                    b.push(code(pair) | (high << 4));
+                }
+            }
+        }
+    }
+
+    /// One side back to f16, from its bytes (`side_bytes` of them).
+    fn dequantize(&self, bytes: &[u8], keys: bool) -> Vec<f16> {
+        let groups = if keys {
+            self.k_groups()
+        } else {
+            self.v_groups()
+        };
+        let (params, codes) = bytes.split_at(groups * 4);
+        let ranges: Vec<(f32, f32)> = params
+            .chunks_exact(4)
+            .map(|p| {
+                (
+                    f16::from_le_bytes([p[0], p[1]]).to_f32(),
+                    f16::from_le_bytes([p[2], p[3]]).to_f32(),
+                )
+            })
+            .collect();
+        let (n, d) = (self.layout.n_tokens, self.layout.head_dim);
+        let mut out = Vec::with_capacity(self.heads() * n * d);
+        for (row_index, row) in codes.chunks_exact(self.row_bytes()).enumerate() {
+            let (h, t) = (row_index / n, row_index % n);
+            for dim in 0..d {
+                let q = (row[dim / 2] >> (4 * (dim % 2))) & 0x0f;
+                let (scale, min) = ranges[self.group_of(keys, h, t, dim)];
+                out.push(f16::from_f32(min + f32::from(q) * scale));
+            }
+        }
+        out
+    }
+}
+
+/// The asymmetric 4-bit range of some values: (scale, minimum), both as stored (f16), over the
+/// finite values; (0, 0) when none is finite. Codes are clamped to 0..=15, so the f16 rounding
+/// of the scale and minimum costs at most a fraction of a step at the range's ends.
+fn range_of(values: impl Iterator<Item = f16>) -> (f16, f16) {
+    let (mut lo, mut hi) = (f32::INFINITY, f32::NEG_INFINITY);
+    for x in values.map(f16::to_f32).filter(|x| x.is_finite()) {
+        lo = lo.min(x);
+        hi = hi.max(x);
+    }
+    if lo > hi {
+        return (f16::ZERO, f16::ZERO);
+    }
+    let min = f16::from_f32(lo);
+    let scale = f16::from_f32((hi - min.to_f32()) / 15.0);
+    (scale, min)
+}
+
 impl Checked<'_> {
-    /// The keys and values in buffers of their own (int8 dequantized to f16).
+    /// The keys and values in buffers of their own (int8 and int4 dequantized to f16).
     fn decode(self) -> ChunkKv {
         let Checked {
             info,
@@ -420,6 +603,11 @@ impl Checked<'_> {
                     dequantize_side(kb, l.head_dim),
                     dequantize_side(vb, l.head_dim),
                 )
+            }
+            KvDtype::Int4 => {
+                let int4 = Int4Layout::new(&l);
+                let (kb, vb) = payload.split_at(int4.side_bytes(true));
+                (int4.dequantize(kb, true), int4.dequantize(vb, false))
             }
         };
         ChunkKv {
@@ -617,6 +805,92 @@ mod tests {
         }
     }
 
+    /// Every int4 value within half a step (its group's range / 15, f16-rounded) of the
+    /// original: keys grouped per channel over 32 tokens, values per token over 32 dimensions.
+    fn assert_int4_close(l: &KvLayout, orig: &[f16], back: &[f16], keys: bool) {
+        let (n, d) = (l.n_tokens, l.head_dim);
+        let group = |h: usize, t: usize, dim: usize| -> Vec<f32> {
+            let at = |t: usize, dim: usize| orig[h * n * d + t * d + dim].to_f32();
+            if keys {
+                let g = t / INT4_GROUP;
+                (g * INT4_GROUP..((g + 1) * INT4_GROUP).min(n))
+                    .map(|t| at(t, dim))
+                    .collect()
+            } else {
+                let g = dim / INT4_GROUP;
+                (g * INT4_GROUP..((g + 1) * INT4_GROUP).min(d))
+                    .map(|dim| at(t, dim))
+                    .collect()
+            }
+        };
+        for h in 0..l.n_layer * l.n_head_kv {
+            for t in 0..n {
+                for dim in 0..d {
+                    let vals = group(h, t, dim);
+                    let lo = vals.iter().copied().fold(f32::INFINITY, f32::min);
+                    let hi = vals.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                    let step = (hi - lo) / 15.0;
+                    let i = h * n * d + t * d + dim;
+                    let (x, y) = (orig[i].to_f32(), back[i].to_f32());
+                    // Half a step, plus the f16 rounding of the scale, minimum and result.
+                    let tol = step * 0.5 + (hi.abs().max(lo.abs())) * 4e-3 + 1e-6;
+                    assert!(
+                        (x - y).abs() <= tol,
+                        "keys {keys} h {h} t {t} d {dim}: {x} vs {y} (step {step})"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn int4_round_trip_within_half_a_step() {
+        // 70 tokens: two full key groups and a partial one; head_dim 40: a partial value group.
+        let l = KvLayout {
+            n_layer: 2,
+            n_head_kv: 2,
+            head_dim: 40,
+            n_tokens: 70,
+        };
+        let mut kv = chunk(l, 9);
+        // A key channel with an outlier the per-channel grouping keeps to itself, and an
+        // all-zero value row (a zero range).
+        for t in 0..70 {
+            kv.k[t * 40 + 3] = f16::from_f32(60.0 + t as f32 * 0.01);
+        }
+        kv.v[..40].fill(f16::ZERO);
+        let b = encode(&kv, &MODEL, KvDtype::Int4);
+        assert_eq!(b.len() as u64, encoded_len(&l, KvDtype::Int4).unwrap());
+        assert_eq!(inspect(&b).unwrap().dtype, KvDtype::Int4);
+        let back = decode(&b, &MODEL, &kv.tokens, &l).unwrap();
+        assert_int4_close(&l, &kv.k, &back.k, true);
+        assert_int4_close(&l, &kv.v, &back.v, false);
+        assert!(back.v[..40].iter().all(|x| x.to_f32() == 0.0));
+        // The outlier channel does not widen its neighbours' steps: channel 4 of head 0 stays
+        // within its own range's half step (8 / 15 / 2 of the chunk's key scale), far below
+        // what sharing channel 3's 60 would cost.
+        let worst = (0..70)
+            .map(|t| (kv.k[t * 40 + 4].to_f32() - back.k[t * 40 + 4].to_f32()).abs())
+            .fold(0.0f32, f32::max);
+        assert!(worst < 0.3, "{worst}");
+        // Shared decoding gives the same values (int4 is never read in place).
+        let shared = decode_shared(&Arc::from(b.clone()), &MODEL, &kv.tokens, &l).unwrap();
+        assert!(!shared.is_in_place());
+        assert_eq!(bits(shared.k_head(1, 1)), bits(&back.k[3 * 70 * 40..]));
+    }
+
+    #[test]
+    fn int4_survives_non_finite_values() {
+        let l = small();
+        let mut kv = chunk(l, 2);
+        kv.k[1] = f16::INFINITY;
+        kv.k[2] = f16::NAN;
+        kv.v[0] = f16::NEG_INFINITY;
+        let b = encode(&kv, &MODEL, KvDtype::Int4);
+        let back = decode(&b, &MODEL, &kv.tokens, &l).unwrap();
+        assert!(back.k.iter().chain(&back.v).all(|x| x.is_finite()));
+    }
+
     #[test]
     fn int8_round_trip_within_half_a_step() {
         let l = KvLayout {
@@ -803,6 +1077,7 @@ mod tests {
         };
         assert_eq!(encoded_len(&l, KvDtype::F16), Some(5_899_336));
         assert_eq!(encoded_len(&l, KvDtype::Int8), Some(3_134_536));
+        assert_eq!(encoded_len(&l, KvDtype::Int4), Some(1_844_296));
     }
 
     #[test]
@@ -874,9 +1149,10 @@ mod tests {
         #![proptest_config(ProptestConfig::with_cases(64))]
 
         #[test]
-        fn random_layouts_round_trip(l in layouts(), seed in any::<u32>(), int8 in any::<bool>()) {
+        fn random_layouts_round_trip(l in layouts(), seed in any::<u32>(), code in 0u8..3) {
             let kv = chunk(l, seed);
-            let dtype = if int8 { KvDtype::Int8 } else { KvDtype::F16 };
+            let dtype = KvDtype::from_code(code).unwrap();
+            let int8 = dtype == KvDtype::Int8;
             let b = encode(&kv, &MODEL, dtype);
             prop_assert_eq!(b.len() as u64, encoded_len(&l, dtype).unwrap());
             prop_assert_eq!(inspect(&b).unwrap().layout, l);
@@ -885,6 +1161,9 @@ mod tests {
             if int8 {
                 assert_int8_close(&kv.k, &back.k, l.head_dim);
                 assert_int8_close(&kv.v, &back.v, l.head_dim);
+            } else if dtype == KvDtype::Int4 {
+                assert_int4_close(&l, &kv.k, &back.k, true);
+                assert_int4_close(&l, &kv.v, &back.v, false);
             } else {
                 prop_assert_eq!(bits(&back.k), bits(&kv.k));
                 prop_assert_eq!(bits(&back.v), bits(&kv.v));

@@ -114,25 +114,34 @@ impl fmt::Display for KvLayout {
 pub enum KvDtype {
     F16,
     Int8,
+    /// 4-bit codes, KIVI's layout: keys per channel over groups of [`INT4_GROUP`] tokens,
+    /// values per token over groups of as many dimensions, each group with an f16 scale and
+    /// minimum.
+    Int4,
 }
 
+/// Tokens (keys) or dimensions (values) sharing one int4 scale and minimum.
+pub const INT4_GROUP: usize = 32;
+
 impl KvDtype {
-    /// Parses `"f16"` or `"int8"`.
+    /// Parses `"f16"`, `"int8"` or `"int4"`.
     pub fn parse(s: &str) -> Result<KvDtype> {
         match s {
             "f16" => Ok(KvDtype::F16),
             "int8" => Ok(KvDtype::Int8),
+            "int4" => Ok(KvDtype::Int4),
             _ => Err(KvStoreError::UnknownDtype {
                 found: s.to_string(),
             }),
         }
     }
 
-    /// `"f16"` or `"int8"`, the inverse of [`KvDtype::parse`].
+    /// `"f16"`, `"int8"` or `"int4"`, the inverse of [`KvDtype::parse`].
     pub fn name(self) -> &'static str {
         match self {
             KvDtype::F16 => "f16",
             KvDtype::Int8 => "int8",
+            KvDtype::Int4 => "int4",
         }
     }
 
@@ -141,6 +150,7 @@ impl KvDtype {
         match self {
             KvDtype::F16 => 0,
             KvDtype::Int8 => 1,
+            KvDtype::Int4 => 2,
         }
     }
 
@@ -148,6 +158,7 @@ impl KvDtype {
         match code {
             0 => Some(KvDtype::F16),
             1 => Some(KvDtype::Int8),
+            2 => Some(KvDtype::Int4),
             _ => None,
         }
     }
@@ -321,7 +332,7 @@ mod tests {
 
     #[test]
     fn dtype_names_round_trip() {
-        for d in [KvDtype::F16, KvDtype::Int8] {
+        for d in [KvDtype::F16, KvDtype::Int8, KvDtype::Int4] {
             assert_eq!(KvDtype::parse(d.name()).unwrap(), d);
             assert_eq!(KvDtype::from_code(d.code()), Some(d));
         }
