@@ -35,6 +35,14 @@ PREPARE_LOG=target/test-prepare.log
 (
     scripts/fetch-models.sh >/dev/null
     scripts/fetch-nvrtc.sh >/dev/null
+    # OCR's tools, which the tests run for real (ENGRAM_REQUIRE_OCR below).
+    if ! command -v tesseract >/dev/null || ! command -v pdftoppm >/dev/null \
+        || ! tesseract --list-langs 2>/dev/null | grep -qx chi_sim; then
+        SUDO=$([[ $(id -u) == 0 ]] || echo sudo)
+        $SUDO apt-get update -qq
+        DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq tesseract-ocr \
+            tesseract-ocr-eng tesseract-ocr-chi-sim poppler-utils >/dev/null
+    fi
     scripts/test-api.sh --prepare
     scripts/test-ui.sh --prepare
     tests/appliance/deb.sh --prepare
@@ -74,7 +82,7 @@ prepared
 stage "cargo test (the CUDA kernels through NVRTC among them)"
 # Both NVRTCs the appliance may run with: NVIDIA's newest and the media's CUDA 11.8.
 nvrtc_lib="$(scripts/fetch-nvrtc.sh)"
-ENGRAM_REQUIRE_NVRTC=1 ENGRAM_NVRTC_LIBS="$nvrtc_lib/libnvrtc.so.13:$nvrtc_lib/libnvrtc.so.11.2" \
+ENGRAM_REQUIRE_OCR=1 ENGRAM_REQUIRE_NVRTC=1 ENGRAM_NVRTC_LIBS="$nvrtc_lib/libnvrtc.so.13:$nvrtc_lib/libnvrtc.so.11.2" \
     LD_LIBRARY_PATH="$nvrtc_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
     cargo test --workspace --locked --profile ci
 stage "API end to end"

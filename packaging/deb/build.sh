@@ -27,8 +27,10 @@ OUT=target/appliance
 BUILD=1
 PROFILE=${ENGRAM_PROFILE:-release}
 BIN=target/$PROFILE
-# The package's dependencies (the offline repository carries their closure).
-DEPENDS="libc6 (>= 2.34), libgcc-s1 (>= 4.2), systemd (>= 252)"
+# The package's dependencies (the offline repository carries their closure): OCR of scanned
+# documents runs Tesseract with its English and simplified Chinese data, and poppler's pdftoppm
+# for scanned PDF pages.
+DEPENDS="libc6 (>= 2.34), libgcc-s1 (>= 4.2), systemd (>= 252), tesseract-ocr, tesseract-ocr-eng, tesseract-ocr-chi-sim, poppler-utils"
 while [[ $# -gt 0 ]]; do
     case $1 in
         --print-depends) echo "$DEPENDS"; exit 0 ;;

@@ -244,8 +244,8 @@ step "GPU support compiled in; serving from the CPU: $(python3 -c 'import json,s
 # on it), as on a GPU server.
 said=$(in_ct sh /media/engram/gpu-stack.sh /media/engram) || fail "gpu-stack.sh: $said"
 [[ $said == *"no NVIDIA GPU on the PCI bus: the GPU stack is not installed"* ]] || fail "gpu-stack.sh: $said"
-in_ct sh -c 'l=$(mktemp -d); echo "deb [signed-by=/usr/share/keyrings/engram-archive-keyring.gpg] file:/media/engram bookworm main contrib non-free non-free-firmware" >$l/list
-    A="-o Dir::Etc::SourceList=$l/list -o Dir::Etc::SourceParts=- -o Dir::State::Lists=$l -o Acquire::Languages=none"
+in_ct sh -c 'l=$(mktemp -d); mkdir $l/lists; echo "deb [signed-by=/usr/share/keyrings/engram-archive-keyring.gpg] file:/media/engram bookworm main contrib non-free non-free-firmware" >$l/sources.list
+    A="-o Dir::Etc::SourceList=$l/sources.list -o Dir::Etc::SourceParts=- -o Dir::State::Lists=$l/lists -o Acquire::Languages=none"
     apt-get $A update -qq && apt-get $A install -s --no-install-recommends $(cat /media/engram/gpu-packages)' \
     >"$OUT/gpu-simulate.log" 2>&1 || { tail -20 "$OUT/gpu-simulate.log"; fail "the GPU stack does not install from the medium alone"; }
 step "no NVIDIA GPU here: gpu-stack.sh left it out; its $(grep -c '^Inst ' "$OUT/gpu-simulate.log") packages install from the medium alone (apt-get -s)"
@@ -271,6 +271,22 @@ present() {
     step "$1: document $DOC_ID found by search"
 }
 present "$V1"
+# A scanned page, read by Tesseract under the hardened unit (the package depends on it and
+# poppler-utils; the sandbox's seccomp filter and MemoryDenyWriteExecute apply to them too).
+SCAN=$(http -f "${AUTH[@]}" -F "file=@appliance/parse/tests/fixtures/scan-en.png;filename=pump-checks.png" \
+    $BASE/api/v1/collections/handbook/documents) || fail "uploading a scan"
+SCAN_ID=$(python3 -c 'import json,sys; print(json.load(sys.stdin)["documents"][0]["id"])' <<<"$SCAN")
+for _ in $(seq 240); do
+    body=$(http "${AUTH[@]}" "$BASE/api/v1/collections/handbook/documents/$SCAN_ID" || true)
+    grep -q '"stage": *"\(done\|failed\)"' <<<"$body" && break
+    sleep 0.5
+done
+grep -q '"stage": *"done"' <<<"$body" || fail "the scan was not read: $body"
+hits=$(http -f "${AUTH[@]}" -H 'Content-Type: application/json' \
+    -d '{"query":"when does the alarm sound","collections":["handbook"],"mode":"bm25","top_k":3}' $BASE/api/v1/search) \
+    || fail "searching the scan"
+grep -q 'the alarm sounds at 6 bar' <<<"$hits" || fail "the scan's text is not searchable: $hits"
+step "a scanned PNG read by OCR under the hardened unit, its text searchable"
 
 step "upgrade to $V2 from its bundle (install.sh)"
 in_ct sh /media/engram-upgrade/install.sh >>"$LOG" 2>&1 || { tail -20 "$LOG"; fail "the upgrade"; }

@@ -81,8 +81,16 @@ impl KbArgs {
     /// Opens the knowledge base, reporting on stderr what start-up recovery did.
     pub fn open(&self) -> Result<KnowledgeBase> {
         let dir = self.data_dir();
-        let kb = KnowledgeBase::open(&dir, self.models()?)
+        let mut kb = KnowledgeBase::open(&dir, self.models()?)
             .with_context(|| format!("opening the knowledge base in {}", dir.display()))?;
+        // Images and scanned PDF pages are read where Tesseract is installed, as engramd's
+        // `[ingest] ocr = "auto"` does.
+        if let Ok(ocr) = engram_parse::Ocr::detect(
+            engram_parse::DEFAULT_OCR_LANGUAGES,
+            std::time::Duration::from_secs(120),
+        ) {
+            kb.set_ocr(Some(Arc::new(ocr)));
+        }
         let r = kb.recovery();
         for (coll, index, why) in &r.rebuilt {
             eprintln!("recovery: rebuilt the {index} index of `{coll}` ({why})");

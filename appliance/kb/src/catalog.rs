@@ -556,6 +556,7 @@ mod tests {
             failure: None,
             revision: 0,
             progress: None,
+            warnings: Vec::new(),
         }
     }
 

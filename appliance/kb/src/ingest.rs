@@ -476,20 +476,28 @@ impl KnowledgeBase {
     ) -> Result<StageTimes> {
         let models = self.models.clone();
         let limits = self.limits.clone();
+        let ocr = self.ocr.clone();
         let flags: Vec<Arc<AtomicBool>> = job.docs.iter().map(|d| d.cancel.clone()).collect();
         let mut failure = None;
-        let times = prepare(&models, &limits, job, batch_chunks, &mut |m| {
-            if failure.is_some() {
-                return;
-            }
-            observe(&m);
-            if let Err(e) = self.apply(m) {
-                failure = Some(e);
-                for f in &flags {
-                    f.store(true, Ordering::Relaxed);
+        let times = prepare(
+            &models,
+            &limits,
+            ocr.as_deref(),
+            job,
+            batch_chunks,
+            &mut |m| {
+                if failure.is_some() {
+                    return;
                 }
-            }
-        });
+                observe(&m);
+                if let Err(e) = self.apply(m) {
+                    failure = Some(e);
+                    for f in &flags {
+                        f.store(true, Ordering::Relaxed);
+                    }
+                }
+            },
+        );
         match failure {
             Some(e) => Err(e),
             None => Ok(times),
@@ -502,9 +510,18 @@ impl KnowledgeBase {
     /// existing name does.
     pub fn accept(&mut self, collection: &str, nd: NewDocument) -> Result<Accepted> {
         validate_doc(&nd)?;
-        // A format nothing reads (an image, an archive) is refused now, not failed a moment
-        // after the upload was acknowledged.
-        engram_parse::detect_format(&nd.name, &nd.bytes).map_err(KbError::UnsupportedFormat)?;
+        // A format nothing reads (an archive; an image where OCR is off) is refused now, not
+        // failed a moment after the upload was acknowledged.
+        let format =
+            engram_parse::detect_format(&nd.name, &nd.bytes).map_err(KbError::UnsupportedFormat)?;
+        if format == engram_parse::Format::Image && self.ocr.is_none() {
+            return Err(KbError::UnsupportedFormat(
+                engram_parse::ParseError::UnsupportedFormat {
+                    file: nd.name.clone(),
+                    detail: "an image, and OCR is off here ([ingest] ocr, Tesseract)".into(),
+                },
+            ));
+        }
         let mut coll = self.collection(collection)?;
         let (id, outcome) = self.store_doc(&mut coll, &nd, true)?;
         if outcome != Admission::Unchanged {
@@ -741,14 +758,21 @@ impl KnowledgeBase {
         let mut coll = self.collection(&name)?;
         let mut txn = Txn::default();
         match msg {
+            Prepared::Reading { done, pages, .. } => {
+                let p = d.progress_mut();
+                p.ocr_pages = pages;
+                p.ocr_pages_done = done;
+            }
             Prepared::Parsed {
                 format,
                 title,
                 text_bytes,
+                warnings,
                 ..
             } => {
                 d.format = Some(format);
                 d.title = title;
+                d.warnings = warnings;
                 d.progress_mut().text_bytes = text_bytes;
                 d.enter(Stage::Chunking);
             }
@@ -1236,6 +1260,7 @@ impl KnowledgeBase {
                     failure: None,
                     revision: 0,
                     progress: None,
+                    warnings: Vec::new(),
                 };
                 (d, Admission::Queued)
             }

@@ -156,6 +156,8 @@ pub struct KnowledgeBase {
     pub(crate) models: Models,
     pub(crate) indexes: HashMap<u64, Indexes>,
     pub(crate) limits: engram_parse::Limits,
+    /// Reads scanned pages and images at parse time, when set ([`KnowledgeBase::set_ocr`]).
+    pub(crate) ocr: Option<Arc<engram_parse::Ocr>>,
     /// Accepted documents between acceptance and `done`, by collection id.
     pub(crate) background: HashMap<u64, crate::ingest::Background>,
     /// Documents that became `done` or `failed`, until [`take_finished`](Self::take_finished).
@@ -229,6 +231,7 @@ impl KnowledgeBase {
             models,
             indexes: HashMap::new(),
             limits: engram_parse::Limits::default(),
+            ocr: None,
             background: HashMap::new(),
             finished: Vec::new(),
             turn: 0,
@@ -281,6 +284,17 @@ impl KnowledgeBase {
     /// Sets the parser's limits for later ingestion.
     pub fn set_parse_limits(&mut self, limits: engram_parse::Limits) {
         self.limits = limits;
+    }
+
+    /// The OCR documents are parsed with (images, scanned PDF pages), if any.
+    pub fn ocr(&self) -> Option<&Arc<engram_parse::Ocr>> {
+        self.ocr.as_ref()
+    }
+
+    /// Reads images and scanned PDF pages with `ocr` from now on (`None`: refuses them, saying
+    /// OCR is off).
+    pub fn set_ocr(&mut self, ocr: Option<Arc<engram_parse::Ocr>>) {
+        self.ocr = ocr;
     }
 
     fn collection_dir(&self, id: u64) -> PathBuf {

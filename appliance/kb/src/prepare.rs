@@ -69,13 +69,22 @@ impl PrepareJob {
 /// What preparing a document did, step by step.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Prepared {
-    /// Parsed: its format, its own title and the length of its text.
+    /// OCR is reading its scanned pages: `done` of `pages` so far.
+    Reading {
+        doc: u64,
+        revision: u32,
+        done: u32,
+        pages: u32,
+    },
+    /// Parsed: its format, its own title, the length of its text, and the scanned pages OCR
+    /// could not read (each with why).
     Parsed {
         doc: u64,
         revision: u32,
         format: String,
         title: Option<String>,
         text_bytes: u64,
+        warnings: Vec<String>,
     },
     /// Chunking a long text: bytes of it behind the cut so far.
     Chunking { doc: u64, revision: u32, done: u64 },
@@ -110,6 +119,7 @@ impl Prepared {
     pub fn doc(&self) -> (u64, u32) {
         match *self {
             Prepared::Parsed { doc, revision, .. }
+            | Prepared::Reading { doc, revision, .. }
             | Prepared::Chunking { doc, revision, .. }
             | Prepared::Chunked { doc, revision, .. }
             | Prepared::Embedded { doc, revision, .. }
@@ -153,6 +163,7 @@ impl Cut {
 pub fn prepare(
     models: &Models,
     limits: &engram_parse::Limits,
+    ocr: Option<&engram_parse::Ocr>,
     job: PrepareJob,
     batch_chunks: usize,
     sink: &mut dyn FnMut(Prepared),
@@ -166,7 +177,7 @@ pub fn prepare(
         let waiting: usize = cut.iter().map(|c| c.spans.len() - c.next).sum();
         if waiting < batch_chunks {
             if let Some(d) = docs.pop_front() {
-                if let Some(c) = cut_doc(models, limits, &job.chunking, d, &mut times, sink) {
+                if let Some(c) = cut_doc(models, limits, ocr, &job.chunking, d, &mut times, sink) {
                     cut.push_back(c);
                 }
                 continue;
@@ -188,6 +199,7 @@ pub fn prepare(
 fn cut_doc(
     models: &Models,
     limits: &engram_parse::Limits,
+    ocr: Option<&engram_parse::Ocr>,
     chunking: &ChunkConfig,
     d: PrepareDoc,
     times: &mut StageTimes,
@@ -206,7 +218,14 @@ fn cut_doc(
         return None;
     }
     let t = Instant::now();
-    let parsed = engram_parse::parse(&d.name, &d.bytes, limits);
+    let parsed = engram_parse::parse_with(&d.name, &d.bytes, limits, ocr, &mut |p| {
+        sink(Prepared::Reading {
+            doc,
+            revision,
+            done: p.done as u32,
+            pages: p.pages as u32,
+        })
+    });
     times.parse += t.elapsed();
     let parsed = match parsed {
         Ok(p) => p,
@@ -222,6 +241,7 @@ fn cut_doc(
         format: format!("{:?}", parsed.format).to_lowercase(),
         title: parsed.title.clone(),
         text_bytes: parsed.text.len() as u64,
+        warnings: parsed.ocr_failures.clone(),
     });
 
     let t = Instant::now();

@@ -135,6 +135,9 @@ pub struct Document {
     /// How far the pipeline is with it, while it is in the pipeline.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub progress: Option<DocProgress>,
+    /// What went wrong without failing it: scanned pages OCR could not read, each with why.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub warnings: Vec<String>,
 }
 
 /// Where a document in the pipeline is, in units an operator can follow.
@@ -148,6 +151,12 @@ pub struct DocProgress {
     pub chunks: u32,
     pub chunks_embedded: u32,
     pub chunks_indexed: u32,
+    /// Scanned pages OCR has to read (images and PDF pages without a text layer), and how many
+    /// it has read so far.
+    #[serde(default)]
+    pub ocr_pages: u32,
+    #[serde(default)]
+    pub ocr_pages_done: u32,
 }
 
 impl Document {

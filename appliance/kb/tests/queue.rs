@@ -370,6 +370,7 @@ fn spawn_preparer(
         prepare(
             &models,
             &engram_parse::Limits::default(),
+            None,
             job,
             batch,
             &mut |m| {

@@ -71,6 +71,8 @@ pub(crate) fn parse(file: &str, bytes: &[u8], limits: &Limits) -> Result<Parsed>
         title: title.or(first_heading),
         pages: Vec::new(),
         headings,
+        ocr_pages: Vec::new(),
+        ocr_failures: Vec::new(),
         encoding: "UTF-8",
     })
 }

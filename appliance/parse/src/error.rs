@@ -29,8 +29,14 @@ pub enum ParseError {
         reason: String,
     },
     /// A PDF with pages but no text on any of them.
-    #[error("{file}: no text layer on any of {pages} pages (scanned PDF?): run OCR first (e.g. `ocrmypdf in.pdf out.pdf`) and ingest the result")]
+    #[error("{file}: no text layer on any of {pages} pages (scanned PDF?) and OCR is off here: turn it on (engramd: [ingest] ocr) or run OCR first (e.g. `ocrmypdf in.pdf out.pdf`) and ingest the result")]
     NoTextLayer { file: String, pages: usize },
+    /// An image, or a PDF without a text layer, where OCR is off or not installed.
+    #[error("{file}: {what} needs OCR, which is off here (engramd: [ingest] ocr, and Debian's tesseract-ocr and poppler-utils); run OCR first (e.g. `ocrmypdf in.pdf out.pdf`) or turn it on")]
+    NeedsOcr { file: String, what: String },
+    /// OCR read no text from any page that needed it.
+    #[error("{file}: OCR found no text: {reason}; check the scan (300 dpi, straight, dark on light) or its language")]
+    OcrFailed { file: String, reason: String },
     /// A PDF that needs a password.
     #[error("{file}: the PDF is encrypted and needs a password; remove the protection and ingest it again")]
     Encrypted { file: String },
@@ -66,6 +72,8 @@ impl ParseError {
             ParseError::UnsupportedFormat { .. } => "unsupported_format",
             ParseError::Encoding { .. } => "encoding",
             ParseError::NoTextLayer { .. } => "no_text_layer",
+            ParseError::NeedsOcr { .. } => "needs_ocr",
+            ParseError::OcrFailed { .. } => "ocr_failed",
             ParseError::Encrypted { .. } => "encrypted",
             ParseError::Malformed { .. } => "malformed",
             ParseError::ArchiveLimit { .. } => "archive_limit",

@@ -23,6 +23,8 @@
 //! - `encoding`: bytes to text (BOMs, UTF-8, `<meta charset>`, detection of legacy encodings).
 //! - `text`: the normaliser every parser writes through, and plain text.
 //! - `markdown`, `html`, `pdf`, `docx`: one parser each.
+//! - `ocr`: scanned pages (images, PDF pages without a text layer) read by Tesseract, when the
+//!   caller passes an [`Ocr`] to [`parse_with`].
 //! - `inflate`: capped decompression (zip bombs) for DOCX members and PDF streams.
 //! - `error`: [`ParseError`].
 #![forbid(unsafe_code)]
@@ -33,6 +35,7 @@ mod error;
 mod html;
 mod inflate;
 mod markdown;
+mod ocr;
 mod pdf;
 #[cfg(test)]
 mod tests;
@@ -41,6 +44,9 @@ mod text;
 use std::ops::Range;
 
 pub use error::{ParseError, Result};
+pub use ocr::{
+    tidy as tidy_ocr_text, Ocr, OcrProgress, DEFAULT_LANGUAGES as DEFAULT_OCR_LANGUAGES,
+};
 
 /// A document format Engram ingests.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -50,6 +56,8 @@ pub enum Format {
     Html,
     Pdf,
     Docx,
+    /// A picture of text (PNG, JPEG, TIFF): read by OCR only.
+    Image,
 }
 
 /// Bounds on what one document may cost to parse.
@@ -109,6 +117,10 @@ pub struct Parsed {
     /// A page without text has an empty range.
     pub pages: Vec<Range<usize>>,
     pub headings: Vec<Heading>,
+    /// Pages whose text OCR read (1-based; an image is page 1).
+    pub ocr_pages: Vec<usize>,
+    /// Pages OCR could not read, each with why (the document still holds the others' text).
+    pub ocr_failures: Vec<String>,
     /// The source encoding ("UTF-8", "UTF-16LE", "GBK", "gb18030", "Shift_JIS", "windows-1252",
     /// ...), as named by the WHATWG Encoding Standard. PDF and DOCX report "UTF-8".
     pub encoding: &'static str,
@@ -116,6 +128,8 @@ pub struct Parsed {
 
 /// Magic bytes of a PDF; the standard allows them anywhere in the first 1024 bytes.
 const PDF_MAGIC: &[u8] = b"%PDF-";
+/// Magic bytes of PNG, JPEG and TIFF (little- and big-endian).
+const IMAGE_MAGICS: &[&[u8]] = &[b"\x89PNG\r\n\x1a\n", b"\xff\xd8\xff", b"II*\0", b"MM\0*"];
 /// Magic bytes of a zip local file header, which a DOCX starts with.
 const ZIP_MAGIC: &[u8] = b"PK\x03\x04";
 
@@ -135,12 +149,16 @@ pub fn detect_format(file_name: &str, bytes: &[u8]) -> Result<Format> {
         Some("html" | "htm" | "xhtml") => return Ok(Format::Html),
         Some("pdf") => return Ok(Format::Pdf),
         Some("docx") => return Ok(Format::Docx),
+        Some("png" | "jpg" | "jpeg" | "tif" | "tiff") => return Ok(Format::Image),
         Some("doc") => return Err(unsupported("legacy Word .doc; save it as .docx".to_owned())),
         _ => {}
     }
     let head = &bytes[..bytes.len().min(1024)];
     if head.windows(PDF_MAGIC.len()).any(|w| w == PDF_MAGIC) {
         return Ok(Format::Pdf);
+    }
+    if IMAGE_MAGICS.iter().any(|m| bytes.starts_with(m)) {
+        return Ok(Format::Image);
     }
     if bytes.starts_with(ZIP_MAGIC) {
         return if bytes.windows(b"word/".len()).any(|w| w == b"word/") {
@@ -170,8 +188,21 @@ pub fn detect_format(file_name: &str, bytes: &[u8]) -> Result<Format> {
     }))
 }
 
-/// Parses one document.
+/// Parses one document, with no OCR: an image is refused and a PDF without a text layer is an
+/// error that says so.
 pub fn parse(file_name: &str, bytes: &[u8], limits: &Limits) -> Result<Parsed> {
+    parse_with(file_name, bytes, limits, None, &mut |_| {})
+}
+
+/// Parses one document, reading images and the PDF pages without a text layer with `ocr` when
+/// given; `progress` hears after every page OCR reads.
+pub fn parse_with(
+    file_name: &str,
+    bytes: &[u8],
+    limits: &Limits,
+    ocr: Option<&Ocr>,
+    progress: &mut dyn FnMut(OcrProgress),
+) -> Result<Parsed> {
     if bytes.len() as u64 > limits.max_input_bytes {
         return Err(ParseError::TooLarge {
             file: file_name.to_owned(),
@@ -186,8 +217,9 @@ pub fn parse(file_name: &str, bytes: &[u8], limits: &Limits) -> Result<Parsed> {
         Format::Text => parse_text(file_name, bytes, limits)?,
         Format::Markdown => markdown::parse(file_name, bytes, limits)?,
         Format::Html => html::parse(file_name, bytes, limits)?,
-        Format::Pdf => pdf::parse(file_name, bytes, limits)?,
+        Format::Pdf => pdf::parse(file_name, bytes, limits, ocr, progress)?,
         Format::Docx => docx::parse(file_name, bytes, limits)?,
+        Format::Image => parse_image(file_name, bytes, limits, ocr, progress)?,
     };
     if parsed.text.is_empty() {
         return Err(ParseError::Empty {
@@ -196,6 +228,40 @@ pub fn parse(file_name: &str, bytes: &[u8], limits: &Limits) -> Result<Parsed> {
         });
     }
     Ok(parsed)
+}
+
+fn parse_image(
+    file: &str,
+    bytes: &[u8],
+    limits: &Limits,
+    ocr: Option<&Ocr>,
+    progress: &mut dyn FnMut(OcrProgress),
+) -> Result<Parsed> {
+    let Some(ocr) = ocr else {
+        return Err(ParseError::NeedsOcr {
+            file: file.to_owned(),
+            what: "an image".into(),
+        });
+    };
+    let text = ocr.image(bytes).map_err(|reason| ParseError::OcrFailed {
+        file: file.to_owned(),
+        reason,
+    });
+    progress(OcrProgress { done: 1, pages: 1 });
+    let text = text?;
+    let mut out = text::TextBuilder::new(file, limits.max_text_bytes);
+    text::parse_plain(&text, &mut out)?;
+    let (text, headings) = out.finish();
+    Ok(Parsed {
+        text,
+        format: Format::Image,
+        title: None,
+        pages: Vec::new(),
+        headings,
+        ocr_pages: vec![1],
+        ocr_failures: Vec::new(),
+        encoding: "UTF-8",
+    })
 }
 
 fn parse_text(file: &str, bytes: &[u8], limits: &Limits) -> Result<Parsed> {
@@ -209,6 +275,8 @@ fn parse_text(file: &str, bytes: &[u8], limits: &Limits) -> Result<Parsed> {
         title: None,
         pages: Vec::new(),
         headings,
+        ocr_pages: Vec::new(),
+        ocr_failures: Vec::new(),
         encoding: decoded.encoding,
     })
 }

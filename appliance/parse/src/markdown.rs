@@ -94,6 +94,8 @@ pub(crate) fn parse(file: &str, bytes: &[u8], limits: &Limits) -> Result<Parsed>
         title: front_matter_title.or(title),
         pages: Vec::new(),
         headings,
+        ocr_pages: Vec::new(),
+        ocr_failures: Vec::new(),
         encoding: decoded.encoding,
     })
 }

@@ -17,6 +17,7 @@ use pdf_extract::{Dictionary, Document, Object, ObjectId, PlainTextOutput, Strea
 
 use crate::error::{ParseError, Result};
 use crate::inflate;
+use crate::ocr::{Ocr, OcrProgress};
 use crate::text::{collapse, parse_plain, TextBuilder};
 use crate::{Format, Limits, Parsed};
 
@@ -29,7 +30,13 @@ const MAX_FORM_DEPTH: usize = 16;
 /// other several times per level from multiplying into billions of calls.
 const MAX_FORM_CALLS: usize = 10_000;
 
-pub(crate) fn parse(file: &str, bytes: &[u8], limits: &Limits) -> Result<Parsed> {
+pub(crate) fn parse(
+    file: &str,
+    bytes: &[u8],
+    limits: &Limits,
+    ocr: Option<&Ocr>,
+    progress: &mut dyn FnMut(OcrProgress),
+) -> Result<Parsed> {
     let malformed = |reason: String| ParseError::Malformed {
         file: file.to_owned(),
         format: Format::Pdf,
@@ -69,8 +76,8 @@ pub(crate) fn parse(file: &str, bytes: &[u8], limits: &Limits) -> Result<Parsed>
         check_page(&doc, id).map_err(|reason| malformed(format!("page {number}: {reason}")))?;
     }
 
-    let mut out = TextBuilder::new(file, limits.max_text_bytes);
-    let mut ranges = Vec::with_capacity(pages.len());
+    // Every page's text layer first, so that OCR knows how many pages it has to read.
+    let mut layers = Vec::with_capacity(pages.len());
     for &number in pages.keys() {
         let mut raw = String::new();
         let result = catch_unwind(AssertUnwindSafe(|| {
@@ -87,11 +94,49 @@ pub(crate) fn parse(file: &str, bytes: &[u8], limits: &Limits) -> Result<Parsed>
                 )))
             }
         }
+        layers.push((number as usize, raw));
+    }
+    // A page without a text layer is a scan: OCR reads it where the caller passed one, page by
+    // page in the document's order.
+    let scans = layers
+        .iter()
+        .filter(|(_, raw)| collapse(raw).trim().is_empty())
+        .count();
+    let mut out = TextBuilder::new(file, limits.max_text_bytes);
+    let mut ranges = Vec::with_capacity(pages.len());
+    let (mut ocr_pages, mut ocr_failures) = (Vec::new(), Vec::new());
+    let mut done = 0;
+    for (number, raw) in &layers {
         let mark = out.mark();
-        parse_plain(&raw, &mut out)?;
+        match ocr {
+            Some(ocr) if collapse(raw).trim().is_empty() => {
+                let read = ocr.pdf_page(bytes, *number);
+                done += 1;
+                progress(OcrProgress { done, pages: scans });
+                match read {
+                    Ok(text) if !text.trim().is_empty() => {
+                        parse_plain(&text, &mut out)?;
+                        ocr_pages.push(*number);
+                    }
+                    Ok(_) => ocr_failures.push(format!("page {number}: OCR found no text")),
+                    Err(why) => ocr_failures.push(format!("page {number}: {why}")),
+                }
+            }
+            _ => parse_plain(raw, &mut out)?,
+        }
         ranges.push(out.range_since(mark));
     }
     if out.is_empty() {
+        if let (Some(_), Some(first)) = (ocr, ocr_failures.first()) {
+            return Err(ParseError::OcrFailed {
+                file: file.to_owned(),
+                reason: format!(
+                    "none of {} pages gave text ({first}{})",
+                    pages.len(),
+                    if ocr_failures.len() > 1 { ", ..." } else { "" }
+                ),
+            });
+        }
         return Err(ParseError::NoTextLayer {
             file: file.to_owned(),
             pages: pages.len(),
@@ -104,6 +149,8 @@ pub(crate) fn parse(file: &str, bytes: &[u8], limits: &Limits) -> Result<Parsed>
         title: info_title(&doc),
         pages: ranges,
         headings,
+        ocr_pages,
+        ocr_failures,
         encoding: "UTF-8",
     })
 }

@@ -6,7 +6,9 @@ use std::ops::Range;
 
 use proptest::prelude::*;
 
-use crate::{detect_format, parse, Format, Limits, ParseError, Parsed};
+use crate::{
+    detect_format, parse, parse_with, Format, Limits, Ocr, OcrProgress, ParseError, Parsed,
+};
 
 macro_rules! fixture {
     ($name:literal) => {
@@ -21,6 +23,11 @@ const FIXTURES: &[(&str, &[u8])] = &[
     fixture!("english-2pages.pdf"),
     fixture!("unicode-font.pdf"),
     fixture!("scanned.pdf"),
+    fixture!("mixed.pdf"),
+    fixture!("scan-en.png"),
+    fixture!("scan-en.jpg"),
+    fixture!("scan-zh.png"),
+    fixture!("scan-zh.tiff"),
     fixture!("report.docx"),
     fixture!("chinese.docx"),
     fixture!("bomb-lying-header.docx"),
@@ -131,7 +138,9 @@ fn scanned_pdf_needs_ocr() {
     );
     let msg = err.to_string();
     assert!(
-        msg.contains("scan.pdf: no text layer on any of 2 pages (scanned PDF?): run OCR first"),
+        msg.contains(
+            "scan.pdf: no text layer on any of 2 pages (scanned PDF?) and OCR is off here"
+        ),
         "{msg}"
     );
 }
@@ -431,7 +440,16 @@ fn format_detection() {
     );
     let err = detect_format("old.doc", b"").unwrap_err();
     assert!(err.to_string().contains("save it as .docx"), "{err}");
-    assert!(detect_format("x.png", b"\x89PNG\r\n\x1a\n\0\0").is_err());
+    // Pictures are images (read by OCR when it is on), whatever the name says.
+    assert_eq!(
+        detect_format("x.png", b"\x89PNG\r\n\x1a\n\0\0").unwrap(),
+        Format::Image
+    );
+    assert_eq!(
+        detect_format("x.bin", b"\xff\xd8\xff\xe0").unwrap(),
+        Format::Image
+    );
+    assert!(detect_format("x.gif", b"GIF89a\0\0").is_err());
     assert!(detect_format("x.zip", &zip(&[("a", b"b")])).is_err());
 }
 
@@ -502,4 +520,159 @@ proptest! {
             check_invariants(&p);
         }
     }
+}
+
+/// The OCR tools, or `None` where they are not installed; `ENGRAM_REQUIRE_OCR=1` (CI) makes
+/// their absence a failure.
+fn ocr() -> Option<Ocr> {
+    match Ocr::detect(
+        crate::DEFAULT_OCR_LANGUAGES,
+        std::time::Duration::from_secs(60),
+    ) {
+        Ok(o) => Some(o),
+        Err(why) => {
+            assert!(
+                std::env::var_os("ENGRAM_REQUIRE_OCR").is_none(),
+                "ENGRAM_REQUIRE_OCR is set but {why}"
+            );
+            eprintln!("skipped: {why}");
+            None
+        }
+    }
+}
+
+fn ocr_parse(name: &str, ocr: &Ocr) -> (Parsed, Vec<OcrProgress>) {
+    let mut heard = Vec::new();
+    let p = parse_with(name, load(name), &Limits::default(), Some(ocr), &mut |p| {
+        heard.push(p)
+    })
+    .unwrap_or_else(|e| panic!("{name}: {e}"));
+    check_invariants(&p);
+    (p, heard)
+}
+
+#[test]
+fn images_need_ocr_and_say_so() {
+    for name in ["scan-en.png", "scan-en.jpg", "scan-zh.tiff"] {
+        assert_eq!(detect_format(name, load(name)).unwrap(), Format::Image);
+        // By content alone, too.
+        assert_eq!(detect_format("upload", load(name)).unwrap(), Format::Image);
+        let err = parse(name, load(name), &Limits::default()).unwrap_err();
+        assert!(matches!(err, ParseError::NeedsOcr { .. }), "{err:?}");
+        assert_eq!(err.error_type(), "needs_ocr");
+        assert!(
+            err.to_string().contains("needs OCR, which is off here"),
+            "{err}"
+        );
+    }
+}
+
+/// Scanned English and Chinese, as PNG, JPEG and TIFF: the sentences come back, Chinese
+/// without spaces between its characters.
+#[test]
+fn ocr_reads_images_in_english_and_chinese() {
+    let Some(ocr) = ocr() else { return };
+    for name in ["scan-en.png", "scan-en.jpg"] {
+        let (p, heard) = ocr_parse(name, &ocr);
+        assert_eq!(p.format, Format::Image);
+        assert_eq!(p.ocr_pages, [1]);
+        assert_eq!(heard, [OcrProgress { done: 1, pages: 1 }]);
+        for line in [
+            "Close the inlet valve before opening the housing.",
+            "Normal pressure is 4 bar; the alarm sounds at 6 bar.",
+            "Replace the seals every six months and log the date.",
+        ] {
+            assert!(
+                p.text.contains(line),
+                "{name}: {line:?} not in {:?}",
+                p.text
+            );
+        }
+    }
+    for name in ["scan-zh.png", "scan-zh.tiff"] {
+        let (p, _) = ocr_parse(name, &ocr);
+        for line in [
+            "打开外壳之前，请先关闭进水阀。",
+            "密封件每六个月更换一次，并记录日期。",
+        ] {
+            assert!(
+                p.text.contains(line),
+                "{name}: {line:?} not in {:?}",
+                p.text
+            );
+        }
+    }
+}
+
+/// A PDF with a text layer on page 1 and a scan on page 2 gets both, each in its page's range;
+/// OCR reads only the scanned page.
+#[test]
+fn ocr_reads_the_scanned_pages_of_a_mixed_pdf() {
+    let Some(ocr) = ocr() else { return };
+    let (p, heard) = ocr_parse("mixed.pdf", &ocr);
+    assert_eq!(p.format, Format::Pdf);
+    assert_eq!(p.ocr_pages, [2]);
+    assert!(p.ocr_failures.is_empty(), "{:?}", p.ocr_failures);
+    assert_eq!(heard, [OcrProgress { done: 1, pages: 1 }]);
+    assert_eq!(p.pages.len(), 2);
+    let page = |i: usize| &p.text[p.pages[i].clone()];
+    assert!(
+        page(0).contains("Page one has a text layer"),
+        "{:?}",
+        page(0)
+    );
+    assert!(
+        page(1).contains("Close the inlet valve before opening the housing."),
+        "{:?}",
+        page(1)
+    );
+    // Without OCR the text layer alone.
+    let plain = ok("mixed.pdf");
+    assert!(plain.pages[1].is_empty() && plain.ocr_pages.is_empty());
+}
+
+/// A page over the time limit is a per-page failure with its reason; a document none of whose
+/// pages gave text is an error naming the first.
+#[test]
+fn ocr_failures_are_per_page_and_clear() {
+    let Some(mut ocr) = ocr() else { return };
+    ocr.page_timeout = std::time::Duration::from_millis(1);
+    let (p, _) = ocr_parse("mixed.pdf", &ocr);
+    assert_eq!(p.ocr_failures.len(), 1, "{:?}", p.ocr_failures);
+    assert!(
+        p.ocr_failures[0].starts_with("page 2: ") && p.ocr_failures[0].contains("time limit"),
+        "{:?}",
+        p.ocr_failures
+    );
+    assert!(p.text.contains("Page one has a text layer"));
+    let err = parse_with(
+        "scan.pdf",
+        load("scanned.pdf"),
+        &Limits::default(),
+        Some(&ocr),
+        &mut |_| {},
+    )
+    .unwrap_err();
+    assert!(matches!(err, ParseError::OcrFailed { .. }), "{err:?}");
+    assert!(
+        err.to_string()
+            .contains("none of 2 pages gave text (page 1: "),
+        "{err}"
+    );
+    // A broken image is a clear failure too.
+    let ocr = self::ocr().unwrap();
+    let err = parse_with(
+        "broken.png",
+        b"\x89PNG\r\n\x1a\nnot really",
+        &Limits::default(),
+        Some(&ocr),
+        &mut |_| {},
+    )
+    .unwrap_err();
+    assert!(matches!(err, ParseError::OcrFailed { .. }), "{err:?}");
+    assert!(
+        err.to_string()
+            .starts_with("broken.png: OCR found no text: tesseract failed"),
+        "{err}"
+    );
 }

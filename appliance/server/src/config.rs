@@ -69,7 +69,26 @@ pub struct RawConfig {
     pub gpu: RawGpu,
     #[serde(default)]
     pub openai: RawOpenAi,
+    #[serde(default)]
+    pub ingest: RawIngest,
 }
+
+/// `[ingest]`: how uploaded documents are read.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawIngest {
+    /// `auto` (the default): images and PDF pages without a text layer are read by Tesseract
+    /// when it is installed (the package depends on it); `off`: they are refused, saying so.
+    pub ocr: Option<String>,
+    /// Tesseract's languages, `+`-joined; default `chi_sim+eng`.
+    pub ocr_languages: Option<String>,
+    /// Most seconds one page's OCR may take; default 120.
+    pub ocr_page_timeout_secs: Option<u64>,
+}
+
+/// Most seconds one scanned page's OCR takes by default: a dense A4 page at 300 dpi reads in a
+/// few seconds on one core, so this only stops a pathological one.
+pub const DEFAULT_OCR_PAGE_TIMEOUT_SECS: u64 = 120;
 
 /// `[openai]`: the OpenAI-compatible endpoints.
 #[derive(Debug, Default, Deserialize)]
@@ -233,6 +252,8 @@ pub struct Config {
     pub gpu_serving: bool,
     /// See [`RawOpenAi::embedding_aliases`].
     pub embedding_aliases: Vec<String>,
+    /// `[ingest] ocr = "auto"`: Tesseract's languages and the page time bound; `None`: OCR off.
+    pub ocr: Option<(String, std::time::Duration)>,
 }
 
 /// Prefix cache budget when the file says nothing: the system prompt and chat template of
@@ -358,6 +379,42 @@ impl RawConfig {
             Some(other) => {
                 return Err(ServerError::config(
                     "gpu.serving",
+                    format!("`{other}` is neither \"auto\" nor \"off\""),
+                ))
+            }
+        };
+        let ocr = match self.ingest.ocr.as_deref() {
+            None | Some("auto") => {
+                let languages = self
+                    .ingest
+                    .ocr_languages
+                    .clone()
+                    .unwrap_or_else(|| engram_parse::DEFAULT_OCR_LANGUAGES.to_string());
+                let valid = |l: &str| {
+                    !l.is_empty() && l.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
+                };
+                if !languages.split('+').all(valid) {
+                    return Err(ServerError::config(
+                        "ingest.ocr_languages",
+                        format!("`{languages}` is not a +-joined list of Tesseract language names"),
+                    ));
+                }
+                let secs = self
+                    .ingest
+                    .ocr_page_timeout_secs
+                    .unwrap_or(DEFAULT_OCR_PAGE_TIMEOUT_SECS);
+                if secs == 0 {
+                    return Err(ServerError::config(
+                        "ingest.ocr_page_timeout_secs",
+                        "must be at least 1",
+                    ));
+                }
+                Some((languages, std::time::Duration::from_secs(secs)))
+            }
+            Some("off") => None,
+            Some(other) => {
+                return Err(ServerError::config(
+                    "ingest.ocr",
                     format!("`{other}` is neither \"auto\" nor \"off\""),
                 ))
             }
@@ -493,6 +550,7 @@ impl RawConfig {
             storage_reserve_bytes: self.storage.reserve_mib.map(|m| m << 20),
             gpu_serving,
             embedding_aliases,
+            ocr,
         })
     }
 }

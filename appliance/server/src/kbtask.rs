@@ -77,6 +77,8 @@ pub struct KbOptions {
     pub storage: Arc<Storage>,
     /// The engine's chunk KV stage (none: no precompute).
     pub kv: Option<KvLink>,
+    /// `[ingest] ocr`: Tesseract's languages and the page time bound (none: OCR off).
+    pub ocr: Option<(String, Duration)>,
 }
 
 /// How long the owner waits between two tries to open a knowledge base that the disk was too
@@ -233,6 +235,7 @@ impl Preparer {
         let (tx, out) = mpsc::channel(PREPARED_QUEUE);
         let models: Models = kb.models().clone();
         let limits = kb.parse_limits().clone();
+        let ocr = kb.ocr().cloned();
         let join = std::thread::Builder::new()
             .name("engram-prepare".into())
             .spawn(move || {
@@ -240,22 +243,29 @@ impl Preparer {
                     let docs: Vec<(u64, u32)> =
                         job.docs.iter().map(|d| (d.doc, d.revision)).collect();
                     let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                        engram_kb::prepare(&models, &limits, job, STEP_CHUNKS, &mut |m| {
-                            match &m {
-                                Prepared::Chunked { chunks, .. } => metrics
-                                    .ingest_chunks
-                                    .with_label_values(&["chunked"])
-                                    .inc_by(u64::from(*chunks)),
-                                Prepared::Embedded { chunks, .. } => metrics
-                                    .ingest_chunks
-                                    .with_label_values(&["embedded"])
-                                    .inc_by(chunks.len() as u64),
-                                _ => {}
-                            }
-                            // A closed channel means shutdown: the rest is dropped and resumed
-                            // from the catalog at the next start.
-                            let _ = tx.blocking_send(FromPreparer::Step(m));
-                        })
+                        engram_kb::prepare(
+                            &models,
+                            &limits,
+                            ocr.as_deref(),
+                            job,
+                            STEP_CHUNKS,
+                            &mut |m| {
+                                match &m {
+                                    Prepared::Chunked { chunks, .. } => metrics
+                                        .ingest_chunks
+                                        .with_label_values(&["chunked"])
+                                        .inc_by(u64::from(*chunks)),
+                                    Prepared::Embedded { chunks, .. } => metrics
+                                        .ingest_chunks
+                                        .with_label_values(&["embedded"])
+                                        .inc_by(chunks.len() as u64),
+                                    _ => {}
+                                }
+                                // A closed channel means shutdown: the rest is dropped and resumed
+                                // from the catalog at the next start.
+                                let _ = tx.blocking_send(FromPreparer::Step(m));
+                            },
+                        )
                     }));
                     if r.is_err() {
                         tracing::error!("the preparer panicked; its documents fail");
@@ -582,6 +592,21 @@ fn open(opts: &KbOptions, models: Models) -> Result<KnowledgeBase> {
         max_input_bytes: opts.max_upload_bytes as u64,
         ..engram_parse::Limits::default()
     });
+    match &opts.ocr {
+        Some((languages, timeout)) => match engram_parse::Ocr::detect(languages, *timeout) {
+            Ok(ocr) => {
+                tracing::info!(ocr = %ocr.describe(), "OCR on: images and scanned PDF pages are read");
+                kb.set_ocr(Some(Arc::new(ocr)));
+            }
+            Err(why) => tracing::warn!(
+                reason = %why,
+                "OCR unavailable: images and scanned PDF pages are refused"
+            ),
+        },
+        None => tracing::info!(
+            "OCR off ([ingest] ocr = \"off\"): images and scanned PDF pages are refused"
+        ),
+    }
     let r = kb.recovery();
     for (coll, index, why) in &r.rebuilt {
         tracing::warn!(collection = %coll, index, "recovery: rebuilt ({why})");

@@ -156,6 +156,7 @@ impl Daemon {
                     work: kv_tx,
                     done: kv_done_rx,
                 }),
+                ocr: config.ocr.clone(),
             },
             metrics.clone(),
         )?;

@@ -740,9 +740,10 @@ fn uploads_no_parser_reads_are_refused_naming_what_is_read() {
         Some(json!({"name": "formats"})),
     );
     assert_eq!(r.status, 201, "{}", r.text());
-    // A PNG's signature and an IHDR chunk: binary, no format Engram reads.
-    let png: &[u8] = b"\x89PNG\r\n\x1a\n\0\0\0\rIHDR\0\0\0\x10\0\0\0\x10\x08\x02\0\0\0";
-    let (ct, body) = multipart_files(&[("scan.png", png)]);
+    // A GIF's signature and header: binary, no format Engram reads (OCR reads PNG, JPEG and
+    // TIFF).
+    let png: &[u8] = b"GIF89a\x10\0\x10\0\x80\0\0\xff\xff\xff\0\0\0!\xf9\x04";
+    let (ct, body) = multipart_files(&[("scan.gif", png)]);
     let r = s.raw(
         "POST",
         "/api/v1/collections/formats/documents",
@@ -757,13 +758,13 @@ fn uploads_no_parser_reads_are_refused_naming_what_is_read() {
     );
     let message = r.json()["error"]["message"].as_str().unwrap().to_owned();
     assert!(
-        message.contains("scan.png") && message.contains("PDF, DOCX, HTML, Markdown or plain text"),
+        message.contains("scan.gif") && message.contains("PDF, DOCX, HTML, Markdown or plain text"),
         "{message}"
     );
     // Beside a readable file: that one is queued, the image refused by name, nothing stored
     // of it.
     let (ct, body) = multipart_files(&[
-        ("scan.png", png),
+        ("scan.gif", png),
         ("notes.txt", b"The loading dock closes at six."),
     ]);
     let r = s.raw(
@@ -2507,4 +2508,87 @@ fn openai_logit_bias_and_penalties_shape_the_text() {
         "{plain_ab:?} then {presence:?}"
     );
     assert_eq!(complete(counting, json!({"frequency_penalty": -2})), plain);
+}
+
+/// A scanned page as PNG and a PDF whose second page is a scan: engramd reads them with
+/// Tesseract (OCR is on by default where it is installed; CI installs it), shows the OCR
+/// progress, and the scanned sentences are searchable. Where Tesseract is missing the image
+/// is refused at upload instead, saying OCR is off.
+#[test]
+fn scanned_documents_are_read_by_ocr() {
+    let s = server();
+    let r = s.call(
+        "POST",
+        "/api/v1/collections",
+        Some(&s.admin),
+        Some(json!({"name": "scans"})),
+    );
+    assert_eq!(r.status, 201, "{}", r.text());
+    let fixtures = concat!(env!("CARGO_MANIFEST_DIR"), "/../parse/tests/fixtures");
+    let png = std::fs::read(format!("{fixtures}/scan-en.png")).unwrap();
+    let pdf = std::fs::read(format!("{fixtures}/mixed.pdf")).unwrap();
+    let installed =
+        engram_parse::Ocr::detect(engram_parse::DEFAULT_OCR_LANGUAGES, Duration::from_secs(60))
+            .is_ok();
+    assert!(
+        installed || std::env::var_os("ENGRAM_REQUIRE_OCR").is_none(),
+        "ENGRAM_REQUIRE_OCR is set but Tesseract is not installed"
+    );
+    let (ct, body) = multipart_files(&[("pump-checks.png", &png), ("inspection.pdf", &pdf)]);
+    let r = s.raw(
+        "POST",
+        "/api/v1/collections/scans/documents",
+        Some(&s.admin),
+        Some((&ct, body)),
+    );
+    if !installed {
+        assert_eq!(r.status, 207, "{}", r.text());
+        let docs = r.json()["documents"].as_array().unwrap().clone();
+        assert!(
+            docs[0]["reason"].as_str().unwrap().contains("OCR is off"),
+            "{docs:?}"
+        );
+        return;
+    }
+    assert_eq!(r.status, 202, "{}", r.text());
+    let docs = r.json()["documents"].as_array().unwrap().clone();
+    for d in &docs {
+        let id = d["id"].as_u64().unwrap();
+        s.wait_for_stage("scans", id, "done");
+        let r = s.call(
+            "GET",
+            &format!("/api/v1/collections/scans/documents/{id}"),
+            Some(&s.admin),
+            None,
+        );
+        let doc = r.json();
+        assert!(doc["warnings"].as_array().unwrap().is_empty(), "{doc}");
+        assert!(doc["failure"].is_null(), "{doc}");
+    }
+    let r = s.call(
+        "POST",
+        "/api/v1/search",
+        Some(&s.admin),
+        Some(json!({"query": "when does the alarm sound", "collections": ["scans"], "top_k": 5, "mode": "bm25"})),
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    let hits = r.json()["hits"].as_array().unwrap().clone();
+    let texts: Vec<String> = hits
+        .iter()
+        .map(|h| h["text"].as_str().unwrap_or("").to_owned())
+        .collect();
+    assert!(
+        texts
+            .iter()
+            .any(|t| t.contains("the alarm sounds at 6 bar")),
+        "{texts:?}"
+    );
+    let names: Vec<&str> = hits
+        .iter()
+        .map(|h| h["document"]["name"].as_str().unwrap())
+        .collect();
+    assert!(
+        names.contains(&"pump-checks.png") && names.contains(&"inspection.pdf"),
+        "{names:?}"
+    );
 }

@@ -69,13 +69,16 @@ pub struct DocumentInfo {
     /// Why it failed, and what to do.
     pub error: Option<String>,
     /// The kind of failure, stable for programs: the parser's (`too_large`,
-    /// `unsupported_format`, `encoding`, `no_text_layer`, `encrypted`, `malformed`,
+    /// `unsupported_format`, `encoding`, `no_text_layer`, `needs_ocr`, `ocr_failed`, `encrypted`, `malformed`,
     /// `archive_limit`, `empty`) or the pipeline's (`no_text`, `too_many_chunks`, `embedding`,
     /// `internal`, `original_unreadable`, `cancelled`); absent for documents that failed before
     /// kinds were recorded.
     pub failure: Option<String>,
     /// While the document is in the pipeline: how far each stage is.
     pub progress: Option<ProgressInfo>,
+    /// What went wrong without failing it: scanned pages OCR could not read, each with why
+    /// (`page 3: tesseract took longer than the page's time limit`).
+    pub warnings: Vec<String>,
 }
 
 /// How far a document in the pipeline is.
@@ -88,6 +91,9 @@ pub struct ProgressInfo {
     pub chunks: u32,
     pub chunks_embedded: u32,
     pub chunks_indexed: u32,
+    /// Scanned pages (images, PDF pages without a text layer) OCR has to read, and has read.
+    pub ocr_pages: u32,
+    pub ocr_pages_done: u32,
 }
 
 #[derive(Debug, Serialize, ToSchema)]
@@ -125,7 +131,10 @@ impl From<&Document> for DocumentInfo {
                 chunks: p.chunks,
                 chunks_embedded: p.chunks_embedded,
                 chunks_indexed: p.chunks_indexed,
+                ocr_pages: p.ocr_pages,
+                ocr_pages_done: p.ocr_pages_done,
             }),
+            warnings: d.warnings.clone(),
         }
     }
 }

@@ -43,11 +43,13 @@ pub struct DocRow {
 
 /// The kinds of failure the catalogs explain (`failure.<kind>`): the parser's error types and
 /// the pipeline's own.
-pub const FAILURES: [&str; 15] = [
+pub const FAILURES: [&str; 17] = [
     "too_large",
     "unsupported_format",
     "encoding",
     "no_text_layer",
+    "needs_ocr",
+    "ocr_failed",
     "encrypted",
     "malformed",
     "archive_limit",
@@ -76,6 +78,11 @@ pub fn progress_of(d: &Document) -> Option<(String, String, u32)> {
     let p = d.progress?;
     let pct = |done: u64, total: u64| (done * 100).checked_div(total).unwrap_or(0) as u32;
     match d.stage {
+        Stage::Parsing if p.ocr_pages > 0 => Some((
+            "progress.ocr".into(),
+            format!("{} / {}", p.ocr_pages_done, p.ocr_pages),
+            pct(p.ocr_pages_done.into(), p.ocr_pages.into()),
+        )),
         Stage::Chunking if p.text_bytes > 0 => Some((
             "progress.chunked".into(),
             format!("{} / {}", bytes(p.text_bytes_chunked), bytes(p.text_bytes)),
