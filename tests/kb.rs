@@ -637,13 +637,15 @@ fn cli_ingest_search_and_docs() {
     assert!(ok, "{err}");
     assert!(err.contains("2 added"), "{err}");
 
-    // A file the parsers reject: listed with its reason, non-zero exit, the rest unaffected.
-    let scanned = common::workspace_root().join("appliance/parse/tests/fixtures/scanned.pdf");
+    // A file the parsers reject (a zip bomb; a scanned PDF is read by OCR where Tesseract is
+    // installed): listed with its reason, non-zero exit, the rest unaffected.
+    let rejected =
+        common::workspace_root().join("appliance/parse/tests/fixtures/bomb-lying-header.docx");
     let (ok, out, err) = engram(
         &data,
         &[
             "ingest",
-            scanned.to_str().unwrap(),
+            rejected.to_str().unwrap(),
             files_arg,
             "--collection",
             "cli",
@@ -651,7 +653,7 @@ fn cli_ingest_search_and_docs() {
         ],
     );
     assert!(!ok, "a failed document must fail the command");
-    assert!(err.contains("scanned.pdf: "), "{err}");
+    assert!(err.contains("bomb-lying-header.docx: "), "{err}");
     let report: serde_json::Value = serde_json::from_str(&out).unwrap();
     let outcomes: Vec<&str> = report["documents"]
         .as_array()
@@ -702,7 +704,7 @@ fn cli_ingest_search_and_docs() {
         .collect();
     assert_eq!(
         names,
-        HashSet::from(["pumps.txt", "sub/park.md", "scanned.pdf"])
+        HashSet::from(["pumps.txt", "sub/park.md", "bomb-lying-header.docx"])
     );
 
     let (ok, _, err) = engram(
