@@ -104,18 +104,19 @@ try {
 
   step("uploads no parser reads are refused; a failed document keeps its row one line high");
   await page.setInputFiles("#upload-files", [
-    { name: "scan.png", mimeType: "image/png", buffer: Buffer.from("89504e470d0a1a0a0000000d49484452", "hex") },
+    // A GIF: no parser reads it (PNG, JPEG and TIFF scans go to OCR).
+    { name: "scan.gif", mimeType: "image/gif", buffer: Buffer.from("474946383961100010008000", "hex") },
     { name: "broken.pdf", mimeType: "application/pdf", buffer: Buffer.from("%PDF-1.4 not really a PDF") },
   ]);
   await page.click('#upload-form button[type="submit"]');
   await page.waitForSelector("#upload-progress li.flash.error");
   assert.match(
     await page.innerText("#upload-progress"),
-    /scan\.png: not a format Engram reads; upload PDF, DOCX, HTML, Markdown or plain text/,
+    /scan\.gif: not a format Engram reads; upload PDF, DOCX, HTML, Markdown or plain text/,
     "the refused file's reason stays on the page",
   );
   await page.waitForSelector('tr[data-doc="broken.pdf"][data-stage="failed"]', { timeout: 60_000 });
-  assert.equal(await page.locator('tr[data-doc="scan.png"]').count(), 0, "the image was not stored");
+  assert.equal(await page.locator('tr[data-doc="scan.gif"]').count(), 0, "the image was not stored");
   const height = async (doc) => (await page.locator(`tr[data-doc="${doc}"]`).boundingBox()).height;
   const [failedRow, doneRow] = [await height("broken.pdf"), await height("leave-policy.md")];
   assert.ok(failedRow <= doneRow * 1.25, `the failed row is ${failedRow} px high, the done one ${doneRow} px`);
