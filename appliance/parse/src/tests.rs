@@ -645,34 +645,22 @@ fn ocr_failures_are_per_page_and_clear() {
         p.ocr_failures
     );
     assert!(p.text.contains("Page one has a text layer"));
-    let err = parse_with(
-        "scan.pdf",
-        load("scanned.pdf"),
-        &Limits::default(),
-        Some(&ocr),
-        &mut |_| {},
-    )
-    .unwrap_err();
-    assert!(matches!(err, ParseError::OcrFailed { .. }), "{err:?}");
-    assert!(
+    // What OCR's failure says about a whole document.
+    let failure = |name: &str, bytes: &[u8], ocr: &Ocr| -> String {
+        let err = parse_with(name, bytes, &Limits::default(), Some(ocr), &mut |_| {}).unwrap_err();
+        assert!(matches!(err, ParseError::OcrFailed { .. }), "{err:?}");
         err.to_string()
-            .contains("none of 2 pages gave text (page 1: "),
-        "{err}"
-    );
+    };
+    let err = failure("scan.pdf", load("scanned.pdf"), &ocr);
+    assert!(err.contains("none of 2 pages gave text (page 1: "), "{err}");
     // A broken image is a clear failure too.
-    let ocr = self::ocr().unwrap();
-    let err = parse_with(
+    let err = failure(
         "broken.png",
         b"\x89PNG\r\n\x1a\nnot really",
-        &Limits::default(),
-        Some(&ocr),
-        &mut |_| {},
-    )
-    .unwrap_err();
-    assert!(matches!(err, ParseError::OcrFailed { .. }), "{err:?}");
+        &self::ocr().unwrap(),
+    );
     assert!(
-        err.to_string()
-            .starts_with("broken.png: OCR found no text: tesseract failed"),
+        err.starts_with("broken.png: OCR found no text: tesseract failed"),
         "{err}"
     );
 }
