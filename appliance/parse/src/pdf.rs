@@ -94,22 +94,20 @@ pub(crate) fn parse(
                 )))
             }
         }
-        layers.push((number as usize, raw));
+        // A page whose text layer holds no text is a scan.
+        let scanned = collapse(&raw).trim().is_empty();
+        layers.push((number as usize, raw, scanned));
     }
-    // A page without a text layer is a scan: OCR reads it where the caller passed one, page by
-    // page in the document's order.
-    let scans = layers
-        .iter()
-        .filter(|(_, raw)| collapse(raw).trim().is_empty())
-        .count();
+    // OCR reads the scans where the caller passed one, page by page in the document's order.
+    let scans = layers.iter().filter(|(_, _, scanned)| *scanned).count();
     let mut out = TextBuilder::new(file, limits.max_text_bytes);
     let mut ranges = Vec::with_capacity(pages.len());
     let (mut ocr_pages, mut ocr_failures) = (Vec::new(), Vec::new());
     let mut done = 0;
-    for (number, raw) in &layers {
+    for (number, raw, scanned) in &layers {
         let mark = out.mark();
         match ocr {
-            Some(ocr) if collapse(raw).trim().is_empty() => {
+            Some(ocr) if *scanned => {
                 let read = ocr.pdf_page(bytes, *number);
                 done += 1;
                 progress(OcrProgress { done, pages: scans });
