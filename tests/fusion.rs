@@ -8,11 +8,12 @@ use std::sync::{Arc, OnceLock};
 
 use engram_fusion::{
     chunk_tokens, fused_prefill, fused_prefill_interleaved, fused_prefill_on, kl_divergence,
-    rag_frame, rag_prompt, ChunkStore, CopyBias, Ensured, FidelityGate, FusedPrompt, Interleave,
-    Policy, PrefixCache, Runner, Source, DEFAULT_POLICY, DEFAULT_SYSTEM,
+    rag_frame, ChunkStore, Ensured, FidelityGate, FusedPrompt, Interleave, Policy, PrefixCache,
+    Runner, Source, DEFAULT_POLICY, DEFAULT_SYSTEM,
 };
 use engram_kvstore::{DramTier, IoMode, KvDtype, KvStore, NvmeOptions, NvmeTier};
 use engram_model::{argmax, Blend, KvCache, Logits, Model};
+use engram_rag::{rag_prompt, CopyBias};
 use engram_tokenizer::{ChatTemplate, Tokenizer};
 
 use crate::common::{default_llm, engram_bin, models_dir, temp_dir};
@@ -579,7 +580,7 @@ fn the_default_prompt_opens_with_the_frame_so_its_first_chunk_is_exact() {
     // No evidence sentence (`grounded-noev`, otherwise the default layout): a suffix that
     // repeats the chunk's sentence amplifies the placed keys' rounding (KL 0.0095 with it) and
     // this test is about the chunk.
-    let p = engram_fusion::rag_prompt_with(
+    let p = engram_rag::rag_prompt_with(
         engram_fusion::Layout::named("grounded-noev").expect("layout"),
         &l.tokenizer,
         l.template.as_ref(),
@@ -602,7 +603,7 @@ fn the_default_prompt_opens_with_the_frame_so_its_first_chunk_is_exact() {
         assert_eq!(argmax(&full.logits), argmax(&fused.logits), "{policy}");
     }
     // Without the frame in the prompt the same chunk is approximate.
-    let plain = engram_fusion::rag_prompt_with(
+    let plain = engram_rag::rag_prompt_with(
         engram_fusion::Layout::named("grounded-plain").expect("layout"),
         &l.tokenizer,
         l.template.as_ref(),
@@ -629,7 +630,7 @@ fn every_framed_layout_opens_with_its_own_frame() {
         if !layout.frame_in_prompt || layout.question_first {
             continue;
         }
-        let p = engram_fusion::rag_prompt_with(
+        let p = engram_rag::rag_prompt_with(
             *layout,
             &l.tokenizer,
             l.template.as_ref(),
@@ -673,7 +674,7 @@ fn the_evidence_span_spells_the_sentence_the_prompt_shows() {
     assert_eq!(logits[three as usize], 2.0);
     // A chosen sentence is spelled as given; a layout without one has no span.
     let chosen = "The Eiffel Tower was completed in 1889 for the World's Fair in Paris.";
-    let p = engram_fusion::rag_prompt_with(
+    let p = engram_rag::rag_prompt_with(
         engram_fusion::DEFAULT_LAYOUT,
         &l.tokenizer,
         l.template.as_ref(),
@@ -689,7 +690,7 @@ fn the_evidence_span_spells_the_sentence_the_prompt_shows() {
             .trim(),
         chosen
     );
-    let p = engram_fusion::rag_prompt_with(
+    let p = engram_rag::rag_prompt_with(
         engram_fusion::Layout::named("grounded-noev").expect("layout"),
         &l.tokenizer,
         l.template.as_ref(),
@@ -873,7 +874,7 @@ fn cli_ingest_kv_then_ask_loads_stored_chunks() {
     );
     assert!(ok, "ask failed: {err}");
     let v: serde_json::Value = serde_json::from_str(&out).expect("JSON answer");
-    assert_eq!(v["answer"], engram_fusion::no_answer("password"), "{v}");
+    assert_eq!(v["answer"], engram_rag::no_answer("password"), "{v}");
     assert_eq!(v["citations"], serde_json::json!([]), "{v}");
 }
 

@@ -10,15 +10,14 @@ use std::time::Instant;
 use anyhow::{Context, Result};
 use clap::Args;
 use engram_fusion::{
-    chunk_tokens, evidence_to_embed, fused_prefill, nearest_evidence, no_answer, rag_frame_for,
-    rag_prompt_with, relevant, relevant_sentence, retain_distinct, sentences_to_embed, AnswerRules,
-    ChunkStore, CopyBias, Ensured, GateLimits, Layout, OutputText, Policy, DEFAULT_COPY_BIAS,
-    DEFAULT_LAYOUT, DEFAULT_POLICY, DEFAULT_SYSTEM,
+    chunk_tokens, rag_frame_for, ChunkStore, Ensured, GateLimits, Layout, Policy, DEFAULT_LAYOUT,
+    DEFAULT_POLICY, DEFAULT_SYSTEM,
 };
 use engram_kb::{KnowledgeBase, SearchRequest};
 use engram_kvstore::{DramTier, IoMode, KvDtype, KvStore, NvmeOptions, NvmeTier};
-use engram_model::{Logits, Model, Sampler, SamplingParams};
-use engram_tokenizer::{ChatTemplate, Detokenizer, Tokenizer};
+use engram_model::Model;
+use engram_rag::{no_answer, rag_prompt_with, AnswerOptions, AnswerRules, DEFAULT_COPY_BIAS};
+use engram_tokenizer::{ChatTemplate, Tokenizer};
 
 use crate::kb::KbArgs;
 
@@ -88,7 +87,7 @@ pub struct AskArgs {
     #[arg(long, default_value_t = 0.0)]
     temperature: f32,
     /// While the answer is writing a number or a character, logit bias of the tokens that
-    /// follow its ending in a retrieved passage (0 = off); see `engram_fusion::CopyBias`.
+    /// follow its ending in a retrieved passage (0 = off); see `engram_rag::CopyBias`.
     #[arg(long, default_value_t = DEFAULT_COPY_BIAS)]
     copy_bias: f32,
     /// Whether the copy bias also favours the numbers the evidence sentence states where the
@@ -97,10 +96,10 @@ pub struct AskArgs {
     evidence_numbers: String,
     /// Whether an answer that starts with what the evidence sentence does not support (a number
     /// it does not state, a bare yes or no) is replaced by the sentence (`on`, `off`); see
-    /// `engram_fusion::OutputText::or_sentence`.
+    /// `engram_rag::OutputText::or_sentence`.
     #[arg(long, default_value = "on", value_parser = ["on", "off"])]
     start_check: String,
-    /// Answer rules turned off, comma-separated by name (`engram_fusion::AnswerRule`), as
+    /// Answer rules turned off, comma-separated by name (`engram_rag::AnswerRule`), as
     /// engramd's `[answers] rules_off`.
     #[arg(long, default_value = "")]
     rules_off: String,
@@ -197,10 +196,12 @@ pub fn ask(a: AskArgs) -> Result<()> {
     let t = Instant::now();
     let mut req = SearchRequest::new(&a.collection, &a.question);
     req.k = a.k;
-    let mut hits = kb.search(&req)?.hits;
-    // As engramd (`grounded`): nothing relevant retrieved answers "I don't know" without
-    // running the model, and a passage that mostly repeats a better-ranked one is left out.
-    if !grounded(kb.models(), &a.question, &hits)? {
+    let hits = kb.search(&req)?.hits;
+    // As engramd (`engram_rag::ground`): nothing relevant retrieved answers "I don't know"
+    // without running the model, and a passage that mostly repeats a better-ranked one is left
+    // out.
+    let grounded = engram_rag::ground(kb.models(), &a.question, hits)?;
+    if grounded.refused() {
         let answer = no_answer(&a.question);
         if a.json {
             let mut timings = serde_json::Map::new();
@@ -214,8 +215,7 @@ pub fn ask(a: AskArgs) -> Result<()> {
         }
         return Ok(());
     }
-    retain_distinct(&mut hits, |h| &h.text);
-    engram_fusion::retain_language(&a.question, &mut hits, |h| &h.text);
+    let hits = grounded.hits;
     let retrieve = t.elapsed();
 
     let llm = Llm::load(&a.kb)?;
@@ -248,7 +248,6 @@ pub fn ask(a: AskArgs) -> Result<()> {
     }
 
     let passages: Vec<&str> = hits.iter().map(|h| h.text.as_str()).collect();
-    let chosen = chosen_evidence(kb.models(), &a.question, passages.iter().copied())?;
     let mut prompt = rag_prompt_with(
         DEFAULT_LAYOUT,
         &llm.tokenizer,
@@ -256,24 +255,28 @@ pub fn ask(a: AskArgs) -> Result<()> {
         DEFAULT_SYSTEM,
         &passages,
         &a.question,
-        chosen.as_deref(),
+        grounded.evidence.as_deref(),
     )?;
     if a.evidence_numbers == "off" {
         prompt.evidence = 0..0;
     }
     let stdout = std::io::stdout();
     let json = a.json;
-    let g = generate(
-        &llm,
+    let g = engram_rag::generate(
+        &llm.model,
+        &llm.tokenizer,
         &store,
         &prompt,
         &a.question,
+        &passages,
         policy,
         a.max_tokens,
         a.temperature,
-        a.copy_bias,
-        a.start_check == "on",
-        parse_rules_off(&a.rules_off)?,
+        AnswerOptions {
+            copy_bias: a.copy_bias,
+            check_start: a.start_check == "on",
+            rules_off: parse_rules_off(&a.rules_off)?,
+        },
         &mut |piece| {
             if !json {
                 let mut out = stdout.lock();
@@ -349,52 +352,6 @@ pub fn ask(a: AskArgs) -> Result<()> {
     Ok(())
 }
 
-/// Whether `hits` are worth answering `question` from, as engramd judges it: [`relevant`], and
-/// for an English question that refuses, its [`second_look`] ([`relevant_sentence`]).
-pub fn grounded(
-    models: &engram_kb::Models,
-    question: &str,
-    hits: &[engram_kb::SearchHit],
-) -> Result<bool> {
-    let best = hits.iter().filter_map(|h| h.dense).reduce(f32::max);
-    let texts = || hits.iter().map(|h| h.text.as_str());
-    let first = relevant(question, best, texts());
-    Ok(first || relevant_sentence(second_look(models, question, first, texts())?))
-}
-
-/// The evidence sentence of the default layout, as engramd chooses it: by the embedder among
-/// the sentences near the best term score ([`evidence_to_embed`], [`nearest_evidence`]);
-/// `None` leaves the choice to the terms (one such sentence, or a question not in English).
-pub fn chosen_evidence<'a>(
-    models: &engram_kb::Models,
-    question: &str,
-    passages: impl IntoIterator<Item = &'a str>,
-) -> Result<Option<String>> {
-    let sentences = evidence_to_embed(question, passages, DEFAULT_LAYOUT.evidence_max_chars);
-    if sentences.is_empty() {
-        return Ok(None);
-    }
-    let refs: Vec<&str> = sentences.iter().map(String::as_str).collect();
-    let cosines = models.similarities(question, &refs)?;
-    Ok(nearest_evidence(sentences, &cosines))
-}
-
-/// For a question [`relevant`] refused (`first` false): the best cosine similarity between it
-/// and one of the retrieved sentences ([`sentences_to_embed`]), as engramd takes a second look
-/// (`None` when `first` held or the question is not English).
-pub fn second_look<'a>(
-    models: &engram_kb::Models,
-    question: &str,
-    first: bool,
-    passages: impl IntoIterator<Item = &'a str>,
-) -> Result<Option<f32>> {
-    if first {
-        return Ok(None);
-    }
-    let sentences = sentences_to_embed(question, passages);
-    Ok(models.best_similarity(question, &sentences)?)
-}
-
 /// `engram ask --json`'s one object: the answer, the policy it was prefilled under (none when
 /// it was not generated), why fusion was disabled, the prompt's length, the citations and the
 /// stage timings.
@@ -418,103 +375,6 @@ fn print_json(
         }))?
     );
     Ok(())
-}
-
-/// A generated answer.
-pub struct Generated {
-    /// The answer up to the first stop string.
-    pub text: String,
-    /// Whether the model wrote no answer and `text` is the evidence sentence
-    /// ([`OutputText::or_sentence`]).
-    pub fell_back: bool,
-    /// The answer rules that changed the answer.
-    pub rules: AnswerRules,
-    pub prefilled: engram_fusion::FuseStats,
-    /// From the start of the prefill to the first token.
-    pub first_token: std::time::Duration,
-    pub decode: std::time::Duration,
-    pub generated: usize,
-}
-
-/// Prefills `prompt` (asking `question`) under `policy` and decodes an answer (greedy at
-/// temperature 0) until the end-of-generation token, the end of the answer ([`OutputText`]:
-/// a stop string, the answer repeating itself) or `max_tokens`; `on_piece` gets the text as it
-/// becomes final, as `engramd` sends it. With `start_check`, an answer that starts with what
-/// the evidence sentence does not support is the sentence (`OutputText::check_start`); the
-/// rules in `rules_off` are off (`OutputText::rules_off`).
-#[allow(clippy::too_many_arguments)]
-pub fn generate(
-    llm: &Llm,
-    store: &ChunkStore,
-    prompt: &engram_fusion::FusedPrompt,
-    question: &str,
-    policy: Policy,
-    max_tokens: usize,
-    temperature: f32,
-    copy_bias: f32,
-    start_check: bool,
-    rules_off: AnswerRules,
-    on_piece: &mut dyn FnMut(&str),
-) -> Result<Generated> {
-    let started = Instant::now();
-    let mut kv = llm.model.new_cache(prompt.len() + max_tokens + 1);
-    let done = fused_prefill(&llm.model, store, None, prompt, policy, &mut kv)?;
-    let mut sampler = Sampler::new(SamplingParams {
-        temperature,
-        ..SamplingParams::default()
-    })?;
-    let mut text = OutputText::answer(question, &[]);
-    text.or_sentence(&prompt.evidence_text);
-    let passages: Vec<String> = prompt
-        .chunks
-        .iter()
-        .map(|c| llm.tokenizer.decode(c, true))
-        .collect();
-    text.from_passages(passages.iter().map(String::as_str));
-    text.check_start(start_check);
-    text.rules_off(rules_off);
-    let mut history = prompt.tokens();
-    let prompt_len = history.len();
-    let copy = CopyBias::from_prompt(prompt, &llm.tokenizer, copy_bias);
-    let mut detok = Detokenizer::new(&llm.tokenizer, true);
-    let mut logits = done.logits;
-    let decode_start = Instant::now();
-    let mut first_token = None;
-    let mut generated = 0;
-    let mut stopped = false;
-    for (i, pos) in (done.next_position..).take(max_tokens).enumerate() {
-        if let Some(c) = &copy {
-            c.apply(&history[prompt_len..], &mut logits);
-        }
-        let id = sampler.sample(&logits, &history);
-        first_token.get_or_insert_with(|| started.elapsed());
-        if llm.tokenizer.is_eog(id) {
-            break;
-        }
-        generated += 1;
-        history.push(id);
-        let (out, ended) = text.push(&detok.push(id));
-        on_piece(&out);
-        if ended {
-            stopped = true;
-            break;
-        }
-        if i + 1 < max_tokens {
-            logits = llm.model.forward(&[id], &[pos], &mut kv, Logits::Last)?;
-        }
-    }
-    if !stopped {
-        on_piece(&text.finish().0);
-    }
-    Ok(Generated {
-        text: text.text().to_owned(),
-        fell_back: text.fell_back(),
-        rules: text.rules_fired(),
-        prefilled: done.stats,
-        first_token: first_token.unwrap_or_default(),
-        decode: decode_start.elapsed(),
-        generated,
-    })
 }
 
 /// Answer rules named in `names`, comma-separated (`--rules-off`); an unknown name is refused

@@ -14,13 +14,13 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use engram_fusion::{
-    bos_frame, fused_prefill, kl_divergence, rag_frame_for, rag_prefix_frame, rag_prompt_with,
-    retain_distinct, ChunkStore, FuseStats, FusedPrompt, Layout, OutputText, Policy, Prefilled,
-    PrefixCache, DEFAULT_LAYOUT, DEFAULT_SYSTEM,
+    bos_frame, fused_prefill, kl_divergence, rag_frame_for, rag_prefix_frame, ChunkStore,
+    FuseStats, FusedPrompt, Layout, Policy, Prefilled, PrefixCache, DEFAULT_LAYOUT, DEFAULT_SYSTEM,
 };
 use engram_kernels::f16;
 use engram_kvstore::{DramTier, IoMode, KvDtype, KvStore, NvmeOptions, NvmeTier};
 use engram_model::{argmax, top_k, KvCache, Logits, Model};
+use engram_rag::{rag_prompt_with, retain_distinct, OutputText};
 use engram_tokenizer::Detokenizer;
 use serde::Deserialize;
 
@@ -77,7 +77,7 @@ pub struct FusionArgs {
     kv_deviation: bool,
     /// Passages of a question that make its prompt: `all`, as the data gives them, or
     /// `distinct`, as engramd assembles a prompt (a passage that mostly repeats one before it
-    /// is left out, `engram_fusion::retain_distinct`). Both policies and full prefill get the
+    /// is left out, `engram_rag::retain_distinct`). Both policies and full prefill get the
     /// same prompt either way.
     #[arg(long, default_value = "all", value_parser = ["all", "distinct"])]
     passages: String,

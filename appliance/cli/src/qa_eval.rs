@@ -14,15 +14,13 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use engram_fusion::{
-    no_answer, not_answered, rag_prompt_with, relevant, relevant_sentence, retain_distinct, Layout,
-    Policy, DEFAULT_COPY_BIAS, DEFAULT_LAYOUT, DEFAULT_POLICY, DEFAULT_SYSTEM,
-};
+use engram_fusion::{Layout, Policy, DEFAULT_LAYOUT, DEFAULT_POLICY, DEFAULT_SYSTEM};
 use engram_kb::{NewDocument, SearchRequest};
 use engram_kvstore::{DramTier, KvDtype, KvStore};
+use engram_rag::{no_answer, not_answered, rag_prompt_with, DEFAULT_COPY_BIAS};
 use serde::Deserialize;
 
-use crate::ask::{chosen_evidence, generate, second_look, Llm};
+use crate::ask::Llm;
 use crate::fusion_eval::{mean, quantile};
 use crate::kb::{ChunkArgs, KbArgs, StageBars};
 
@@ -48,22 +46,22 @@ pub struct QaArgs {
     #[arg(long, default_value = DEFAULT_LAYOUT.name)]
     layouts: String,
     /// Copy biases to compare, comma-separated (the default first; 0 = off): each layout is
-    /// answered once per bias, on the same passages. See `engram_fusion::CopyBias`.
+    /// answered once per bias, on the same passages. See `engram_rag::CopyBias`.
     #[arg(long, default_value_t = DEFAULT_COPY_BIAS.to_string())]
     copy_bias: String,
     /// Whether the copy bias also favours the numbers the evidence sentence states, where the
     /// answer is not inside a number, comma-separated to compare (`on`, `off`; the first is
-    /// compared against). See `engram_fusion::CopyBias`.
+    /// compared against). See `engram_rag::CopyBias`.
     #[arg(long, default_value = "on")]
     evidence_numbers: String,
     /// Whether an answer that starts with what the evidence sentence does not support (a number
     /// it does not state, a bare yes or no) is replaced by the sentence, comma-separated to
     /// compare (`on`, `off`; the first is compared against). See
-    /// `engram_fusion::OutputText::or_sentence`.
+    /// `engram_rag::OutputText::or_sentence`.
     #[arg(long, default_value = "on")]
     start_check: String,
     /// Answer rules turned off for every answer, comma-separated by name
-    /// (`engram_fusion::AnswerRule`); each variant's report counts the rules that changed
+    /// (`engram_rag::AnswerRule`); each variant's report counts the rules that changed
     /// answers (`answer_rules`).
     #[arg(long, default_value = "")]
     rules_off: String,
@@ -74,7 +72,7 @@ pub struct QaArgs {
     #[arg(long)]
     rule_ablation: bool,
     /// How the evidence sentence is chosen, comma-separated (the first is compared against):
-    /// `embed` as engramd chooses it (`engram_fusion::evidence_to_embed`), `terms` by the
+    /// `embed` as engramd chooses it (`engram_rag::evidence_to_embed`), `terms` by the
     /// question's terms alone. A question whose picks give the same prompt is answered once.
     #[arg(long, default_value = "embed")]
     evidence_picks: String,
@@ -461,19 +459,17 @@ pub fn run(a: QaArgs) -> Result<()> {
         let best = hits.iter().filter_map(|h| h.dense).reduce(f32::max);
         best_dense.push(best.unwrap_or(0.0) as f64);
         let texts = || hits.iter().map(|h| h.text.as_str());
-        best_coverage.push(engram_fusion::best_coverage(&item.question, texts()));
-        best_terms.push(engram_fusion::best_term_coverage(&item.question, texts()));
-        let first = relevant(&item.question, best, texts());
-        let second = second_look(kb.models(), &item.question, first, texts())?;
-        best_sentence.push(second);
-        first_look.push(first);
-        let grounded = first || relevant_sentence(second);
+        best_coverage.push(engram_rag::best_coverage(&item.question, texts()));
+        best_terms.push(engram_rag::best_term_coverage(&item.question, texts()));
+        // As engramd (`engram_rag::ground`): the relevance floors, a passage that mostly
+        // repeats a better-ranked one left out (the peer gets the same passages), and the
+        // embedder's evidence sentence.
+        let g = engram_rag::ground(kb.models(), &item.question, hits)?;
+        best_sentence.push(g.best_sentence);
+        first_look.push(g.first_look);
+        let grounded = !g.refused();
         refused += usize::from(!grounded);
-        // As engramd: a passage that mostly repeats a better-ranked one is left out (the peer
-        // gets the same passages).
-        let mut passages: Vec<String> = hits.iter().map(|h| h.text.clone()).collect();
-        retain_distinct(&mut passages, String::as_str);
-        engram_fusion::retain_language(&item.question, &mut passages, String::as_str);
+        let passages: Vec<String> = g.hits.into_iter().map(|h| h.text).collect();
         if a.evidence {
             if hit_gold && grounded {
                 let line = evidence.add(
@@ -489,12 +485,7 @@ pub fn run(a: QaArgs) -> Result<()> {
             }
             continue;
         }
-        let texts = || passages.iter().map(String::as_str);
-        let chosen = if picks.contains(&true) {
-            chosen_evidence(kb.models(), &item.question, texts())?
-        } else {
-            None
-        };
+        let chosen = g.evidence;
         // Per layout, per pick.
         let mut prompts = Vec::new();
         for l in &layouts {
@@ -595,17 +586,21 @@ pub fn run(a: QaArgs) -> Result<()> {
             // model's is scored as no answer; the evidence sentence in its place is scored (and
             // counted apart).
             let answer_with = |off| -> Result<_> {
-                let g = generate(
-                    &llm,
+                let g = engram_rag::generate(
+                    &llm.model,
+                    &llm.tokenizer,
                     &store,
                     prompt,
                     &item.question,
+                    &passages,
                     policy,
                     a.max_tokens,
                     0.0,
-                    *bias,
-                    *check,
-                    off,
+                    engram_rag::AnswerOptions {
+                        copy_bias: *bias,
+                        check_start: *check,
+                        rules_off: off,
+                    },
                     &mut |_| {},
                 )?;
                 let answer = g.text.trim().to_owned();
@@ -777,7 +772,7 @@ pub fn run(a: QaArgs) -> Result<()> {
             let n = dense
                 .iter()
                 .zip(terms)
-                .filter(|(&d, &t)| d < f64::from(engram_fusion::DENSE_FLOOR) && t < floor)
+                .filter(|(&d, &t)| d < f64::from(engram_rag::DENSE_FLOOR) && t < floor)
                 .count();
             n as f64 / dense.len().max(1) as f64
         };
@@ -785,7 +780,7 @@ pub fn run(a: QaArgs) -> Result<()> {
             println!(
                 "cosine under {} and term coverage under {floor:.2}: refuses {:.3} of the set's \
                  questions, {:.3} of the off-topic ones",
-                engram_fusion::DENSE_FLOOR,
+                engram_rag::DENSE_FLOOR,
                 refused(&best_dense, &best_terms, floor),
                 refused(&o.dense, &o.terms, floor)
             );
@@ -852,10 +847,10 @@ pub fn run(a: QaArgs) -> Result<()> {
 }
 
 /// How often each way of choosing the evidence sentence picks one that holds a gold answer.
-/// `terms` is the prompt's choice ([`engram_fusion::evidence_within`]); the others let the
+/// `terms` is the prompt's choice ([`engram_rag::evidence_within`]); the others let the
 /// embedder choose, by cosine similarity to the question, among the sentences whose term score
 /// is at least a share of the best (`ties`: equal to it; `near:S`: S of it), and `cosine` among
-/// every sentence [`engram_fusion::sentences_to_embed`] gives (English only).
+/// every sentence [`engram_rag::sentences_to_embed`] gives (English only).
 #[derive(Default)]
 struct EvidencePicks {
     questions: usize,
@@ -891,19 +886,19 @@ impl EvidencePicks {
             let e = e.to_lowercase();
             answers.iter().any(|g| e.contains(&g.trim().to_lowercase()))
         };
-        let first = engram_fusion::evidence_within(question, texts(), max_chars);
+        let first = engram_rag::evidence_within(question, texts(), max_chars);
         let mut lines = Vec::new();
         self.questions += 1;
         for (w, (name, share)) in EVIDENCE_WAYS.iter().enumerate() {
             let pick = match share {
                 Some(s) if s.is_infinite() => first.clone(),
                 Some(s) => {
-                    let c = engram_fusion::evidence_candidates(question, texts(), max_chars, *s);
+                    let c = engram_rag::evidence_candidates(question, texts(), max_chars, *s);
                     let refs: Vec<&str> = c.iter().map(|c| c.text.as_str()).collect();
                     best_by_cosine(models, question, &refs)?
                 }
                 None => {
-                    let all = engram_fusion::sentences_to_embed(question, texts());
+                    let all = engram_rag::sentences_to_embed(question, texts());
                     best_by_cosine(models, question, &all)?
                 }
             };
@@ -954,7 +949,7 @@ fn best_by_cosine(
     }
     let cosines = models.similarities(question, texts)?;
     let owned = texts.iter().map(|t| (*t).to_owned()).collect();
-    Ok(engram_fusion::nearest_evidence(owned, &cosines))
+    Ok(engram_rag::nearest_evidence(owned, &cosines))
 }
 
 /// `--rule-ablation`'s report: per rule, the answers it changed, their F1 with it and without
@@ -965,7 +960,7 @@ fn rule_ablation(
     n: usize,
 ) -> serde_json::Value {
     let mut out = serde_json::Map::new();
-    for rule in engram_fusion::AnswerRule::ALL {
+    for rule in engram_rag::AnswerRule::ALL {
         let fired = ablation.get(rule.name()).map_or(&[][..], Vec::as_slice);
         let mut gain = vec![0.0; n];
         for &(at, on, off) in fired {
@@ -1002,22 +997,23 @@ fn f1_vs_first(t: &Tally, first: &Tally) -> Option<(f64, [f64; 2])> {
 
 /// What the relevance floors did to questions nothing in the collection answers.
 struct OffTopic {
-    /// Refused by the floor ([`relevant`]).
+    /// Refused by the floor ([`engram_rag::relevant`]).
     refused: usize,
     asked: usize,
-    /// Each question's best chunk's cosine similarity, and best [`engram_fusion::best_coverage`].
+    /// Each question's best chunk's cosine similarity, and best [`engram_rag::best_coverage`].
     dense: Vec<f64>,
     coverage: Vec<f64>,
-    /// Each question's [`engram_fusion::best_term_coverage`].
+    /// Each question's [`engram_rag::best_term_coverage`].
     terms: Vec<f64>,
-    /// Whether [`relevant`] answered each question, and its best sentence cosine when it did
-    /// not (see [`second_look`]).
+    /// Whether [`engram_rag::relevant`] answered each question, and its best sentence cosine when it did
+    /// not (see [`engram_rag::Grounded::best_sentence`]).
     first: Vec<bool>,
     sentence: Vec<Option<f32>>,
 }
 
 /// Share of the questions refused with a sentence floor at `floor`: refused by the first look
-/// ([`relevant`]) and under the floor on the second ([`second_look`]).
+/// ([`engram_rag::relevant`]) and under the floor on the second
+/// ([`engram_rag::Grounded::best_sentence`]).
 fn refused_at(first: &[bool], second: &[Option<f32>], floor: f32) -> f64 {
     let n = first
         .iter()
@@ -1046,13 +1042,12 @@ fn off_topic(
         let best = hits.iter().filter_map(|h| h.dense).reduce(f32::max);
         dense.push(best.unwrap_or(0.0) as f64);
         let texts = || hits.iter().map(|h| h.text.as_str());
-        coverage.push(engram_fusion::best_coverage(&q.text, texts()));
-        terms.push(engram_fusion::best_term_coverage(&q.text, texts()));
-        let first = relevant(&q.text, best, texts());
-        let second = second_look(kb.models(), &q.text, first, texts())?;
-        sentence.push(second);
-        firsts.push(first);
-        refused += usize::from(!(first || relevant_sentence(second)));
+        coverage.push(engram_rag::best_coverage(&q.text, texts()));
+        terms.push(engram_rag::best_term_coverage(&q.text, texts()));
+        let g = engram_rag::ground(kb.models(), &q.text, hits)?;
+        sentence.push(g.best_sentence);
+        firsts.push(g.first_look);
+        refused += usize::from(g.refused());
     }
     Ok(OffTopic {
         refused,

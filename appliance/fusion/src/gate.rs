@@ -12,7 +12,7 @@ use crate::chunks::ChunkStore;
 use crate::error::Result;
 use crate::fuse::fused_prefill;
 use crate::policy::Policy;
-use crate::prompt::{rag_prompt, DEFAULT_SYSTEM};
+use crate::prompt::{build_prompt, DEFAULT_LAYOUT, DEFAULT_SYSTEM};
 
 /// Largest mean KL divergence (nats) of the next-token distribution, full vs fused, at the
 /// last prompt position of the built-in prompts. The gate is a smoke test that tells working
@@ -137,7 +137,15 @@ impl FidelityGate {
             // Rotate the passage order so each question sees its passage in another slot.
             let mut order = PASSAGES;
             order.rotate_left(i);
-            let prompt = rag_prompt(tokenizer, template, DEFAULT_SYSTEM, &order, q)?;
+            let prompt = build_prompt(
+                DEFAULT_LAYOUT,
+                tokenizer,
+                template,
+                DEFAULT_SYSTEM,
+                &order,
+                q,
+                None,
+            )?;
             let cap = prompt.len() + GATE_TOKENS + 1;
             let mut kv_full = model.new_cache(cap);
             let full = fused_prefill(model, &store, None, &prompt, Policy::Full, &mut kv_full)?;

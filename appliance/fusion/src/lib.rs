@@ -7,15 +7,15 @@
 //!   (`full`, `reuse`, `boundary:N`, `deviation:R`).
 //! - [`PrefixCache`]: exact KV of shared prompt prefixes.
 //! - [`gate`](FidelityGate): the per-model self-check that decides whether fusion is used.
-//! - [`retain_distinct`]: drops retrieved passages that repeat better-ranked ones.
+//! - [`build_prompt`]: the RAG prompt's layout around the chunks, in the frame their KV was
+//!   computed in.
+//!
+//! What a question is answered from and what an answer's text is (grounding, the evidence
+//! sentence, the answer rules) is `engram-rag`'s.
 #![forbid(unsafe_code)]
 
-mod answer;
 mod chunks;
-mod copy;
-mod dedup;
 mod error;
-mod evidence;
 mod fuse;
 mod gate;
 #[cfg(feature = "cuda")]
@@ -24,22 +24,11 @@ mod policy;
 mod prefix;
 mod prompt;
 
-pub use answer::{
-    best_coverage, best_term_coverage, no_answer, not_answered, question_coverage, relevant,
-    relevant_sentence, sentences_to_embed, AnswerRule, AnswerRules, OutputText, ANSWER_STOPS,
-    COVERAGE_FLOOR, DENSE_FLOOR, MAX_CHECKED_SENTENCES, SENTENCE_FLOOR, TERM_COVERAGE_FLOOR,
-};
 pub use chunks::{
     bos_frame, precompute, ChunkCounters, ChunkCounts, ChunkStore, Ensured, FetchTimes, Fetched,
     Reject, Source, FINGERPRINT_RECORD,
 };
-pub use copy::{check_copy_bias, ends_number, CopyBias, DEFAULT_COPY_BIAS, MAX_COPY_BIAS};
-pub use dedup::{retain_distinct, retain_language, REDUNDANT_SHARE};
 pub use error::{FusionError, Result};
-pub use evidence::{
-    evidence, evidence_candidates, evidence_to_embed, evidence_within, nearest_evidence, Candidate,
-    EVIDENCE_NEAR_SHARE, MAX_EVIDENCE_CANDIDATES, MAX_EVIDENCE_CHARS,
-};
 pub use fuse::{
     fused_prefill, fused_prefill_interleaved, fused_prefill_on, FuseStats, FusedPrompt, Interleave,
     Prefilled, Runner,
@@ -53,7 +42,7 @@ pub use gpu::{GpuRunner, GPU_PREFILL_PIECE};
 pub use policy::{Policy, CHECK_LAYER, DEFAULT_POLICY};
 pub use prefix::{PrefixCache, PrefixEntry, PrefixHit, BLOCK};
 pub use prompt::{
-    chunk_text, chunk_tokens, han_share, is_chinese, rag_frame, rag_frame_for, rag_prefix_frame,
-    rag_prompt, rag_prompt_with, Layout, DEFAULT_LAYOUT, DEFAULT_SYSTEM, EVIDENCE, EVIDENCE_ZH,
-    FRAME_CONTEXT, LAYOUTS, QUESTION_INSTRUCTION,
+    build_prompt, chunk_text, chunk_tokens, han_share, is_chinese, is_han, rag_frame,
+    rag_frame_for, rag_prefix_frame, Layout, DEFAULT_LAYOUT, DEFAULT_SYSTEM, EVIDENCE, EVIDENCE_ZH,
+    FRAME_CONTEXT, LAYOUTS, MAX_EVIDENCE_CHARS, QUESTION_INSTRUCTION,
 };

@@ -3,7 +3,6 @@
 
 use engram_tokenizer::{ChatTemplate, Message, Tokenizer};
 
-use crate::evidence::MAX_EVIDENCE_CHARS;
 use crate::fuse::FusedPrompt;
 
 /// System prompt of question answering over passages.
@@ -103,7 +102,7 @@ fn prefix_frame_for(
         question_first: false,
         ..layout
     };
-    Ok(rag_prompt_with(
+    Ok(build_prompt(
         layout,
         tokenizer,
         template,
@@ -151,11 +150,11 @@ pub struct Layout {
     /// Measured with `engram eval fusion --layout grounded|grounded-plain`
     /// (docs/bench/2026-11-26-fusion-frame.md).
     pub frame_in_prompt: bool,
-    /// Put before the evidence sentence (see [`crate::evidence`]), which goes between the
+    /// Put before the evidence sentence (`engram-rag` chooses it), which goes between the
     /// passages and [`Self::instruction`]; empty: no evidence.
     pub evidence: &'static str,
     pub evidence_zh: &'static str,
-    /// Longest evidence, in characters ([`crate::evidence_within`]).
+    /// Longest evidence, in characters (`engram-rag` cuts the sentence to it).
     pub evidence_max_chars: usize,
 }
 
@@ -285,6 +284,10 @@ pub const SHORT_INSTRUCTION: &str =
 /// without its "Question: ", which stays after the passages.
 pub const FIRST_INSTRUCTION: &str = concat!(short_answer_instruction!(), "\n\n");
 
+/// Longest evidence, in characters: a longer sentence is cut into its clauses first, and a
+/// clause longer than this is cut at the limit.
+pub const MAX_EVIDENCE_CHARS: usize = 400;
+
 /// `grounded-clause`'s and `grounded-short`'s longest evidence: about 25 tokens of English.
 pub const SHORT_EVIDENCE_CHARS: usize = 100;
 
@@ -312,49 +315,27 @@ pub fn han_share(text: &str) -> f64 {
     let (mut han, mut letters) = (0usize, 0usize);
     for c in text.chars().filter(|c| c.is_alphanumeric()) {
         letters += 1;
-        if crate::dedup::is_han(c) {
+        if is_han(c) {
             han += 1;
         }
     }
     han as f64 / letters.max(1) as f64
 }
 
-/// Builds the fused prompt of `passages` (retrieved, in rank order, best first) in the default
-/// layout (see [`rag_prompt_with`]).
-pub fn rag_prompt<P: AsRef<str>>(
-    tokenizer: &Tokenizer,
-    template: Option<&ChatTemplate>,
-    system: &str,
-    passages: &[P],
-    question: &str,
-) -> engram_tokenizer::Result<FusedPrompt> {
-    rag_prompt_with(
-        DEFAULT_LAYOUT,
-        tokenizer,
-        template,
-        system,
-        passages,
-        question,
-        None,
-    )
-}
-
 /// Builds the fused prompt: `template` applied to a system message and a user message made of
 /// the question (when the layout says so), "Passages:", the chunks of `passages` (retrieved, in
 /// rank order; tokenized as at ingestion, [`chunk_tokens`], so their stored KV is found), the
-/// evidence sentence (when the layout has a label for it; see [`crate::evidence`]), the
-/// instruction and the question, with the generation prompt and the layout's seed. Without a
-/// template, a plain "Passages: ... Answer:" layout is used. `chosen` is the evidence sentence
-/// chosen by the caller ([`crate::nearest_evidence`] chooses it with the embedder); `None`
-/// leaves the choice to the question's terms ([`crate::evidence_within`]).
-pub fn rag_prompt_with<P: AsRef<str>>(
+/// evidence sentence `evidence` (chosen by the caller: `engram-rag` chooses it; shown when the
+/// layout has a label for it), the instruction and the question, with the generation prompt and
+/// the layout's seed. Without a template, a plain "Passages: ... Answer:" layout is used.
+pub fn build_prompt<P: AsRef<str>>(
     layout: Layout,
     tokenizer: &Tokenizer,
     template: Option<&ChatTemplate>,
     system: &str,
     passages: &[P],
     question: &str,
-    chosen: Option<&str>,
+    evidence: Option<&str>,
 ) -> engram_tokenizer::Result<FusedPrompt> {
     let mut chunks = passages
         .iter()
@@ -370,20 +351,10 @@ pub fn rag_prompt_with<P: AsRef<str>>(
     } else {
         (layout.instruction, layout.seed, layout.evidence)
     };
-    // Chosen only where the layout shows it: ties go to the better-ranked passage.
-    let evidence = if label.is_empty() {
-        None
-    } else if let Some(e) = chosen {
-        Some(e.to_owned())
-    } else {
-        crate::evidence_within(
-            question,
-            passages.iter().map(AsRef::as_ref),
-            layout.evidence_max_chars,
-        )
-    };
+    // Shown only where the layout has a label for it.
+    let evidence = evidence.filter(|_| !label.is_empty());
     // Where the sentence lies in `after`, in bytes (it opens the suffix, after its label).
-    let (evidence, shown, evidence_text) = match evidence.as_deref().map(str::trim) {
+    let (evidence, shown, evidence_text) = match evidence.map(str::trim) {
         Some(e) if !e.is_empty() => (
             format!("{label}{e}\n\n"),
             label.len()..label.len() + e.len(),
@@ -445,4 +416,10 @@ fn byte_span_tokens(
         return 0..0;
     }
     first..end
+}
+
+/// Whether `c` is a Han character (CJK unified ideographs, their extensions and compatibility
+/// forms).
+pub fn is_han(c: char) -> bool {
+    matches!(c as u32, 0x3400..=0x4DBF | 0x4E00..=0x9FFF | 0xF900..=0xFAFF | 0x20000..=0x2FA1F)
 }

@@ -157,13 +157,13 @@ pub struct RawFusion {
 #[serde(deny_unknown_fields)]
 pub struct RawAnswers {
     /// Logit bias of the passages' continuations of a number or a character a RAG answer is
-    /// writing (`engram_fusion::CopyBias`); 0 turns it off.
+    /// writing (`engram_rag::CopyBias`); 0 turns it off.
     pub copy_bias: Option<f32>,
     /// Whether a RAG answer that starts with what the evidence sentence does not support (a
     /// number it does not state, a bare yes or no) is the sentence instead
-    /// (`engram_fusion::OutputText::check_start`); on unless set false.
+    /// (`engram_rag::OutputText::check_start`); on unless set false.
     pub check_start: Option<bool>,
-    /// Answer rules turned off by name (`engram_fusion::AnswerRule`; `engramd rules` lists
+    /// Answer rules turned off by name (`engram_rag::AnswerRule`; `engramd rules` lists
     /// them): e.g. `bare_polar` for a model that answers yes-or-no questions well.
     pub rules_off: Option<Vec<String>>,
 }
@@ -233,7 +233,7 @@ pub struct Config {
     /// See [`RawAnswers::check_start`].
     pub check_start: bool,
     /// See [`RawAnswers::rules_off`].
-    pub rules_off: engram_fusion::AnswerRules,
+    pub rules_off: engram_rag::AnswerRules,
     pub max_upload_bytes: usize,
     pub queue_depth: Option<usize>,
     /// Sequences decoded together at most; `None`: the profile's.
@@ -370,8 +370,8 @@ impl RawConfig {
         let copy_bias = self
             .answers
             .copy_bias
-            .unwrap_or(engram_fusion::DEFAULT_COPY_BIAS);
-        engram_fusion::check_copy_bias(copy_bias)
+            .unwrap_or(engram_rag::DEFAULT_COPY_BIAS);
+        engram_rag::check_copy_bias(copy_bias)
             .map_err(|e| ServerError::config("answers.copy_bias", e))?;
         let gpu_serving = match self.gpu.serving.as_deref() {
             None | Some("auto") => true,
@@ -496,7 +496,7 @@ impl RawConfig {
             }
         };
         let names = self.answers.rules_off.as_deref().unwrap_or_default();
-        let rules_off = engram_fusion::AnswerRules::from_names(names.iter().map(String::as_str))
+        let rules_off = engram_rag::AnswerRules::from_names(names.iter().map(String::as_str))
             .map_err(|e| ServerError::config("answers.rules_off", e))?;
         let embedding_aliases = self
             .openai
@@ -576,7 +576,7 @@ mod tests {
         assert_eq!(c.listen.to_string(), DEFAULT_LISTEN);
         assert_eq!(c.kv_dir, PathBuf::from("data/kv"));
         assert_eq!(c.policy, DEFAULT_POLICY);
-        assert_eq!(c.copy_bias, engram_fusion::DEFAULT_COPY_BIAS);
+        assert_eq!(c.copy_bias, engram_rag::DEFAULT_COPY_BIAS);
         assert!(c.check_start);
         assert!(c.llm.ends_with(DEFAULT_LLM));
     }

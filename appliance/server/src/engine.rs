@@ -21,13 +21,13 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use engram_fusion::{
-    chunk_tokens, fused_prefill_on, no_answer, rag_frame, rag_prompt_with, ChunkStore, CopyBias,
-    Ensured, FusedPrompt, GateLimits, Interleave, OutputText, Policy, PrefixCache, DEFAULT_LAYOUT,
-    DEFAULT_SYSTEM,
+    chunk_tokens, fused_prefill_on, rag_frame, ChunkStore, Ensured, FusedPrompt, GateLimits,
+    Interleave, Policy, PrefixCache, DEFAULT_LAYOUT, DEFAULT_SYSTEM,
 };
 use engram_grammar::{Constrained, Grammar, TokenTrie};
 use engram_kvstore::{DramTier, KvDtype, KvStore, NvmeTier};
 use engram_model::{Logits, Model, Sampler, SamplingParams};
+use engram_rag::{no_answer, rag_prompt_with, AnswerOptions, Answering, CopyBias, OutputText};
 
 use crate::decode::{Decoder, SeqKv};
 use engram_tokenizer::{ChatTemplate, Detokenizer, Message, Tokenizer};
@@ -62,13 +62,13 @@ pub struct EngineOptions {
     pub prefix_cache_mib: u64,
     pub policy: Policy,
     pub gate_max_kl: f64,
-    /// A RAG answer's copy bias when the job does not set one (`engram_fusion::CopyBias`).
+    /// A RAG answer's copy bias when the job does not set one (`engram_rag::CopyBias`).
     pub copy_bias: f32,
     /// Whether a RAG answer's start is checked against the evidence sentence
-    /// (`engram_fusion::OutputText::check_start`).
+    /// (`engram_rag::OutputText::check_start`).
     pub check_start: bool,
     /// Answer rules turned off (`[answers] rules_off`).
-    pub rules_off: engram_fusion::AnswerRules,
+    pub rules_off: engram_rag::AnswerRules,
     pub queue_depth: usize,
     /// Sequences decoded together at most (the profile's `batch_size`).
     pub max_batch: usize,
@@ -143,7 +143,7 @@ pub struct TokenLogprob {
 /// before the first of `stops` that appears in its text. With a `grammar`, only tokens that keep the
 /// output inside it are sampled, and the answer ends when the grammar is complete. In a RAG
 /// answer without a grammar, a number or a character goes on as the passages write it
-/// (`copy_bias`, `None`: the configured one; see `engram_fusion::CopyBias`).
+/// (`copy_bias`, `None`: the configured one; see `engram_rag::CopyBias`).
 #[derive(Clone, Debug)]
 pub struct Sampling {
     pub temperature: f32,
@@ -466,7 +466,7 @@ struct Active<'t> {
     first_token: Option<Duration>,
     /// When the first text went out: after the first token for most answers, later where a
     /// RAG answer's start is held back until its checks decide
-    /// (`engram_fusion::OutputText`).
+    /// (`engram_rag::OutputText`).
     first_visible: Option<Duration>,
     policy: Policy,
     fusion_disabled: Option<String>,
@@ -1160,13 +1160,6 @@ impl Engine {
         batch: &mut Vec<Active<'t>>,
     ) -> std::result::Result<Active<'t>, ApiError> {
         let started = Instant::now();
-        // Structured output is taken as the grammar gives it: no answer clean-up.
-        let mut out = match &job.prompt {
-            Prompt::Rag { question, .. } if job.sampling.grammar.is_none() => {
-                OutputText::answer(question, &job.sampling.stops)
-            }
-            _ => OutputText::plain(&job.sampling.stops),
-        };
         let constrained = job
             .sampling
             .grammar
@@ -1195,12 +1188,28 @@ impl Engine {
             Prompt::Text { text } => (self.text_prompt(text, "prompt")?, Policy::Full, None),
             Prompt::Tokens { ids } => (self.token_prompt(ids)?, Policy::Full, None),
         };
-        out.or_sentence(&prompt.evidence_text);
-        if let Prompt::Rag { passages, .. } = &job.prompt {
-            out.from_passages(passages.iter().map(String::as_str));
-        }
-        out.check_start(self.opts.check_start);
-        out.rules_off(self.opts.rules_off);
+        // A RAG answer's text is made as every answer's is (`engram_rag::Answering`); structured
+        // output is taken as the grammar gives it, and other text is cut at its stops only.
+        let Answering { out, copy } = match &job.prompt {
+            Prompt::Rag {
+                question, passages, ..
+            } if job.sampling.grammar.is_none() => Answering::new(
+                &prompt,
+                &self.tokenizer,
+                question,
+                passages,
+                &job.sampling.stops,
+                AnswerOptions {
+                    copy_bias: job.sampling.copy_bias.unwrap_or(self.opts.copy_bias),
+                    check_start: self.opts.check_start,
+                    rules_off: self.opts.rules_off,
+                },
+            ),
+            _ => Answering {
+                out: OutputText::plain(&job.sampling.stops),
+                copy: None,
+            },
+        };
         let context = self.model.config().context_length;
         if prompt.len() >= context {
             return Err(engram_fusion::FusionError::TooLong {
@@ -1283,14 +1292,6 @@ impl Engine {
             .prefix_tokens
             .with_label_values(&["miss"])
             .inc_by(prefix.saturating_sub(cached) as u64);
-        let copy = match &job.prompt {
-            Prompt::Rag { .. } if job.sampling.grammar.is_none() => CopyBias::from_prompt(
-                &prompt,
-                &self.tokenizer,
-                job.sampling.copy_bias.unwrap_or(self.opts.copy_bias),
-            ),
-            _ => None,
-        };
         let sampler = Sampler::new(SamplingParams {
             temperature: job.sampling.temperature,
             top_p: job.sampling.top_p,
@@ -1330,7 +1331,7 @@ impl Engine {
 
 #[cfg(test)]
 mod tests {
-    use engram_fusion::OutputText;
+    use engram_rag::OutputText;
 
     /// A chat's or completion's text through the engine's output with `stops`.
     fn run(stops: &[&str], pieces: &[&str]) -> (String, bool) {

@@ -141,6 +141,17 @@ pub enum ApiError {
     Internal { reason: String },
 }
 
+/// An answer step's error as the API reports it: the knowledge base's and fusion's as theirs.
+impl From<engram_rag::RagError> for ApiError {
+    fn from(e: engram_rag::RagError) -> Self {
+        match e {
+            engram_rag::RagError::Kb(e) => ApiError::Kb(e),
+            engram_rag::RagError::Fusion(e) => ApiError::Fusion(e),
+            e => ApiError::internal(e),
+        }
+    }
+}
+
 impl ApiError {
     pub(crate) fn invalid(field: impl Into<String>, reason: impl Into<String>) -> Self {
         ApiError::Invalid {

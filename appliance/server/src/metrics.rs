@@ -47,7 +47,7 @@ pub struct Metrics {
     pub kv_rejected: IntCounterVec,
     pub kv_bytes_read: IntCounterVec,
     pub generated_tokens: IntCounterVec,
-    /// Answers whose text an answer rule changed, by rule (`engram_fusion::AnswerRule`).
+    /// Answers whose text an answer rule changed, by rule (`engram_rag::AnswerRule`).
     pub answer_rules: IntCounterVec,
     /// Prompt prefix tokens whose KV came from the prefix cache (`hit`: a system prompt or an
     /// earlier turn of the conversation) or was computed (`miss`).
@@ -163,7 +163,7 @@ impl Metrics {
         )
         .expect("valid metric");
         // Every rule from the start, at 0: a rule that never fires is seen not to.
-        for rule in engram_fusion::AnswerRule::ALL {
+        for rule in engram_rag::AnswerRule::ALL {
             answer_rules.with_label_values(&[rule.name()]);
         }
         let ingest_pending = IntGaugeVec::new(

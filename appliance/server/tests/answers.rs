@@ -101,23 +101,23 @@ fn the_sample_corpus_is_answered_from_its_passages() {
             "30",
         ),
         // Asked about one sentence of a chunk of four sections: answered from the evidence
-        // sentence (`engram_fusion::evidence`) repeated next to the question.
+        // sentence (`engram_rag::evidence`) repeated next to the question.
         ("When do carried-over days expire?", "31 march"),
         ("Which class is train travel booked in?", "second"),
         ("For trips of what distance are flights allowed?", "600"),
         ("How much are hotel costs reimbursed per night?", "150"),
         // Its evidence sentence ties on "new" with "A new password ..." and is chosen by the
-        // embedder (`engram_fusion::evidence_to_embed`).
+        // embedder (`engram_rag::evidence_to_embed`).
         ("How often do we get a new laptop?", "three"),
         // Two sentences hold "carried over" as well: the embedder chooses between them.
         (
             "What is the deadline for using carried-over leave?",
             "31 march",
         ),
-        // Answered from the English chunks alone (`engram_fusion::retain_language`): with the
+        // Answered from the English chunks alone (`engram_rag::retain_language`): with the
         // Chinese version's beside them the model answered with the question.
         ("When must everyone be available?", "10:00"),
-        // Without the evidence sentence's numbers favoured (`engram_fusion::CopyBias`) the model
+        // Without the evidence sentence's numbers favoured (`engram_rag::CopyBias`) the model
         // answered "30 days" and "Until 30 days prior to the end of the month.": the evidence
         // says 180 and 10:00.
         ("How frequently must I change my password?", "180"),
@@ -168,19 +168,19 @@ fn the_sample_corpus_is_answered_from_its_passages() {
     // No policy ran (it was reported as `full` whatever the request asked).
     assert_eq!(r["policy"], "none", "{r}");
     // The same in Chinese, which the English embedder cannot judge: too little of the
-    // question's wording is in any retrieved passage (`engram_fusion::COVERAGE_FLOOR`).
+    // question's wording is in any retrieved passage (`engram_rag::COVERAGE_FLOOR`).
     let r = ask(addr, &key, "2018年世界杯足球赛的冠军是哪个国家？");
     assert!(r["answer"].as_str().unwrap().starts_with("我不知道"), "{r}");
     assert_eq!(r["citations"], json!([]), "{r}");
     // About one sentence of a chunk that covers four sections: the chunk embeds far from the
     // question (cosine 0.14, under `DENSE_FLOOR`) but repeats its terms
-    // (`engram_fusion::TERM_COVERAGE_FLOOR`), so it is answered from it.
+    // (`engram_rag::TERM_COVERAGE_FLOOR`), so it is answered from it.
     let r = ask(addr, &key, "Who installs approved software?");
     let answer = r["answer"].as_str().unwrap();
     assert!(answer.to_lowercase().contains("helpdesk"), "{r}");
     assert_eq!(r["citations"][0]["collection"], "handbook", "{r}");
     // Neither the chunk's cosine nor its terms ("lose my badge" against "lost badge") let this
-    // one through; one of its sentences embeds close to it (`engram_fusion::SENTENCE_FLOOR`),
+    // one through; one of its sentences embeds close to it (`engram_rag::SENTENCE_FLOOR`),
     // so it is answered from the handbook rather than refused.
     let r = ask(addr, &key, "Who do I call if I lose my badge?");
     assert!(
@@ -198,7 +198,7 @@ fn the_sample_corpus_is_answered_from_its_passages() {
 
     // The model writes nothing of its own here (it repeats the question): the answer is the
     // evidence sentence, the handbook's words, and the timings say so
-    // (`engram_fusion::OutputText::or_sentence`).
+    // (`engram_rag::OutputText::or_sentence`).
     let r = ask(addr, &key, "When am I allowed to take a plane?");
     assert!(r["answer"].as_str().unwrap().contains("600"), "{r}");
     assert_eq!(r["timings"]["evidence_sentence_answer"], true, "{r}");
@@ -210,7 +210,7 @@ fn the_sample_corpus_is_answered_from_its_passages() {
     );
     assert!(!replaced_by_rule(&r), "{r}");
     // The model starts with what the evidence sentence does not support, and the sentence is
-    // the answer (`engram_fusion::OutputText::check_start`): "No, you should not call your
+    // the answer (`engram_rag::OutputText::check_start`): "No, you should not call your
     // manager when you are sick.", "10 days" where the sentence says "within one hour", "30 天"
     // where it says 5, "within 30 days of purchase" (a number in its first words); "When core
     // hours start." before a blank line is the question asked back; "IT Helpdesk" for an email
@@ -298,7 +298,7 @@ fn the_sample_corpus_is_answered_from_its_passages() {
 }
 
 /// Whether an answer's `timings.answer_rules` (present in every answer) names a rule that puts
-/// the evidence sentence in the model's answer's place (`engram_fusion::AnswerRule`: all but
+/// the evidence sentence in the model's answer's place (`engram_rag::AnswerRule`: all but
 /// `lead` and `repeating`, which only trim the model's own text).
 fn replaced_by_rule(r: &serde_json::Value) -> bool {
     let rules = r["timings"]["answer_rules"]

@@ -93,7 +93,7 @@ pub struct QaResponse {
 pub struct Grounded {
     /// The hits prompted with, which are the citations.
     pub hits: Vec<Hit>,
-    /// The evidence sentence the embedder chose ([`engram_fusion::nearest_evidence`]); `None`
+    /// The evidence sentence the embedder chose ([`engram_rag::Grounded::evidence`]); `None`
     /// leaves the choice to the question's terms.
     pub evidence: Option<String>,
 }
@@ -109,74 +109,29 @@ impl Grounded {
     }
 }
 
-/// The hits an answer is built from: none when the best one is not about the question (see
-/// [`engram_fusion::relevant`]), so the engine answers that nothing relevant was found instead
-/// of letting the model invent an answer from unrelated passages; otherwise every hit but those
-/// that mostly repeat a better-ranked one (see [`engram_fusion::retain_distinct`]: the same
-/// text twice adds no fact, costs prefill and makes fused prefill drift from full prefill),
-/// and those in another language than the question when some are in its language
-/// ([`engram_fusion::retain_language`]). The citations are the hits kept. An English question
-/// the floors refuse gets a second look at the hits' sentences
-/// ([`engram_fusion::sentences_to_embed`]), and an English question's evidence sentence is
-/// chosen among those near the best term score ([`engram_fusion::evidence_to_embed`]): both
-/// embedded on the knowledge base's thread, in one call.
-pub async fn grounded(
-    s: &AppState,
-    question: &str,
-    mut hits: Vec<Hit>,
-) -> Result<Grounded, ApiError> {
-    let best = hits.iter().filter_map(|h| h.dense).reduce(f32::max);
-    let first = engram_fusion::relevant(question, best, hits.iter().map(|h| h.text.as_str()));
-    let second: Vec<String> = if first {
-        Vec::new()
-    } else {
-        let sentences =
-            engram_fusion::sentences_to_embed(question, hits.iter().map(|h| h.text.as_str()));
-        if sentences.is_empty() {
-            return Ok(Grounded {
-                hits: Vec::new(),
-                evidence: None,
-            });
-        }
-        sentences.into_iter().map(str::to_owned).collect()
-    };
-    engram_fusion::retain_distinct(&mut hits, |h| &h.text);
-    engram_fusion::retain_language(question, &mut hits, |h| &h.text);
-    let candidates = engram_fusion::evidence_to_embed(
-        question,
-        hits.iter().map(|h| h.text.as_str()),
-        engram_fusion::DEFAULT_LAYOUT.evidence_max_chars,
-    );
-    if second.is_empty() && candidates.is_empty() {
-        return Ok(Grounded {
-            hits,
-            evidence: None,
-        });
-    }
+/// The hits an answer to `question` is built from, and its evidence sentence: `engram-rag`'s
+/// [`engram_rag::ground`] (the relevance floors, distinct and same-language hits, the
+/// embedder's evidence choice), run on the knowledge base's thread, which holds the embedder.
+/// No hits: nothing relevant was found. The citations are the hits kept.
+pub async fn grounded(s: &AppState, question: &str, hits: Vec<Hit>) -> Result<Grounded, ApiError> {
     let q = question.to_owned();
-    let n = second.len();
-    let cosines =
-        s.kb.call(move |kb| {
-            // One embedder call for both looks.
-            let all: Vec<&str> = second
-                .iter()
-                .chain(&candidates)
-                .map(String::as_str)
-                .collect();
-            kb.models().similarities(&q, &all).map(|c| (c, candidates))
-        })
-        .await??;
-    let (cosines, candidates) = cosines;
-    if !first && !engram_fusion::relevant_sentence(cosines[..n].iter().copied().reduce(f32::max)) {
-        return Ok(Grounded {
-            hits: Vec::new(),
-            evidence: None,
-        });
-    }
+    let g =
+        s.kb.call(move |kb| engram_rag::ground(kb.models(), &q, hits))
+            .await??;
     Ok(Grounded {
-        hits,
-        evidence: engram_fusion::nearest_evidence(candidates, &cosines[n..]),
+        hits: g.hits,
+        evidence: g.evidence,
     })
+}
+
+impl engram_rag::Passage for Hit {
+    fn text(&self) -> &str {
+        &self.text
+    }
+
+    fn dense(&self) -> Option<f32> {
+        self.dense
+    }
 }
 
 pub fn citations(hits: &[Hit]) -> Vec<Citation> {
@@ -239,7 +194,7 @@ pub async fn qa(
         .transpose()
         .map_err(|e: engram_fusion::FusionError| ApiError::invalid("policy", e.to_string()))?;
     if let Some(bias) = b.copy_bias {
-        engram_fusion::check_copy_bias(bias).map_err(|e| ApiError::invalid("copy_bias", e))?;
+        engram_rag::check_copy_bias(bias).map_err(|e| ApiError::invalid("copy_bias", e))?;
     }
     if b.question.trim().is_empty() {
         return Err(ApiError::invalid("question", "must not be empty"));

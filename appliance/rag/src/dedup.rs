@@ -4,6 +4,8 @@
 
 use std::collections::HashSet;
 
+use crate::text::for_each_unit;
+
 /// Units per shingle: eight words (or Han characters) in a row. Long enough that ordinary
 /// phrases ("one of the largest", "in the early twentieth century") do not make two unrelated
 /// passages look alike; short enough that a sentence copied from one passage into another
@@ -36,15 +38,15 @@ pub fn retain_distinct<T>(items: &mut Vec<T>, text: impl Fn(&T) -> &str) {
 }
 
 /// Keeps the passages written in the question's language when there are any: an item whose
-/// `text` is Chinese ([`crate::is_chinese`]) is dropped for a question that is not, and one
+/// `text` is Chinese ([`engram_fusion::is_chinese`]) is dropped for a question that is not, and one
 /// that is not Chinese for a Chinese question, as long as one item in the question's language
 /// stays. A bilingual collection (a handbook in English and in Chinese) retrieves both
 /// versions of a fact, and a small model given the other language's passages beside its own
 /// copies their numbers into the wrong answer; with none in its language, the question is
 /// answered from what was found. The order of those kept is unchanged.
 pub fn retain_language<T>(question: &str, items: &mut Vec<T>, text: impl Fn(&T) -> &str) {
-    let zh = crate::is_chinese(question);
-    let same = |item: &T| crate::is_chinese(text(item)) == zh;
+    let zh = engram_fusion::is_chinese(question);
+    let same = |item: &T| engram_fusion::is_chinese(text(item)) == zh;
     if items.iter().any(same) {
         items.retain(same);
     }
@@ -63,36 +65,6 @@ fn shingles(text: &str) -> HashSet<u64> {
             xxhash_rust::xxh3::xxh3_64(&bytes)
         })
         .collect()
-}
-
-/// Calls `f` with each unit of `text` in order: a lower-cased run of letters and digits, or a
-/// single Han character (Chinese has no spaces).
-pub(crate) fn for_each_unit(text: &str, mut f: impl FnMut(&str)) {
-    let mut word = String::new();
-    for c in text.chars() {
-        if is_han(c) {
-            if !word.is_empty() {
-                f(&word);
-                word.clear();
-            }
-            let mut b = [0u8; 4];
-            f(c.encode_utf8(&mut b));
-        } else if c.is_alphanumeric() {
-            word.extend(c.to_lowercase());
-        } else if !word.is_empty() {
-            f(&word);
-            word.clear();
-        }
-    }
-    if !word.is_empty() {
-        f(&word);
-    }
-}
-
-/// Whether `c` is a Han character (CJK unified ideographs, their extensions and compatibility
-/// forms).
-pub(crate) fn is_han(c: char) -> bool {
-    matches!(c as u32, 0x3400..=0x4DBF | 0x4E00..=0x9FFF | 0xF900..=0xFAFF | 0x20000..=0x2FA1F)
 }
 
 #[cfg(test)]

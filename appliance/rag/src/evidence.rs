@@ -4,12 +4,12 @@
 
 use std::collections::{HashMap, HashSet};
 
-use crate::answer::{FUNCTION_CHARS, STOP_WORDS};
-use crate::dedup::{for_each_unit, is_han};
+use engram_fusion::MAX_EVIDENCE_CHARS;
 
-/// Longest evidence, in characters: a longer sentence is cut into its clauses first, and a
-/// clause longer than this is cut at the limit.
-pub const MAX_EVIDENCE_CHARS: usize = 400;
+use crate::text::{
+    cut_chars, ends_clause, for_each_unit, is_han, sentences, split_after, stem, FUNCTION_CHARS,
+    STOP_WORDS,
+};
 
 /// The sentence of `passages` (in rank order, best first) that shares the most of `question`'s
 /// terms, each term weighted by how rare it is among the passages' sentences (inverse document
@@ -134,7 +134,7 @@ pub fn evidence_to_embed<'a>(
     passages: impl IntoIterator<Item = &'a str>,
     max_chars: usize,
 ) -> Vec<String> {
-    if !crate::answer::is_english(question) {
+    if !crate::text::is_english(question) {
         return Vec::new();
     }
     let passages: Vec<&str> = passages.into_iter().collect();
@@ -201,26 +201,6 @@ fn fit(sentence: &str, max_chars: usize, score: impl Fn(&str) -> f64) -> String 
     pick.map_or_else(String::new, |(_, _, run)| run.trim().to_owned())
 }
 
-/// The sentences of `text`, trimmed: split after "。！？；;!?", after a "." followed by white
-/// space, and at line ends. A sentence longer than [`MAX_EVIDENCE_CHARS`] is split into its
-/// clauses (after "，,：:"), and a clause still longer is cut at the limit.
-pub(crate) fn sentences(text: &str) -> Vec<&str> {
-    let mut out = Vec::new();
-    for s in split_after(text, |c, next| {
-        matches!(c, '。' | '！' | '？' | '；' | ';' | '!' | '?' | '\n')
-            || (c == '.' && next.is_none_or(char::is_whitespace))
-    }) {
-        if s.chars().count() <= MAX_EVIDENCE_CHARS {
-            out.push(s);
-            continue;
-        }
-        for clause in split_after(s, |c, _| ends_clause(c)) {
-            out.push(cut_chars(clause, MAX_EVIDENCE_CHARS));
-        }
-    }
-    out
-}
-
 /// Most words of a line [`is_heading`] takes for a heading.
 const MAX_HEADING_WORDS: usize = 8;
 
@@ -234,36 +214,6 @@ fn is_heading(s: &str) -> bool {
     }
     let han = s.chars().filter(|&c| is_han(c)).count();
     s.split_whitespace().count() + han / 2 <= MAX_HEADING_WORDS
-}
-
-/// Whether a clause of a sentence ends after `c`.
-fn ends_clause(c: char) -> bool {
-    matches!(c, '，' | ',' | '：' | ':')
-}
-
-/// `text`'s first `max` characters.
-fn cut_chars(text: &str, max: usize) -> &str {
-    text.char_indices()
-        .nth(max)
-        .map_or(text, |(i, _)| &text[..i])
-}
-
-/// `text` cut after each character `ends(c, next)` accepts, pieces trimmed, empty ones left out.
-fn split_after(text: &str, ends: impl Fn(char, Option<char>) -> bool) -> Vec<&str> {
-    let mut out = Vec::new();
-    let mut start = 0;
-    let mut chars = text.char_indices().peekable();
-    while let Some((i, c)) = chars.next() {
-        let next = chars.peek().map(|&(_, n)| n);
-        if ends(c, next) {
-            let end = i + c.len_utf8();
-            out.push(text[start..end].trim());
-            start = end;
-        }
-    }
-    out.push(text[start..].trim());
-    out.retain(|s| !s.is_empty());
-    out
 }
 
 /// A text's terms: its words, stop words left out, stemmed; and its pairs of neighbouring Han
@@ -289,20 +239,6 @@ fn terms(text: &str) -> HashSet<String> {
         }
     });
     out
-}
-
-/// A word cut to what its inflections share: its Snowball English stem ("passwords",
-/// "changed" and "change" give "password" and "chang"), then at most six characters
-/// ("kilometres" and "kilometers" meet). Numbers stay whole.
-pub(crate) fn stem(word: &str) -> String {
-    if word.chars().all(|c| c.is_ascii_digit()) {
-        return word.to_owned();
-    }
-    frostem::Stemmer::new(frostem::Algorithm::English)
-        .stem(word)
-        .chars()
-        .take(6)
-        .collect()
 }
 
 #[cfg(test)]

@@ -34,7 +34,7 @@ use std::collections::HashMap;
 
 use engram_tokenizer::Tokenizer;
 
-use crate::fuse::FusedPrompt;
+use engram_fusion::FusedPrompt;
 
 /// Logit bias of the default RAG answer (see the module documentation and the measurement).
 pub const DEFAULT_COPY_BIAS: f32 = 2.0;

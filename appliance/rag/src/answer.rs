@@ -3,7 +3,9 @@
 
 use engram_model::StopMatcher;
 
-use crate::prompt::is_chinese;
+use engram_fusion::is_chinese;
+
+use crate::text::{is_english, FUNCTION_CHARS, STOP_WORDS};
 
 /// Stop strings of a RAG answer: a blank line (the answer is one paragraph), or the model
 /// starting another question or passage.
@@ -25,10 +27,6 @@ pub const DENSE_FLOOR: f32 = 0.3;
 /// collection and the other set's as off-topic questions (docs/bench/2026-11-29-zh-floor.md).
 pub const COVERAGE_FLOOR: f64 = 0.2;
 
-/// Han characters that say what kind of question it is or join its words ("什么", "多少",
-/// "的"): a pair of two of them says nothing about the topic and is not counted.
-pub(crate) const FUNCTION_CHARS: &str = "的了是在有和与及或也都就而之其这那个些什么哪谁几多少吗呢吧怎样如何为被把对从于由中上下到将以会可能要所年月日";
-
 /// Whether chunks are worth answering from. A question written mostly in ASCII letters is
 /// judged by the best chunk's cosine similarity to it (`best_dense`) or, below
 /// [`DENSE_FLOOR`], by the share of its content words one of `passages` repeats
@@ -49,18 +47,6 @@ pub fn relevant<'a>(
     } else {
         true
     }
-}
-
-/// Whether `question` is written mostly in ASCII letters: the embedder's language, judged by
-/// the cosine floors.
-pub(crate) fn is_english(question: &str) -> bool {
-    let (ascii, letters) = question
-        .chars()
-        .filter(|c| c.is_alphabetic())
-        .fold((0usize, 0usize), |(a, l), c| {
-            (a + usize::from(c.is_ascii()), l + 1)
-        });
-    letters > 0 && ascii * 4 >= letters * 3
 }
 
 /// Cosine similarity (all-MiniLM-L6-v2) between an English question [`relevant`] refused and
@@ -94,7 +80,7 @@ pub fn sentences_to_embed<'a>(
     }
     passages
         .into_iter()
-        .flat_map(crate::evidence::sentences)
+        .flat_map(crate::text::sentences)
         .take(MAX_CHECKED_SENTENCES)
         .collect()
 }
@@ -118,18 +104,6 @@ pub fn relevant_sentence(best: Option<f32>) -> bool {
 /// repeated one ("For trips longer than how many kilometres are flights allowed?") was refused
 /// (docs/bench/2026-11-29-evidence.md).
 pub const TERM_COVERAGE_FLOOR: f64 = 0.25;
-
-/// English words that carry no topic: a question's content words are the others.
-pub(crate) const STOP_WORDS: [&str; 96] = [
-    "a", "about", "after", "all", "also", "an", "and", "any", "are", "as", "at", "be", "been",
-    "before", "being", "but", "by", "can", "could", "did", "do", "does", "done", "during", "each",
-    "for", "from", "get", "gets", "got", "had", "has", "have", "he", "her", "his", "how", "i",
-    "if", "in", "into", "is", "it", "its", "many", "may", "me", "might", "more", "most", "much",
-    "must", "my", "no", "not", "of", "on", "one", "or", "other", "our", "she", "should", "so",
-    "some", "than", "that", "the", "their", "them", "then", "there", "these", "they", "this",
-    "those", "to", "up", "was", "we", "were", "what", "when", "where", "which", "who", "whom",
-    "whose", "why", "will", "with", "would", "you", "your", "s", "t",
-];
 
 /// The largest share, over `passages`, of `question`'s pairs of neighbouring content words
 /// (lower-cased words, [`STOP_WORDS`] skipped, so "train travel booked" gives "train travel"
@@ -199,7 +173,7 @@ pub fn question_coverage(question: &str, passage: &str) -> f64 {
 /// The units of `text` (see `dedup`'s `for_each_unit`).
 fn units(text: &str) -> Vec<String> {
     let mut out = Vec::new();
-    crate::dedup::for_each_unit(text, |u| out.push(u.to_owned()));
+    crate::text::for_each_unit(text, |u| out.push(u.to_owned()));
     out
 }
 
@@ -208,7 +182,7 @@ fn units(text: &str) -> Vec<String> {
 fn ends_in_word(text: &str) -> bool {
     text.chars()
         .next_back()
-        .is_some_and(|c| c.is_alphanumeric() && !crate::dedup::is_han(c))
+        .is_some_and(|c| c.is_alphanumeric() && !crate::text::is_han(c))
 }
 
 /// The distinct pairs of neighbouring `units`, without pairs of two [`FUNCTION_CHARS`].
@@ -776,7 +750,7 @@ fn counted_units(question: &str) -> Vec<String> {
                 rest.split(|c: char| !c.is_alphanumeric())
                     .filter(|w| !w.is_empty() && !STOP_WORDS.contains(w))
                     .take(2)
-                    .map(crate::evidence::stem),
+                    .map(crate::text::stem),
             );
         }
     }
@@ -786,7 +760,7 @@ fn counted_units(question: &str) -> Vec<String> {
             // "几乎" is "almost"; a function character ("多少的") counts nothing, but "个", "年",
             // "月" and "日" are units.
             let unit = |c: char| {
-                crate::dedup::is_han(c)
+                crate::text::is_han(c)
                     && c != '乎'
                     && (!FUNCTION_CHARS.contains(c) || "个年月日".contains(c))
             };
@@ -800,7 +774,7 @@ fn counted_units(question: &str) -> Vec<String> {
         .iter()
         .any(|k| matches!(k, Wanted::Duration | Wanted::Date));
     if asks_money(&lower) && !for_time {
-        counted.extend(CURRENCIES.iter().map(|c| crate::evidence::stem(c)));
+        counted.extend(CURRENCIES.iter().map(|c| crate::text::stem(c)));
         counted.extend(CURRENCY_SIGNS.iter().map(|c| c.to_string()));
         counted.extend(CURRENCIES_ZH.iter().map(|c| c.to_string()));
     }
@@ -852,10 +826,10 @@ fn counted_number(sentence: &str, counted: &[String]) -> Option<String> {
         .collect();
     let stems: Vec<String> = words
         .iter()
-        .map(|w| crate::evidence::stem(&w.to_lowercase()))
+        .map(|w| crate::text::stem(&w.to_lowercase()))
         .collect();
     counted.iter().find_map(|unit| {
-        let found = if unit.chars().all(crate::dedup::is_han) {
+        let found = if unit.chars().all(crate::text::is_han) {
             numbers_before_han(sentence, unit)
         } else if let Some(sign) = unit.chars().next().filter(|c| CURRENCY_SIGNS.contains(c)) {
             numbers_by_sign(sentence, sign)
@@ -958,7 +932,7 @@ const GROUNDED_ONE_IN: usize = 2;
 const GROUNDING_WORDS: usize = 4;
 
 /// `text`'s units as an answer's words are looked up in the passages: words stemmed
-/// ([`crate::evidence::stem`]: "replaced" is "replace"'s), small numbers in words as digits
+/// ([`crate::text::stem`]: "replaced" is "replace"'s), small numbers in words as digits
 /// ("five" and "五" are "5"), Han characters one by one; [`STOP_WORDS`] and
 /// [`FUNCTION_CHARS`] left out. With `growing`, a word `text` ends in is left out too: it may
 /// not be whole yet.
@@ -974,8 +948,8 @@ fn ground_units(text: &str, growing: bool) -> Vec<String> {
         })
         .map(|u| match NUMBER_WORDS.iter().find(|(w, _)| *w == u) {
             Some((_, digits)) => (*digits).to_owned(),
-            None if u.chars().any(crate::dedup::is_han) => u,
-            None => crate::evidence::stem(&u),
+            None if u.chars().any(crate::text::is_han) => u,
+            None => crate::text::stem(&u),
         })
         .collect()
 }
@@ -1495,7 +1469,7 @@ impl OutputText {
     }
 
     /// When the model writes no answer (see [`not_answered`]), the answer is `sentence` instead:
-    /// the evidence sentence its prompt showed ([`crate::FusedPrompt::evidence_text`]), the
+    /// the evidence sentence its prompt showed ([`engram_fusion::FusedPrompt::evidence_text`]), the
     /// passages' own words that best match the question, its first letter capitalised and a
     /// clause cut at ";" ended with a full stop. So is
     /// an answer whose first number, in its first [`NUMBER_WINDOW`] bytes, neither the sentence
@@ -2091,7 +2065,7 @@ mod tests {
     fn an_answer_without_the_number_of_what_is_counted_is_the_sentence() {
         assert_eq!(
             counted_units("How many of my last passwords can I not repeat?"),
-            vec!["last".to_owned(), crate::evidence::stem("passwords")]
+            vec!["last".to_owned(), crate::text::stem("passwords")]
         );
         assert_eq!(counted_units("每一项超过多少欧元需要收据？"), vec!["欧"]);
         // A question about money also counts the currencies, after its own words.
