@@ -16,7 +16,7 @@ use proptest::prelude::*;
 use crate::common;
 
 /// The embedder and the LLM tokenizer, loaded once for every test of this module.
-fn models() -> Models {
+pub(crate) fn models() -> Models {
     static MODELS: OnceLock<Models> = OnceLock::new();
     MODELS
         .get_or_init(|| {

@@ -24,3 +24,5 @@ mod embed_golden;
 mod kb;
 // Compute for storage: fused prefill vs full, stored KV, tiers, prefix cache, gate, `ask`.
 mod fusion;
+// The answer pipeline's grounding (`engram-rag`) with the real embedder and indexes.
+mod rag;
