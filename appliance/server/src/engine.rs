@@ -86,7 +86,7 @@ pub enum Prompt {
     Rag {
         question: String,
         passages: Vec<String>,
-        /// The evidence sentence chosen by the embedder (`api::qa::grounded`); `None`: by the
+        /// The evidence sentence chosen by the embedder (`engram_rag::ground`); `None`: by the
         /// question's terms.
         evidence: Option<String>,
     },
